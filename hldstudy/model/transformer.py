@@ -1,0 +1,133 @@
+"""The Gemma-style decoder: embeddings, blocks, final norm, tied head.
+
+Hidden-state numbering used everywhere in hldstudy (distillation pairs,
+teacher streaming): `hidden[0]` is the scaled embedding, `hidden[l]` for
+1 <= l <= n_layers is the residual stream after block l (before the final
+norm), and `final_hidden` is the final-normed state that feeds the LM head.
+The head is tied: `logits = final_hidden @ head_weight()` with
+`head_weight() = embedding.T` laid out `[D, V]`, the layout the KD losses take.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+
+from hldstudy.config import ModelConfig
+from hldstudy.errors import ConfigError
+from hldstudy.model.layers import Block, RMSNorm, attention_mask
+
+
+@struct.dataclass
+class ModelOutput:
+    logits: jax.Array | None  # [B, T, V] float32, soft-capped if configured
+    final_hidden: jax.Array | None  # [B, T, D], input of the LM head
+    hidden: dict  # {layer: [B, T, D]} for the requested layers
+
+
+def softcap(logits: jax.Array, cap: float | None) -> jax.Array:
+    return logits if cap is None else jnp.tanh(logits / cap) * cap
+
+
+class Transformer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        pdt = jnp.dtype(cfg.param_dtype)
+        # std d^-1/2 with the sqrt(d) input scale gives unit-scale inputs and
+        # unit-scale tied logits at init.
+        self.embedding = nnx.Param(
+            (cfg.d_model ** -0.5 * jax.random.normal(rngs.params(), (cfg.vocab_size, cfg.d_model)))
+            .astype(pdt))
+        self.blocks = nnx.List([Block(cfg, i, rngs) for i in range(cfg.n_layers)])
+        self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, pdt)
+
+    def head_weight(self) -> jax.Array:
+        """Tied LM head as `[D, V]`."""
+        return self.embedding[...].T
+
+    def embed(self, tokens_BxT: jax.Array) -> jax.Array:
+        dt = jnp.dtype(self.cfg.dtype)
+        x = jnp.take(self.embedding[...], tokens_BxT, axis=0).astype(dt)
+        # Gemma multiplies by sqrt(d) rounded to the compute dtype.
+        return x * jnp.asarray(self.cfg.d_model ** 0.5, dt)
+
+    def __call__(
+        self,
+        tokens_BxT: jax.Array,
+        positions_BxT: jax.Array | None = None,
+        segment_ids_BxT: jax.Array | None = None,
+        *,
+        hidden_layers: Sequence[int] = (),
+        return_logits: bool = True,
+        max_layer: int | None = None,
+    ) -> ModelOutput:
+        """Runs the decoder.
+
+        hidden_layers: block outputs to return (0 = embeddings).
+        return_logits: False skips the LM head (the fused loss builds logits itself).
+        max_layer: stop after this many blocks (HLDF stage 1 runs only the
+            layers it aligns); then `final_hidden` and `logits` are None.
+        """
+        cfg = self.cfg
+        n_run = cfg.n_layers if max_layer is None else max_layer
+        for layer in list(hidden_layers) + ([max_layer] if max_layer is not None else []):
+            if not 0 <= layer <= cfg.n_layers:
+                raise ConfigError("hidden layer", f"layer {layer} is out of range 0..{cfg.n_layers}")
+        b, t = tokens_BxT.shape
+        if t > cfg.max_seq_len:
+            raise ConfigError("sequence length", f"{t} exceeds model.max_seq_len={cfg.max_seq_len}")
+        if positions_BxT is None:
+            positions_BxT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        if segment_ids_BxT is None:
+            segment_ids_BxT = jnp.ones((b, t), jnp.int32)
+
+        masks = {}
+        for i in range(n_run):
+            w = cfg.window(i)
+            if w not in masks:
+                masks[w] = attention_mask(segment_ids_BxT, w)
+
+        x_BxTxD = self.embed(tokens_BxT)
+        hidden = {0: x_BxTxD} if 0 in hidden_layers else {}
+        for i in range(n_run):
+            block = self.blocks[i]
+            if cfg.remat:
+                x_BxTxD = nnx.remat(lambda blk, x, p, m: blk(x, p, m))(
+                    block, x_BxTxD, positions_BxT, masks[cfg.window(i)])
+            else:
+                x_BxTxD = block(x_BxTxD, positions_BxT, masks[cfg.window(i)])
+            if i + 1 in hidden_layers:
+                hidden[i + 1] = x_BxTxD
+        if max_layer is not None:
+            return ModelOutput(logits=None, final_hidden=None, hidden=hidden)
+
+        final_BxTxD = self.final_norm(x_BxTxD)
+        logits = None
+        if return_logits:
+            logits = jnp.einsum("btd,dv->btv", final_BxTxD, self.head_weight().astype(final_BxTxD.dtype),
+                                preferred_element_type=jnp.float32)
+            logits = softcap(logits, cfg.final_softcap)
+        return ModelOutput(logits=logits, final_hidden=final_BxTxD, hidden=hidden)
+
+
+def count_params(cfg: ModelConfig) -> dict[str, int]:
+    """Total and non-embedding parameter counts from the config (closed form).
+
+    The tied head is counted once (in the embedding).
+    """
+    d, n, k, h, f = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff
+    attn = d * n * h + 2 * d * k * h + n * h * d + (2 * h if cfg.qk_norm else 0)
+    mlp = 3 * d * f
+    norms = 4 * d
+    per_layer = attn + mlp + norms
+    non_embedding = cfg.n_layers * per_layer + d  # + final norm
+    embedding = cfg.vocab_size * d
+    return {"total": non_embedding + embedding, "non_embedding": non_embedding,
+            "embedding": embedding}
+
+
+def count_module_params(model: nnx.Module) -> int:
+    return sum(x.size for x in jax.tree_util.tree_leaves(nnx.state(model, nnx.Param)))
