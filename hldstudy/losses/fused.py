@@ -1,0 +1,447 @@
+"""Exact fused KD loss that never materializes the `[T, V]` logits.
+
+Same signature and semantics as `materialized_kd_loss`; see DESIGN.md
+"Fused exact KD loss". The token axis is cut into row windows of `row_block`
+rows and the vocabulary into chunks of `vocab_block` columns. For each
+(window, chunk) the student and teacher logits are rebuilt from hidden states
+and heads, and per-row running maxima / rescaled sums (online log-sum-exp)
+are carried across chunks:
+
+    m_a, S_a = sum e^(a - m_a),  U_f = sum e^(a - m_a)(a - b)      (teacher, forward KL)
+    m_b, S_b = sum e^(b - m_b),  U_r = sum e^(b - m_b)(b - a)      (student, reverse KL)
+    m_z, S_z = sum e^(z - m_z),  z_y                               (NLL at tau = 1)
+    KL_fwd = U_f / S_a - lse_a + lse_b ;  KL_rev = U_r / S_b - lse_b + lse_a
+
+The backward (a `jax.custom_vjp`) rebuilds each chunk's logits and, from the
+saved per-row `lse_a, lse_b, lse_z` (and `KL_rev`), forms the logit gradient
+
+    dNLL/dz_s = softmax(z_s) - onehot(y)
+    dKLf/dz_s = (softmax(b) - softmax(a)) / tau
+    dKLr/dz_s = softmax(b) * (log(p_s/p_t) - KL_rev) / tau
+    (times 1 - tanh^2 when soft-capped)
+
+and accumulates `dh_s += G @ W_s[:, chunk]^T`, `dW_s[:, chunk] += h_s^T @ G`.
+
+Two schedules on the XLA path, both exact:
+
+- `vocab_block >= V` (one chunk per row window): logits of a window are built
+  once and the gradient is formed right away in the custom_vjp forward rule
+  (and scaled by the cotangent in the backward). Same matmul FLOPs as the
+  materialized loss (4 x T d V); temporary memory O(row_block x V). This is
+  the CPU default: recomputation costs 1.5x time on a CPU, memory is cheap.
+- `vocab_block < V`: stats in the forward, logits recomputed in the backward
+  (6 x T d V FLOPs); temporary memory O(row_block x vocab_block).
+
+Vocabulary "padding": W is never padded (that would copy it). The last chunk
+is read at the clamped offset `V - vocab_block` and the columns it shares with
+the previous chunk are masked with -inf (never 0) so they count once. Padded
+rows (T not a multiple of `row_block`) are masked out.
+
+Metrics (`nll`, `kl`) are returned under `stop_gradient`: differentiate `loss`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from hldstudy.losses.kd import flatten_tokens, validate_kd_args
+
+FUSED_DIVERGENCES = ("forward_kl", "reverse_kl")
+
+# CPU defaults (see benchmarks/fused_kd.py): a window of 64 rows x the whole
+# vocabulary keeps XLA's matmuls large and the temporaries at 64 x V floats.
+CPU_ROW_BLOCK = 64
+CPU_VOCAB_BLOCK = 1 << 20  # >= any real vocabulary: one chunk (no recompute)
+
+
+@dataclasses.dataclass(frozen=True)
+class KDConfig:
+    """Static (hashable) description of one fused KD loss computation."""
+
+    temperature: float
+    alpha: float
+    divergence: str
+    softcap: float | None
+    row_block: int
+    vocab_block: int
+    vocab: int
+    backend: str  # "xla" | "pallas"
+    interpret: bool = False  # Pallas interpret mode (CPU testing)
+
+
+# ---------------------------------------------------------------------------
+# Per-chunk building blocks (shared in spirit with the Pallas kernels).
+
+
+def chunk_logits(cfg: KDConfig, h_s_RxD, h_t_RxE, w_s_DxC, w_t_ExC, valid_C):
+    """Student/teacher logits of one chunk, soft-capped, invalid columns -> -inf.
+
+    Returns (z_s, z_t, cap_grad) with cap_grad = d capped / d raw (None if no cap).
+    """
+    z_s = jnp.dot(h_s_RxD, w_s_DxC, preferred_element_type=jnp.float32)
+    z_t = jnp.dot(h_t_RxE, w_t_ExC, preferred_element_type=jnp.float32)
+    cap_grad = None
+    if cfg.softcap is not None:
+        c = cfg.softcap
+        z_s = c * jnp.tanh(z_s / c)
+        z_t = c * jnp.tanh(z_t / c)
+        cap_grad = 1.0 - jnp.square(z_s / c)
+    neg_inf = jnp.float32(-jnp.inf)
+    z_s = jnp.where(valid_C[None, :], z_s, neg_inf)
+    z_t = jnp.where(valid_C[None, :], z_t, neg_inf)
+    return z_s, z_t, cap_grad
+
+
+def init_stats(rows: int):
+    neg_inf = jnp.full((rows,), -jnp.inf, jnp.float32)
+    zero = jnp.zeros((rows,), jnp.float32)
+    # m_a, S_a, U_f, m_b, S_b, U_r, m_z, S_z, z_y
+    return (neg_inf, zero, zero, neg_inf, zero, zero, neg_inf, zero, zero)
+
+
+def update_stats(cfg: KDConfig, stats, z_s, z_t, valid_C, is_label_RxC):
+    """One online log-sum-exp step over a chunk of tempered logits."""
+    m_a, s_a, u_f, m_b, s_b, u_r, m_z, s_z, z_y = stats
+    inv_tau = 1.0 / cfg.temperature
+    a, b = z_t * inv_tau, z_s * inv_tau
+    valid = valid_C[None, :]
+    # a - b is nan on masked columns (-inf - -inf): select, never multiply.
+    a_minus_b = jnp.where(valid, a - b, 0.0)
+
+    m_a_new = jnp.maximum(m_a, jnp.max(a, axis=-1))
+    e_a = jnp.exp(a - m_a_new[:, None])
+    scale_a = jnp.exp(m_a - m_a_new)
+    s_a = s_a * scale_a + jnp.sum(e_a, axis=-1)
+    m_b_new = jnp.maximum(m_b, jnp.max(b, axis=-1))
+    e_b = jnp.exp(b - m_b_new[:, None])
+    scale_b = jnp.exp(m_b - m_b_new)
+    s_b = s_b * scale_b + jnp.sum(e_b, axis=-1)
+    if cfg.divergence == "forward_kl":
+        u_f = u_f * scale_a + jnp.sum(e_a * a_minus_b, axis=-1)
+    else:
+        u_r = u_r * scale_b - jnp.sum(e_b * a_minus_b, axis=-1)
+    if cfg.temperature == 1.0:  # NLL logits are the tempered student logits
+        m_z_new, s_z = m_b_new, s_b
+    else:
+        m_z_new = jnp.maximum(m_z, jnp.max(z_s, axis=-1))
+        s_z = s_z * jnp.exp(m_z - m_z_new) + jnp.sum(jnp.exp(z_s - m_z_new[:, None]), axis=-1)
+    z_y = z_y + jnp.sum(jnp.where(is_label_RxC, z_s, 0.0), axis=-1)
+    return (m_a_new, s_a, u_f, m_b_new, s_b, u_r, m_z_new, s_z, z_y)
+
+
+def finalize_stats(cfg: KDConfig, stats):
+    """Per-row (lse_a, lse_b, lse_z, kl, nll) from the running sums."""
+    m_a, s_a, u_f, m_b, s_b, u_r, m_z, s_z, z_y = stats
+    lse_a = m_a + jnp.log(s_a)
+    lse_b = m_b + jnp.log(s_b)
+    lse_z = m_z + jnp.log(s_z)
+    if cfg.divergence == "forward_kl":
+        kl = u_f / s_a - lse_a + lse_b
+    else:
+        kl = u_r / s_b - lse_b + lse_a
+    nll = lse_z - z_y
+    return lse_a, lse_b, lse_z, kl, nll
+
+
+def logit_grad(cfg: KDConfig, z_s, z_t, cap_grad, valid_C, is_label_RxC, row_stats, coef_nll_R, coef_kl_R):
+    """dLoss/dz_raw for one chunk: coef_nll * dNLL + coef_kl * dKL (coefs per row)."""
+    lse_a, lse_b, lse_z, kl = row_stats
+    inv_tau = 1.0 / cfg.temperature
+    a, b = z_t * inv_tau, z_s * inv_tau
+    p_s = jnp.exp(b - lse_b[:, None])
+    p_z = p_s if cfg.temperature == 1.0 else jnp.exp(z_s - lse_z[:, None])
+    g_nll = p_z - is_label_RxC.astype(jnp.float32)
+    if cfg.divergence == "forward_kl":
+        g_kl = (p_s - jnp.exp(a - lse_a[:, None])) * inv_tau
+    else:
+        b_minus_a = jnp.where(valid_C[None, :], b - a, 0.0)
+        # log(p_s / p_t) = (b - a) - lse_b + lse_a
+        log_ratio = b_minus_a - (lse_b - lse_a)[:, None]
+        g_kl = p_s * (log_ratio - kl[:, None]) * inv_tau
+    g = coef_nll_R[:, None] * g_nll + coef_kl_R[:, None] * g_kl
+    g = jnp.where(valid_C[None, :], g, 0.0)
+    if cap_grad is not None:
+        g = g * cap_grad
+    return g
+
+
+def chunk_layout(vocab: int, vocab_block: int):
+    """(chunk width, number of chunks) with the width clamped to the vocabulary."""
+    width = min(vocab_block, vocab)
+    return width, -(-vocab // width)
+
+
+def chunk_columns(j, width: int, vocab: int):
+    """Clamped start of chunk j, its validity mask and global column ids."""
+    nominal = j * width
+    start = jnp.minimum(nominal, vocab - width)
+    cols = start + jnp.arange(width)
+    return start, cols >= nominal, cols
+
+
+# ---------------------------------------------------------------------------
+# XLA implementation.
+
+
+def _xla_window_stats(cfg, h_s_RxD, h_t_RxE, labels_R, w_s, w_t):
+    width, n_chunks = chunk_layout(cfg.vocab, cfg.vocab_block)
+
+    def body(j, stats):
+        start, valid, cols = chunk_columns(j, width, cfg.vocab)
+        w_s_c = lax.dynamic_slice_in_dim(w_s, start, width, axis=1)
+        w_t_c = lax.dynamic_slice_in_dim(w_t, start, width, axis=1)
+        z_s, z_t, _ = chunk_logits(cfg, h_s_RxD, h_t_RxE, w_s_c, w_t_c, valid)
+        is_label = (cols[None, :] == labels_R[:, None]) & valid[None, :]
+        return update_stats(cfg, stats, z_s, z_t, valid, is_label)
+
+    stats = lax.fori_loop(0, n_chunks, body, init_stats(h_s_RxD.shape[0]))
+    return finalize_stats(cfg, stats)
+
+
+def _xla_window_grads(cfg, h_s_RxD, h_t_RxE, labels_R, w_s, w_t, row_stats, coef_nll_R, coef_kl_R, dw_DxV):
+    """Recomputes the window's chunks; returns (dh window, dW accumulator)."""
+    width, n_chunks = chunk_layout(cfg.vocab, cfg.vocab_block)
+
+    def body(j, carry):
+        dh, dw = carry
+        start, valid, cols = chunk_columns(j, width, cfg.vocab)
+        w_s_c = lax.dynamic_slice_in_dim(w_s, start, width, axis=1)
+        w_t_c = lax.dynamic_slice_in_dim(w_t, start, width, axis=1)
+        z_s, z_t, cap_grad = chunk_logits(cfg, h_s_RxD, h_t_RxE, w_s_c, w_t_c, valid)
+        is_label = (cols[None, :] == labels_R[:, None]) & valid[None, :]
+        g = logit_grad(cfg, z_s, z_t, cap_grad, valid, is_label, row_stats, coef_nll_R, coef_kl_R)
+        dh = dh + jnp.dot(g, w_s_c.T.astype(jnp.float32), preferred_element_type=jnp.float32)
+        dw_c = jnp.dot(h_s_RxD.T.astype(jnp.float32), g, preferred_element_type=jnp.float32)
+        dw = lax.dynamic_update_slice_in_dim(
+            dw, lax.dynamic_slice_in_dim(dw, start, width, axis=1) + dw_c, start, axis=1
+        )
+        return dh, dw
+
+    dh0 = jnp.zeros(h_s_RxD.shape, jnp.float32)
+    return lax.fori_loop(0, n_chunks, body, (dh0, dw_DxV))
+
+
+def _xla_window_stats_and_grads(cfg, h_s_RxD, h_t_RxE, labels_R, mask_R, w_s, w_t, inv_count, dw_DxV):
+    """Single-chunk schedule: logits once, then stats and the gradient (for cotangent 1)."""
+    valid = jnp.ones((cfg.vocab,), bool)
+    cols = jnp.arange(cfg.vocab)
+    z_s, z_t, cap_grad = chunk_logits(cfg, h_s_RxD, h_t_RxE, w_s, w_t, valid)
+    is_label = cols[None, :] == labels_R[:, None]
+    stats = update_stats(cfg, init_stats(h_s_RxD.shape[0]), z_s, z_t, valid, is_label)
+    lse_a, lse_b, lse_z, kl, nll = finalize_stats(cfg, stats)
+    coef_nll, coef_kl = _loss_coefs(cfg, mask_R, inv_count, 1.0)
+    g = logit_grad(cfg, z_s, z_t, cap_grad, valid, is_label, (lse_a, lse_b, lse_z, kl), coef_nll, coef_kl)
+    dh = jnp.dot(g, w_s.T.astype(jnp.float32), preferred_element_type=jnp.float32)
+    dw_DxV = dw_DxV + jnp.dot(h_s_RxD.T.astype(jnp.float32), g, preferred_element_type=jnp.float32)
+    return (kl, nll), dh, dw_DxV
+
+
+def _loss_coefs(cfg, mask_R, inv_count, g_loss):
+    """Per-row weights of dNLL and dKL in d(loss): masked mean, alpha, tau^2."""
+    w = jnp.where(mask_R, inv_count * g_loss, 0.0).astype(jnp.float32)
+    return cfg.alpha * w, (1.0 - cfg.alpha) * cfg.temperature**2 * w
+
+
+def _windows(x, rows: int):
+    """[Tp, ...] -> [Tp / rows, rows, ...]."""
+    return x.reshape((x.shape[0] // rows, rows) + x.shape[1:])
+
+
+def _xla_stats(cfg, h_s, w_s, h_t, w_t, labels):
+    """Per-row (lse_a, lse_b, lse_z, kl, nll) over all (padded) rows."""
+    R = cfg.row_block
+    fn = lambda xs: _xla_window_stats(cfg, xs[0], xs[1], xs[2], w_s, w_t)
+    out = lax.map(fn, (_windows(h_s, R), _windows(h_t, R), _windows(labels, R)))
+    return tuple(o.reshape(-1) for o in out)
+
+
+def _xla_grads(cfg, h_s, w_s, h_t, w_t, labels, row_stats, coef_nll, coef_kl):
+    R = cfg.row_block
+
+    def step(dw, xs):
+        h_s_w, h_t_w, labels_w, *st, cn, ck = xs
+        dh, dw = _xla_window_grads(cfg, h_s_w, h_t_w, labels_w, w_s, w_t, tuple(st), cn, ck, dw)
+        return dw, dh
+
+    xs = tuple(_windows(x, R) for x in (h_s, h_t, labels, *row_stats, coef_nll, coef_kl))
+    dw, dh = lax.scan(step, jnp.zeros(w_s.shape, jnp.float32), xs)
+    return dh.reshape(h_s.shape), dw
+
+
+def _xla_stats_and_grads(cfg, h_s, w_s, h_t, w_t, labels, mask, inv_count):
+    R = cfg.row_block
+
+    def step(dw, xs):
+        h_s_w, h_t_w, labels_w, mask_w = xs
+        (kl, nll), dh, dw = _xla_window_stats_and_grads(
+            cfg, h_s_w, h_t_w, labels_w, mask_w, w_s, w_t, inv_count, dw
+        )
+        return dw, (kl, nll, dh)
+
+    xs = tuple(_windows(x, R) for x in (h_s, h_t, labels, mask))
+    dw, (kl, nll, dh) = lax.scan(step, jnp.zeros(w_s.shape, jnp.float32), xs)
+    return kl.reshape(-1), nll.reshape(-1), dh.reshape(h_s.shape), dw
+
+
+# ---------------------------------------------------------------------------
+# Backend dispatch and the custom VJP.
+
+
+def _stats(cfg, h_s, w_s, h_t, w_t, labels):
+    if cfg.backend == "pallas":
+        from hldstudy.losses import pallas_kd
+
+        return pallas_kd.stats(cfg, h_s, w_s, h_t, w_t, labels)
+    return _xla_stats(cfg, h_s, w_s, h_t, w_t, labels)
+
+
+def _grads(cfg, h_s, w_s, h_t, w_t, labels, row_stats, coef_nll, coef_kl):
+    if cfg.backend == "pallas":
+        from hldstudy.losses import pallas_kd
+
+        return pallas_kd.grads(cfg, h_s, w_s, h_t, w_t, labels, row_stats, coef_nll, coef_kl)
+    return _xla_grads(cfg, h_s, w_s, h_t, w_t, labels, row_stats, coef_nll, coef_kl)
+
+
+def _grads_in_forward(cfg) -> bool:
+    return cfg.backend == "xla" and cfg.vocab_block >= cfg.vocab
+
+
+def _reduce(cfg, kl_R, nll_R, mask_R, inv_count):
+    kl = jnp.sum(jnp.where(mask_R, kl_R, 0.0)) * inv_count
+    nll = jnp.sum(jnp.where(mask_R, nll_R, 0.0)) * inv_count
+    loss = cfg.alpha * nll + (1.0 - cfg.alpha) * cfg.temperature**2 * kl
+    return loss, nll, kl
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _fused(cfg, h_s, w_s, h_t, w_t, labels, mask):
+    inv_count = 1.0 / jnp.maximum(jnp.sum(mask.astype(jnp.float32)), 1.0)
+    _, _, _, kl_R, nll_R = _stats(cfg, h_s, w_s, h_t, w_t, labels)
+    return _reduce(cfg, kl_R, nll_R, mask, inv_count)
+
+
+def _fused_fwd(cfg, h_s, w_s, h_t, w_t, labels, mask):
+    inv_count = 1.0 / jnp.maximum(jnp.sum(mask.astype(jnp.float32)), 1.0)
+    if _grads_in_forward(cfg):
+        kl_R, nll_R, dh, dw = _xla_stats_and_grads(cfg, h_s, w_s, h_t, w_t, labels, mask, inv_count)
+        out = _reduce(cfg, kl_R, nll_R, mask, inv_count)
+        # Zero-size arrays carry the input dtypes (residuals must be arrays).
+        return out, (dh, dw, jnp.zeros((0,), h_s.dtype), jnp.zeros((0,), w_s.dtype))
+    lse_a, lse_b, lse_z, kl_R, nll_R = _stats(cfg, h_s, w_s, h_t, w_t, labels)
+    out = _reduce(cfg, kl_R, nll_R, mask, inv_count)
+    res = (h_s, w_s, h_t, w_t, labels, mask, inv_count, (lse_a, lse_b, lse_z, kl_R))
+    return out, res
+
+
+def _fused_bwd(cfg, res, cotangents):
+    # Metrics are returned under stop_gradient by the wrapper: only d(loss) matters.
+    g_loss = cotangents[0]
+    if _grads_in_forward(cfg):
+        dh, dw, h_like, w_like = res
+        dh_s = (dh * g_loss).astype(h_like.dtype)
+        dw_s = (dw * g_loss).astype(w_like.dtype)
+    else:
+        h_s, w_s, h_t, w_t, labels, mask, inv_count, row_stats = res
+        coef_nll, coef_kl = _loss_coefs(cfg, mask, inv_count, g_loss)
+        dh, dw = _grads(cfg, h_s, w_s, h_t, w_t, labels, row_stats, coef_nll, coef_kl)
+        dh_s, dw_s = dh.astype(h_s.dtype), dw.astype(w_s.dtype)
+    # Teacher, labels and mask get no gradient (None = symbolic zero).
+    return dh_s, dw_s, None, None, None, None
+
+
+_fused.defvjp(_fused_fwd, _fused_bwd)
+
+
+def resolve_backend(backend: str) -> str:
+    if backend == "auto":
+        return "pallas" if jax.default_backend() in ("gpu", "tpu", "cuda", "rocm") else "xla"
+    if backend not in ("xla", "pallas"):
+        raise ValueError(f"backend: expected 'auto', 'xla' or 'pallas', got {backend!r}")
+    return backend
+
+
+def fused_kd_loss(
+    h_s,
+    w_s,
+    h_t,
+    w_t,
+    labels,
+    mask=None,
+    *,
+    temperature: float = 1.0,
+    alpha: float = 0.5,
+    divergence: str = "forward_kl",
+    softcap: float | None = None,
+    row_block: int | None = None,
+    vocab_block: int | None = None,
+    backend: str = "auto",
+    interpret: bool = False,
+    **unused,
+):
+    """`alpha * NLL + (1 - alpha) * tau^2 * KL`, exact, without `[T, V]` logits.
+
+    Drop-in for `materialized_kd_loss` (same arguments, returns
+    `(loss, {"nll", "kl"})`). Gradients flow to `h_s` and `w_s` only.
+
+    Args:
+      row_block, vocab_block: window sizes; None picks the backend's default
+        (CPU/XLA: 64 rows x whole vocabulary; Pallas: see `pallas_kd`).
+      backend: "auto" (Pallas on GPU/TPU, XLA elsewhere), "xla" or "pallas".
+      interpret: run Pallas kernels in interpret mode (for CPU tests).
+    """
+    if divergence == "jsd":
+        raise ValueError(
+            "divergence: 'jsd' is only implemented by materialized_kd_loss (its mixture "
+            "log needs normalized p_s and p_t, i.e. a second vocabulary pass); use "
+            "'forward_kl' or 'reverse_kl' with fused_kd_loss"
+        )
+    unused.pop("jsd_beta", None)
+    if unused:
+        raise TypeError(f"fused_kd_loss: unexpected keyword arguments {sorted(unused)}")
+    validate_kd_args(temperature, alpha, divergence, FUSED_DIVERGENCES)
+    backend = resolve_backend(backend)
+    h_s, h_t, labels, mask = flatten_tokens(h_s, h_t, labels, mask)
+    vocab = w_s.shape[-1]
+    if w_t.shape[-1] != vocab:
+        raise ValueError(f"w_t: vocabulary {w_t.shape[-1]} differs from w_s's {vocab}")
+
+    if backend == "pallas":
+        from hldstudy.losses import pallas_kd
+
+        default_rows, default_vocab = pallas_kd.default_blocks(h_s.shape[-1], vocab)
+    else:
+        default_rows, default_vocab = CPU_ROW_BLOCK, CPU_VOCAB_BLOCK
+    n_tokens = h_s.shape[0]
+    row_block = int(row_block or default_rows)
+    if backend == "xla":  # no point in windows taller than the input
+        row_block = max(1, min(row_block, n_tokens))
+    vocab_block = int(vocab_block or default_vocab)
+    cfg = KDConfig(
+        temperature=float(temperature),
+        alpha=float(alpha),
+        divergence=divergence,
+        softcap=None if softcap is None else float(softcap),
+        row_block=row_block,
+        vocab_block=min(vocab_block, vocab) if backend == "xla" else vocab_block,
+        vocab=vocab,
+        backend=backend,
+        interpret=interpret,
+    )
+
+    # Pad tokens to whole windows; padded rows are masked (h = 0 keeps them finite).
+    n_pad = -n_tokens % row_block
+    if n_pad:
+        h_s = jnp.pad(h_s, ((0, n_pad), (0, 0)))
+        h_t = jnp.pad(h_t, ((0, n_pad), (0, 0)))
+        labels = jnp.pad(labels, (0, n_pad))
+        mask = jnp.pad(mask, (0, n_pad))
+    labels = labels.astype(jnp.int32)
+    h_t, w_t = lax.stop_gradient(h_t), lax.stop_gradient(w_t)
+    loss, nll, kl = _fused(cfg, h_s, w_s, h_t, w_t, labels, mask)
+    return loss, {"nll": lax.stop_gradient(nll), "kl": lax.stop_gradient(kl)}
