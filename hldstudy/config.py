@@ -92,6 +92,17 @@ class DataConfig:
     synthetic_valid_docs: int = 500
     # Pack documents with segment ids (True) or cut a token stream at seq_len (False).
     packing: bool = True
+    # Seed of the synthetic corpus itself (data.seed only shuffles), so runs with
+    # different shuffles (e.g. teacher and student) share one corpus.
+    synthetic_seed: int = 0
+    # text/jsonl/hf: separate validation file/glob/dir; None -> hold out the last
+    # `valid_holdout_docs` documents (at most 10%) of the training corpus.
+    valid_path: str | None = None
+    valid_holdout_docs: int = 500
+    # Use at most this many documents of a source (0 = all).
+    max_docs: int = 0
+    # Prepend BOS to every document (Gemma-style tokenizers expect it).
+    add_bos: bool = False
 
 
 @dataclass(frozen=True)

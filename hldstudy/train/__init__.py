@@ -1,0 +1,1 @@
+"""Trainer: mesh, optimizer, steps, checkpoints, metrics, loop."""

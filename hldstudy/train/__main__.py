@@ -1,0 +1,44 @@
+"""python -m hldstudy.train --config experiments/tiny.py [--set k=v ...] [--workdir DIR]
+
+Trains (or resumes) one run. The resolved config lands in DIR/config.json,
+metrics in DIR/metrics.jsonl, the final evaluation in DIR/results.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from hldstudy.cli_common import add_config_args, quiet_libraries, resolve_config
+from hldstudy.errors import user_errors
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m hldstudy.train", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_config_args(parser)
+    parser.add_argument("--workdir", default=None, help="run directory (default runs/<name>)")
+    parser.add_argument("--method", default=None,
+                        choices=["baseline", "kd", "hldf", "hldc", "patient"],
+                        help="distillation method (same as --set distill.method=...)")
+    args = parser.parse_args(argv)
+    quiet_libraries()
+    with user_errors(args.debug, prog="hldstudy.train"):
+        extra = [f"distill.method={args.method}"] if args.method else []
+        cfg = resolve_config(args, extra)
+        workdir = Path(args.workdir or f"runs/{cfg.name}")
+        from hldstudy.train.loop import Interrupted, train
+
+        try:
+            result = train(cfg, workdir)
+        except Interrupted as e:
+            print(f"hldstudy.train: {e} ({workdir})", file=sys.stderr)
+            return 128 + e.signum
+        print(f"done: {result['steps']} steps, valid_nll={result['valid_nll']:.4f} "
+              f"(ppl {result['valid_ppl']:.2f}) -> {workdir / 'results.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

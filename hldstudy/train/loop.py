@@ -1,0 +1,318 @@
+"""The training loop: thin, method-agnostic, resumable.
+
+`train(cfg, workdir)` runs every stage of the configured method. The batch
+of global step i is `data.train.batch_at(i)` (a pure function of the seed),
+so a resumed run, a 4-device run and a remote teacher all see the same
+sequence. Checkpoints carry the train state plus the stage, step and FLOPs
+spent; SIGTERM / Ctrl-C saves one and exits.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from hldstudy.config import Config, config_to_dict, read_config, save_config, validate
+from hldstudy.distill import Stage, make_strategy
+from hldstudy.errors import ConfigError, InputError
+from hldstudy.model import Transformer
+from hldstudy.train import mesh as mesh_lib
+from hldstudy.train.checkpoint import Checkpointer, abstract_like
+from hldstudy.train.metrics import MetricsLogger
+from hldstudy.train.optim import make_optimizer
+from hldstudy.train.step import GraphDefs, make_eval_step, make_train_step, split_params
+
+# Config fields a resumed run may change; anything else must match the run directory.
+RESUMABLE_CHANGES = {"train.steps", "train.log_every", "train.eval_every", "train.eval_batches",
+                     "train.checkpoint_every", "train.keep_checkpoints", "train.progress",
+                     "wandb.enabled", "wandb.mode", "wandb.project", "wandb.entity",
+                     "wandb.group", "budget.flops", "teacher.checkpoint", "teacher.ring_size",
+                     "teacher.timeout_s", "data.path", "data.tokenizer", "name"}
+
+
+class Interrupted(Exception):
+    """Raised (after a checkpoint is saved) when SIGTERM / SIGINT stops training."""
+
+    def __init__(self, step: int, signum: int):
+        self.step, self.signum = step, signum
+        super().__init__(f"interrupted at step {step}; checkpoint saved, rerun to resume")
+
+
+class _StopFlag:
+    def __init__(self):
+        self.signum = None
+        self.stop_at_step = None
+        self._old = {}
+
+    def __enter__(self):
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                self._old[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not in the main thread
+                pass
+        return self
+
+    def _handle(self, signum, frame):
+        self.signum = signum
+
+    def __exit__(self, *exc):
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+
+@dataclass
+class StagePlan:
+    stage: Stage
+    steps: int
+    start: int  # global step at which the stage begins
+    flops_per_step: float
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def check_resume_compatible(cfg: Config, workdir: Path) -> None:
+    """Refuses to resume a run directory under a different experiment."""
+    path = workdir / "config.json"
+    if not path.exists():
+        return
+    old = _flat(config_to_dict(read_config(path)))
+    new = _flat(config_to_dict(cfg))
+    for key in sorted(new):
+        if key not in RESUMABLE_CHANGES and old.get(key) != new[key]:
+            raise ConfigError(key, f"{workdir} was trained with {old.get(key)!r}, now {new[key]!r}",
+                              "use a new --workdir, or restore the original value")
+
+
+def plan_stages(cfg: Config, strategy, flops_per_step) -> list[StagePlan]:
+    """Steps per stage: from the FLOP budget when one is set, else train.steps by share."""
+    plans, start = [], 0
+    stages = strategy.stages()
+    for i, stage in enumerate(stages):
+        fps = flops_per_step(stage)
+        if cfg.budget.flops > 0:
+            steps = int(math.floor(cfg.budget.flops * stage.share / fps))
+        elif i == len(stages) - 1:
+            steps = cfg.train.steps - start
+        else:
+            steps = int(round(cfg.train.steps * stage.share))
+        if steps <= 0:
+            raise ConfigError("budget.flops" if cfg.budget.flops > 0 else "train.steps",
+                              f"stage {stage.name!r} of {strategy.name} gets no steps",
+                              "raise the budget / step count")
+        plans.append(StagePlan(stage, steps, start, fps))
+        start += steps
+    return plans
+
+
+class Trainer:
+    """Holds what stages share: mesh, data, strategy, teacher, logger, checkpointer."""
+
+    def __init__(self, cfg: Config, workdir: str | Path, *, teacher=None, data=None):
+        from hldstudy.flops import step_flops
+
+        validate(cfg)
+        self.cfg = cfg
+        self.workdir = Path(workdir)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        check_resume_compatible(cfg, self.workdir)
+        save_config(cfg, self.workdir / "config.json")
+        mesh_lib.maybe_initialize_distributed()
+        self.mesh = mesh_lib.make_mesh(cfg.train)
+        mesh_lib.check_batch_divisible(cfg.data.batch_size, self.mesh)
+        if data is None:
+            from hldstudy.data import prepare_data
+
+            data = prepare_data(cfg.data, self.workdir)
+        self.data = data
+        if self.data.tokenizer.vocab_size > cfg.model.vocab_size:
+            raise ConfigError("model.vocab_size",
+                              f"{cfg.model.vocab_size} is smaller than the tokenizer's "
+                              f"{self.data.tokenizer.vocab_size} pieces")
+        self.teacher = teacher
+        if teacher is None and cfg.distill.method != "baseline":
+            from hldstudy.teacher import load_teacher
+
+            self.teacher = load_teacher(cfg, self.data.tokenizer)
+        teacher_model_cfg = self.teacher.model_cfg if self.teacher is not None else None
+        self.strategy = make_strategy(cfg, cfg.model, teacher_model_cfg)
+        self.plans = plan_stages(
+            cfg, self.strategy,
+            lambda st: step_flops(cfg, method=cfg.distill.method, stage=st.name,
+                                  teacher_model=teacher_model_cfg).total)
+        self.total_steps = self.plans[-1].start + self.plans[-1].steps
+        self.ckpt = Checkpointer(self.workdir / "checkpoints", cfg.train.keep_checkpoints)
+
+    # ------------------------------------------------------------------ #
+
+    def _init_state(self, plan: StagePlan, student_params=None):
+        """Fresh (or stage-carried) params + optimizer state, sharded on the mesh."""
+        cfg, stage = self.cfg, plan.stage
+        seed = cfg.train.seed
+        optimizer = make_optimizer(cfg.train, plan.steps,
+                                   trainable_layers=self.strategy.trainable_student_layers(stage))
+
+        def build():
+            student = Transformer(cfg.model, rngs=nnx.Rngs(seed))
+            aux = self.strategy.init_aux(stage, nnx.Rngs(seed + 1))
+            return student, aux
+
+        abstract_student, abstract_aux = nnx.eval_shape(build)
+        graphdefs, abstract_params = split_params(abstract_student, abstract_aux)
+
+        def init(carried):
+            student, aux = build()
+            _, params = split_params(student, aux)
+            if carried is not None:
+                params = {**params, "student": carried}
+            return {"params": params, "opt_state": optimizer.init(params),
+                    "step": jnp.asarray(plan.start, jnp.int32)}
+
+        abstract_state = jax.eval_shape(init, student_params)
+        shardings = mesh_lib.tree_shardings(self.mesh, abstract_state)
+        state = jax.jit(init, out_shardings=shardings)(student_params)
+        return graphdefs, optimizer, state, shardings
+
+    def _teacher_args(self, plan: StagePlan):
+        if self.teacher is None:
+            return None, None
+        return self.teacher.step_inputs(self.strategy, plan.stage, self.mesh)
+
+    def evaluate(self, graphdefs: GraphDefs, params, n_batches: int) -> dict:
+        eval_step = jax.jit(make_eval_step(graphdefs))
+        total, count = 0.0, 0.0
+        for batch in self.data.valid_batches(n_batches):
+            s, c = eval_step(params, mesh_lib.put_batch(batch, self.mesh))
+            total += float(s)
+            count += float(c)
+        nll = total / max(count, 1.0)
+        return {"valid_nll": nll, "valid_ppl": float(math.exp(min(nll, 700.0))),
+                "valid_tokens": int(count)}
+
+    def run(self, stop_at_step: int | None = None) -> dict:
+        """Trains to the end, or to `stop_at_step` (behaves exactly as a SIGTERM there)."""
+        cfg = self.cfg
+        latest = self.ckpt.latest_step()
+        meta = self.ckpt.restore_meta(latest) if latest is not None else None
+        resume_step = latest or 0
+        if meta is not None and latest > self.total_steps:
+            raise ConfigError("train.steps",
+                              f"{self.workdir} already holds step {latest} > {self.total_steps}",
+                              "ask for at least as many steps as the run already has")
+        logger = MetricsLogger(self.workdir, cfg, resume_step)
+        flops_spent = float(meta["flops_spent"]) if meta else 0.0
+        carried = None
+        result = {}
+        try:
+            with _StopFlag() as stop:
+                stop.stop_at_step = stop_at_step
+                for plan in self.plans:
+                    end = plan.start + plan.steps
+                    if resume_step >= end and not (meta and meta["stage"] == plan.stage.name
+                                                   and resume_step == end):
+                        continue
+                    graphdefs, optimizer, state, shardings = self._init_state(plan, carried)
+                    if meta is not None and plan.start <= resume_step <= end \
+                            and meta["stage"] == plan.stage.name:
+                        state, _ = self.ckpt.restore(resume_step, abstract_like(state, shardings))
+                    state, flops_spent = self._run_stage(plan, graphdefs, optimizer, state,
+                                                         shardings, logger, stop, flops_spent)
+                    carried = state["params"]["student"]
+                    meta = None
+                result = self._finish(graphdefs, state, flops_spent, logger)
+        finally:
+            logger.close()
+            self.ckpt.close()
+        return result
+
+    def _run_stage(self, plan, graphdefs, optimizer, state, shardings, logger, stop, flops_spent):
+        cfg = self.cfg
+        end = plan.start + plan.steps
+        step = int(state["step"])
+        teacher_forward, teacher_in = self._teacher_args(plan)
+        train_step = jax.jit(
+            make_train_step(self.strategy, plan.stage, graphdefs, optimizer, teacher_forward),
+            out_shardings=(shardings, None), donate_argnums=(0,))
+        tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
+        bar = None
+        if cfg.train.progress and jax.process_index() == 0:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=self.total_steps, initial=step, desc=f"{cfg.name}:{plan.stage.name}",
+                       unit="step", dynamic_ncols=True)
+        t_last, steps_since = time.perf_counter(), 0
+        while step < end:
+            batch = mesh_lib.put_batch(self.data.train.batch_at(step), self.mesh)
+            t_in = teacher_in(step, batch) if callable(teacher_in) else teacher_in
+            state, metrics = train_step(state, batch, t_in)
+            step += 1
+            steps_since += 1
+            flops_spent += plan.flops_per_step
+            if step % cfg.train.log_every == 0 or step == end:
+                metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+                dt = time.perf_counter() - t_last
+                record = {"step": step, "stage": plan.stage.name, **metrics,
+                          "tokens_per_s": steps_since * tokens_per_step / max(dt, 1e-9),
+                          "flops_spent": flops_spent}
+                if not math.isfinite(metrics["loss"]):
+                    raise FloatingPointError(f"loss became {metrics['loss']} at step {step}; "
+                                             "lower train.lr or check the data")
+                logger.log(record)
+                if bar is not None:
+                    bar.set_postfix(loss=f"{metrics['loss']:.3f}",
+                                    tok_s=f"{record['tokens_per_s']:.0f}")
+                t_last, steps_since = time.perf_counter(), 0
+            if bar is not None:
+                bar.update(1)
+            if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < end:
+                logger.log({"step": step, **self.evaluate(graphdefs, state["params"],
+                                                          cfg.train.eval_batches)})
+            boundary = (cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0)
+            if stop.stop_at_step is not None and step >= stop.stop_at_step:
+                stop.signum = signal.SIGTERM
+            if boundary or step == end or stop.signum is not None:
+                self.ckpt.save(step, state, {"stage": plan.stage.name, "step": step,
+                                             "flops_spent": flops_spent,
+                                             "data": {"next_batch": step},
+                                             "seed": cfg.train.seed})
+            if stop.signum is not None and step < end:
+                if bar is not None:
+                    bar.close()
+                raise Interrupted(step, stop.signum)
+        if bar is not None:
+            bar.close()
+        return state, flops_spent
+
+    def _finish(self, graphdefs, state, flops_spent, logger) -> dict:
+        cfg = self.cfg
+        metrics = self.evaluate(graphdefs, state["params"], cfg.train.eval_batches)
+        result = {"status": "done", "name": cfg.name, "method": cfg.distill.method,
+                  "steps": int(state["step"]), "flops_spent": flops_spent,
+                  "flops_budget": cfg.budget.flops, "count_teacher": cfg.budget.count_teacher,
+                  "stages": {p.stage.name: {"steps": p.steps, "flops_per_step": p.flops_per_step}
+                             for p in self.plans},
+                  **metrics}
+        logger.log({"step": int(state["step"]), **metrics})
+        logger.summary(metrics)
+        if jax.process_index() == 0:
+            (self.workdir / "results.json").write_text(json.dumps(result, indent=2) + "\n")
+        return result
+
+
+def train(cfg: Config, workdir: str | Path, **kwargs) -> dict:
+    return Trainer(cfg, workdir, **kwargs).run()

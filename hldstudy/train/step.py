@@ -1,0 +1,86 @@
+"""Jitted train and eval steps, generic over distillation strategies.
+
+The train state is a plain pytree `{"params": {"student": State, "aux":
+State | None}, "opt_state": ..., "step": int32}` so orbax, optax and
+shardings all see ordinary arrays. The teacher enters as an argument:
+colocated, `teacher_forward(teacher_params, batch)` runs inside the same
+compiled step; remote, the streamed `TeacherOutputs` are passed straight in
+(`teacher_forward=None`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from hldstudy.distill.base import Stage, Strategy
+
+
+@dataclass(frozen=True)
+class GraphDefs:
+    student: Any
+    aux: Any | None
+
+
+def split_params(student: nnx.Module, aux: nnx.Module | None):
+    gd_s, p_s = nnx.split(student, nnx.Param)
+    if aux is None:
+        return GraphDefs(gd_s, None), {"student": p_s, "aux": None}
+    gd_a, p_a = nnx.split(aux, nnx.Param)
+    return GraphDefs(gd_s, gd_a), {"student": p_s, "aux": p_a}
+
+
+def merge_params(graphdefs: GraphDefs, params):
+    student = nnx.merge(graphdefs.student, params["student"])
+    aux = nnx.merge(graphdefs.aux, params["aux"]) if graphdefs.aux is not None else None
+    return student, aux
+
+
+def make_loss_fn(strategy: Strategy, stage: Stage, graphdefs: GraphDefs,
+                 teacher_forward: Callable | None = None):
+    def loss_fn(params, batch, teacher_in):
+        student, aux = merge_params(graphdefs, params)
+        teacher = None
+        if teacher_in is not None:
+            teacher = teacher_forward(teacher_in, batch) if teacher_forward else teacher_in
+            teacher = jax.lax.stop_gradient(teacher)
+        return strategy.loss(stage, student, aux, batch, teacher)
+
+    return loss_fn
+
+
+def make_train_step(strategy: Strategy, stage: Stage, graphdefs: GraphDefs,
+                    optimizer: optax.GradientTransformation,
+                    teacher_forward: Callable | None = None):
+    """Returns `step(state, batch, teacher_in) -> (state, metrics)` (not yet jitted)."""
+    loss_fn = make_loss_fn(strategy, stage, graphdefs, teacher_forward)
+
+    def train_step(state, batch, teacher_in):
+        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+            state["params"], batch, teacher_in)
+        updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
+        params = optax.apply_updates(state["params"], updates)
+        metrics = {**metrics, "loss": loss, "grad_norm": optax.global_norm(grads)}
+        return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
+
+    return train_step
+
+
+def make_eval_step(graphdefs: GraphDefs):
+    """Token-summed validation NLL: `(nll_sum, n_tokens)` for one batch."""
+
+    def eval_step(params, batch):
+        student = nnx.merge(graphdefs.student, params["student"])
+        out = student(batch["tokens"], batch["positions"], batch["segment_ids"])
+        logits = out.logits.astype(jnp.float32)
+        lse = jax.nn.logsumexp(logits, axis=-1)
+        tgt = jnp.take_along_axis(logits, batch["targets"][..., None], axis=-1)[..., 0]
+        mask = batch["mask"].astype(jnp.float32)
+        return jnp.sum((lse - tgt) * mask), jnp.sum(mask)
+
+    return eval_step
