@@ -1,0 +1,154 @@
+"""Figures for the comparison report (matplotlib, Agg backend, PNG files).
+
+Each function takes the tables built by ``hldstudy.analysis.tables`` and a
+path, writes one PNG, and returns the path (or None when there is nothing to
+draw).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+
+from hldstudy.analysis import stats  # noqa: E402
+from hldstudy.analysis.tables import PPL_DELTA, _keystr_frame, grid_cols  # noqa: E402
+
+_COLORS = {"baseline": "#7f7f7f", "kd": "#1f77b4", "hldf": "#d62728", "hldc": "#2ca02c",
+           "patient": "#9467bd"}
+_EXTRA = ["#ff7f0e", "#8c564b", "#e377c2", "#17becf", "#bcbd22"]
+
+
+def arm_colors(arms) -> dict:
+    out, k = {}, 0
+    for a in arms:
+        base = str(a).split("[", 1)[0]
+        if base in _COLORS and base not in {str(x).split("[", 1)[0] for x in out}:
+            out[a] = _COLORS[base]
+        else:
+            out[a] = _EXTRA[k % len(_EXTRA)]
+            k += 1
+    return out
+
+
+def _save(fig, path: Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
+def plot_ppl_vs_lr(df: pd.DataFrame, path: str | Path, title: str = "") -> Path | None:
+    """Validation perplexity vs learning rate, one line per arm.
+
+    The line is the median over the other hyperparameters (temperature, NLL
+    weight, ...) of the seed-mean perplexity at each learning rate; the bars
+    span min..max over those configs, the dotted line is the best config.
+    """
+    d = df[np.isfinite(df["valid_ppl"].astype(float))]
+    if d.empty:
+        return None
+    others = [c for c in grid_cols(df) if c != "lr"]
+    arms = sorted(d["arm"].dropna().unique(), key=lambda a: (a != "kd", str(a)))
+    colors = arm_colors(arms)
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    n = len(arms)
+    for i, arm in enumerate(arms):
+        sub = d[d["arm"] == arm].copy()
+        sub["_cfg"] = _keystr_frame(sub, others)
+        per_cfg = sub.groupby(["lr", "_cfg"])["valid_ppl"].mean().reset_index()
+        g = per_cfg.groupby("lr")["valid_ppl"]
+        lr = np.asarray(sorted(per_cfg["lr"].unique()), dtype=float)
+        med, lo, hi = g.median().loc[lr], g.min().loc[lr], g.max().loc[lr]
+        # small multiplicative jitter so overlapping bars stay visible on a log axis
+        x = lr * (1.0 + 0.04 * (i - (n - 1) / 2))
+        ax.errorbar(x, med, yerr=[med - lo, hi - med], marker="o", ms=5, capsize=3, lw=1.6,
+                    color=colors[arm], label=f"{arm} ({sub['_cfg'].nunique()} cfg/lr)")
+        ax.plot(x, lo, ls=":", lw=1, color=colors[arm])
+    ax.set_xscale("log")
+    ax.set_xlabel("learning rate")
+    ax.set_ylabel("validation perplexity (lower is better)")
+    ax.set_title(title or "Validation perplexity vs learning rate")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8, title="median over other hparams; bars: min–max; dotted: best",
+              title_fontsize=7)
+    return _save(fig, path)
+
+
+def plot_deltas(pairs: pd.DataFrame, summary: pd.DataFrame | None, path: str | Path,
+                title: str = "") -> Path | None:
+    """Per-grid-point perplexity delta vs KD (%), one row per arm, with the mean and its CI."""
+    if pairs.empty or pairs[PPL_DELTA].notna().sum() == 0:
+        return None
+    gcols = list(pairs.attrs.get("grid_cols", []))
+    arms = sorted(pairs["arm"].unique())
+    colors = arm_colors(["kd"] + arms)
+    fig, ax = plt.subplots(figsize=(7.5, 1.2 + 0.9 * len(arms)))
+    rng = np.random.default_rng(0)
+    for i, arm in enumerate(arms):
+        sub = pairs[pairs["arm"] == arm]
+        per_point = sub[PPL_DELTA].astype(float).groupby(_keystr_frame(sub, gcols)).mean()
+        v = per_point.dropna().to_numpy()
+        y = i + rng.uniform(-0.18, 0.18, size=v.size)
+        ax.scatter(v, y, s=18, alpha=0.6, color=colors[arm], edgecolor="none",
+                   label=None)
+        if summary is not None and len(summary):
+            row = summary[(summary["arm"] == arm) & (summary["metric"] == "valid_ppl (%)")]
+            if len(row):
+                r = row.iloc[0]
+                lo = r["ci_lo"] if math.isfinite(r["ci_lo"]) else r["mean_delta"]
+                hi = r["ci_hi"] if math.isfinite(r["ci_hi"]) else r["mean_delta"]
+                ax.errorbar([r["mean_delta"]], [i + 0.35], xerr=[[r["mean_delta"] - lo],
+                                                                 [hi - r["mean_delta"]]],
+                            fmt="D", color="black", ms=5, capsize=4)
+                ax.annotate(f"mean {r['mean_delta']:+.3f}%  [{lo:+.3f}, {hi:+.3f}]  "
+                            f"sign p={r['sign_p']:.3g}  n={int(r['n_points'])}",
+                            (r["mean_delta"], i + 0.35), xytext=(0, 6),
+                            textcoords="offset points", fontsize=7, ha="center")
+    ax.axvline(0, color="grey", lw=1, ls="--")
+    ax.set_yticks(range(len(arms)))
+    ax.set_yticklabels(arms)
+    ax.set_ylim(-0.6, len(arms) - 0.2)
+    ax.set_xlabel("validation perplexity vs KD at the same grid point (%)  ← better than KD")
+    ax.set_title(title or "Point-by-point perplexity delta vs KD (dots: grid points, "
+                 "diamond: mean, 95% bootstrap CI)", fontsize=9)
+    ax.grid(True, axis="x", alpha=0.3)
+    return _save(fig, path)
+
+
+def plot_downstream(best: pd.DataFrame, path: str | Path, title: str = "") -> Path | None:
+    """Downstream scores of each arm's best config, ± the evaluation stderr."""
+    metrics = list(best.attrs.get("metrics", []))
+    metrics = [m for m in metrics if m in best and best[m].notna().any()]
+    if best.empty or not metrics:
+        return None
+    arms = list(best["arm"])
+    colors = arm_colors(arms)
+    ncols = min(4, len(metrics))
+    nrows = math.ceil(len(metrics) / ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(3.2 * ncols, 2.9 * nrows), squeeze=False)
+    for ax, m in zip(axes.ravel(), metrics, strict=False):
+        y = best[m].astype(float).to_numpy()
+        se = best.get(m + "_stderr", pd.Series([np.nan] * len(best))).astype(float).to_numpy()
+        x = np.arange(len(arms))
+        for xi, yi, si, arm in zip(x, y, se, arms, strict=False):
+            ax.errorbar([xi], [yi], yerr=None if not np.isfinite(si) else [[si], [si]],
+                        fmt="o", color=colors[arm], capsize=4, ms=6)
+        ax.set_xticks(x)
+        ax.set_xticklabels(arms, rotation=30, ha="right", fontsize=8)
+        arrow = "↓" if stats.lower_is_better(m) else "↑"
+        ax.set_title(f"{m} {arrow}", fontsize=9)
+        ax.grid(True, axis="y", alpha=0.3)
+        ax.tick_params(axis="y", labelsize=8)
+    for ax in axes.ravel()[len(metrics):]:
+        ax.axis("off")
+    fig.suptitle(title or "Downstream scores at each arm's best config (±1 stderr)", fontsize=10)
+    fig.tight_layout()
+    return _save(fig, path)

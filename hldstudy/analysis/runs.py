@@ -1,0 +1,604 @@
+"""Loading a sweep's run directories into one table.
+
+Run directory contract (one directory per run under RUNS_DIR, at most one
+level of nesting, e.g. ``RUNS_DIR/<run>`` or ``RUNS_DIR/<group>/<run>``):
+
+- ``config.json``: the resolved ``hldstudy.config.Config`` (``config_to_dict``).
+- ``results.json``: written when the run finishes, ``{"status": "done",
+  "steps", "flops_spent", "flops_budget", "valid_nll", "valid_ppl",
+  "eval": {task: {metric: v, metric + "_stderr": v}}}``; optional keys
+  ``run_id`` and ``config_hash`` enable the consistency check below. No
+  ``results.json`` -> the run is unfinished.
+- ``RUNS_DIR/sweep.json`` (optional): ``{"runs": [{"run_id", "dir", ...}]}``
+  lists the runs the sweep expected; listed runs whose directory is missing
+  are reported as ``missing``. An entry may carry the hyperparameters it set
+  as ``"overrides": ["train.lr=0.003", ...]`` or ``"params": {"train.lr": 0.003}``.
+
+A run's ``run_id`` is its directory path relative to RUNS_DIR (the folder
+name for a flat sweep).
+
+Consistency check ("does this config still belong to this directory?"); any
+failure raises ``InputError`` listing the runs:
+
+1. ``results.json["run_id"]``, when present, must equal the folder name or
+   the relative path.
+2. ``results.json["config_hash"]`` (or ``config_sha256``), when present, must
+   be a prefix (>= 8 hex digits) of ``config_hash(config.json)``: sha256 of
+   the canonical JSON (``sort_keys=True, separators=(",", ":")``) - i.e. the
+   config was not edited after the run.
+3. Hyperparameters in the sweep.json entry (``overrides`` / ``params``) must
+   equal the config's values.
+4. Hyperparameters encoded in the folder name must match the config, at the
+   precision written in the name. Recognised ``key[=|-]value`` tokens,
+   separated by ``_ , + /`` or the ends of the name: ``lr``; ``T``, ``tau``,
+   ``temp``, ``temperature``; ``a``, ``alpha``, ``nll``, ``nllw``; ``hw``,
+   ``hidden_weight``; ``seed``, ``s``; and a bare method name (``kd``,
+   ``hldf``...). ``lr3e-3`` matches 0.003 and 0.0031 (one significant digit
+   written) but not 0.001. Disable with ``check_names=False``
+   (``--no-name-check``) when a naming scheme collides with these tokens.
+
+FLOP budgets: every finished run in one comparison must share
+``(budget.flops, budget.count_teacher)``; otherwise ``InputError`` names the
+budgets and their runs, unless ``allow_mixed_budgets=True`` (then the
+analysis is done per budget).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from hldstudy.config import Config, config_to_dict
+from hldstudy.errors import InputError
+
+log = logging.getLogger("hldstudy.analysis")
+
+CONFIG_FILE = "config.json"
+RESULTS_FILE = "results.json"
+SWEEP_FILE = "sweep.json"
+
+METHODS = ("baseline", "kd", "hldf", "hldc", "patient")
+REFERENCE = "kd"
+# Methods with a hidden-alignment term; their method-specific knobs define "arms".
+ARM_PARAMS = {
+    "hldf": ("distill.hidden_weight", "distill.hldf_stage1_share", "distill.layer_pairs"),
+    "hldc": ("distill.hidden_weight", "distill.layer_pairs"),
+    "patient": ("distill.hidden_weight", "distill.patient_pairs", "distill.layer_pairs"),
+}
+ARM_SHORT = {
+    "distill.hidden_weight": "hw",
+    "distill.hldf_stage1_share": "s1",
+    "distill.layer_pairs": "pairs",
+    "distill.patient_pairs": "np",
+}
+# Config leaves that are columns of their own or never change what is compared.
+HANDLED = {
+    "name", "distill.method", "train.lr", "train.seed", "distill.temperature", "distill.alpha",
+    "budget.flops", "budget.count_teacher", "data.seed",
+    *{p for ps in ARM_PARAMS.values() for p in ps},
+}
+IGNORED_PREFIXES = ("wandb.",)
+IGNORED = {
+    "train.progress", "train.log_every", "train.eval_every", "train.eval_batches",
+    "train.checkpoint_every", "train.keep_checkpoints", "train.mesh_data", "train.mesh_fsdp",
+    "model.remat", "teacher.ring_size", "teacher.timeout_s", "distill.loss_impl",
+    "distill.fused_backend",
+}
+BASE_COLUMNS = [
+    "run_id", "dir", "status", "method", "arm", "lr", "temperature", "alpha", "hidden_weight",
+    "seed", "budget", "count_teacher", "flops_budget", "flops_spent", "steps", "valid_ppl",
+    "valid_nll",
+]
+
+
+# --------------------------------------------------------------------------- #
+# Helpers
+# --------------------------------------------------------------------------- #
+
+
+def config_hash(config: dict) -> str:
+    """sha256 hex of the canonical JSON of a config dict (see module docstring)."""
+    text = json.dumps(config, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise InputError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+    except OSError as e:
+        raise InputError(f"{path}: cannot read ({e.strerror})") from None
+
+
+def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(_flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+_DEFAULTS = _flatten(config_to_dict(Config()))
+
+
+def _cfg_get(flat: dict, key: str) -> Any:
+    return flat.get(key, _DEFAULTS.get(key))
+
+
+def _metric_name(name: str) -> str:
+    # lm-eval >= 0.4 writes "acc,none" / "acc_stderr,none".
+    return name.split(",", 1)[0]
+
+
+def _flatten_eval(ev: Any) -> dict[str, float]:
+    out: dict[str, float] = {}
+    if not isinstance(ev, dict):
+        return out
+    for task, metrics in ev.items():
+        if not isinstance(metrics, dict):
+            continue
+        for m, v in metrics.items():
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                continue
+            out[f"{task}/{_metric_name(m)}"] = float(v)
+    return out
+
+
+def _fmt_value(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:g}"
+    return str(v)
+
+
+def _is_run_dir(p: Path) -> bool:
+    return p.is_dir() and ((p / CONFIG_FILE).exists() or (p / RESULTS_FILE).exists())
+
+
+def _discover(root: Path) -> list[Path]:
+    found = []
+    for child in sorted(root.iterdir()):
+        if not child.is_dir() or child.name.startswith("."):
+            continue
+        if _is_run_dir(child):
+            found.append(child)
+            continue
+        for grand in sorted(child.iterdir()):
+            if not grand.name.startswith(".") and _is_run_dir(grand):
+                found.append(grand)
+    return found
+
+
+# --------------------------------------------------------------------------- #
+# Name-encoded hyperparameters
+# --------------------------------------------------------------------------- #
+
+_NAME_KEYS = {
+    "lr": "train.lr",
+    "temperature": "distill.temperature", "temp": "distill.temperature",
+    "tau": "distill.temperature", "T": "distill.temperature",
+    "alpha": "distill.alpha", "nllw": "distill.alpha", "nll": "distill.alpha",
+    "a": "distill.alpha",
+    "hidden_weight": "distill.hidden_weight", "hw": "distill.hidden_weight",
+    "seed": "train.seed", "s": "train.seed",
+}
+_NUM = r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?"
+_SEP = r"[_,+/\s]"
+_KEY_RE = re.compile(
+    rf"(?:^|{_SEP})({'|'.join(sorted(map(re.escape, _NAME_KEYS), key=len, reverse=True))})"
+    rf"(?:=|-)?({_NUM})(?=$|{_SEP})"
+)
+_METHOD_RE = re.compile(rf"(?:^|[_,+/\s-])({'|'.join(METHODS)})(?=$|[_,+/\s-])")
+
+
+def _sig_digits(text: str) -> int:
+    mant = re.split(r"[eE]", text.lstrip("+-"))[0]
+    digits = mant.replace(".", "").lstrip("0")
+    if "." not in mant:
+        digits = digits.rstrip("0")
+    return max(1, len(digits))
+
+
+def _matches_at_precision(written: str, actual: Any) -> bool:
+    try:
+        w = float(written)
+        a = float(actual)
+    except (TypeError, ValueError):
+        return False
+    if math.isclose(w, a, rel_tol=1e-9, abs_tol=1e-15):
+        return True
+    if a == 0 or w == 0:
+        return False
+    sig = _sig_digits(written)
+    rounded = float(f"{a:.{sig - 1}e}")
+    return math.isclose(rounded, w, rel_tol=1e-9)
+
+
+def name_mismatches(name: str, flat_cfg: dict) -> list[str]:
+    """Hyperparameters encoded in a run folder name that disagree with its config."""
+    problems = []
+    for key, written in _KEY_RE.findall(name):
+        field = _NAME_KEYS[key]
+        actual = _cfg_get(flat_cfg, field)
+        if not _matches_at_precision(written, actual):
+            problems.append(f"name says {key}={written} but {field}={_fmt_value(actual)}")
+    methods = set(_METHOD_RE.findall(name))
+    if len(methods) == 1:
+        (m,) = methods
+        actual = _cfg_get(flat_cfg, "distill.method")
+        if m != actual:
+            problems.append(f"name says method {m} but distill.method={actual}")
+    return problems
+
+
+def _param_mismatches(params: dict, flat_cfg: dict) -> list[str]:
+    problems = []
+    for key, want in params.items():
+        if key not in _DEFAULTS and key not in flat_cfg:
+            continue
+        have = _cfg_get(flat_cfg, key)
+        if isinstance(want, (int, float)) and not isinstance(want, bool) and \
+                isinstance(have, (int, float)) and not isinstance(have, bool):
+            same = math.isclose(float(want), float(have), rel_tol=1e-9, abs_tol=1e-15)
+        else:
+            same = str(want).lower() == str(have).lower()
+        if not same:
+            problems.append(f"sweep.json sets {key}={_fmt_value(want)} but config has {_fmt_value(have)}")
+    return problems
+
+
+def _sweep_params(entry: dict) -> dict:
+    params: dict = {}
+    ov = entry.get("overrides")
+    if isinstance(ov, (list, tuple)):
+        for item in ov:
+            if isinstance(item, str) and "=" in item:
+                k, v = item.split("=", 1)
+                try:
+                    v = json.loads(v)
+                except (json.JSONDecodeError, ValueError):
+                    pass
+                params[k.strip()] = v
+    for key in ("params", "hparams"):
+        p = entry.get(key)
+        if isinstance(p, dict):
+            params.update(_flatten(p))
+    return params
+
+
+# --------------------------------------------------------------------------- #
+# Loading
+# --------------------------------------------------------------------------- #
+
+
+def _budget_label(flops: float, count_teacher: bool) -> str:
+    who = "teacher counted" if count_teacher else "student only"
+    if not flops:
+        return f"no FLOP budget ({who})"
+    return f"{flops:.3g} FLOPs ({who})"
+
+
+def _read_sweep(root: Path) -> list[dict] | None:
+    path = root / SWEEP_FILE
+    if not path.exists():
+        return None
+    data = _read_json(path)
+    runs = data.get("runs") if isinstance(data, dict) else None
+    if not isinstance(runs, list):
+        raise InputError(f"{path}: expected {{\"runs\": [{{\"run_id\": ..., \"dir\": ...}}, ...]}}")
+    out = []
+    for i, e in enumerate(runs):
+        if not isinstance(e, dict) or not (e.get("dir") or e.get("run_id")):
+            raise InputError(f"{path}: runs[{i}] needs a \"dir\" or \"run_id\"")
+        out.append(e)
+    return out
+
+
+def _resolve_entry_dir(root: Path, entry: dict) -> Path:
+    d = entry.get("dir") or entry.get("run_id")
+    p = Path(d)
+    if not p.is_absolute():
+        p = root / p
+    return p
+
+
+def load_runs(runs_dir: str | Path, *, allow_mixed_budgets: bool = False,
+              check_names: bool = True) -> pd.DataFrame:
+    """One row per run (finished or not) of a sweep; see the module docstring.
+
+    Columns: ``BASE_COLUMNS``, any extra config fields that vary across the
+    distillation runs (dotted names, treated as further grid dimensions), and
+    downstream metrics flattened as ``task/metric`` (and ``task/metric_stderr``).
+    ``status`` is ``done``, ``unfinished`` (no results.json), ``missing``
+    (listed in sweep.json, no directory) or the status results.json gives.
+    ``df.attrs`` holds ``grid_cols`` (hyperparameter columns that define a
+    point, seed excluded), ``extra_cols``, ``metric_cols``, ``warnings`` and
+    ``runs_dir``.
+    """
+    root = Path(runs_dir)
+    if not root.exists():
+        raise InputError(f"{root}: runs directory does not exist")
+    if not root.is_dir():
+        raise InputError(f"{root}: not a directory")
+    if _is_run_dir(root) and not (root / SWEEP_FILE).exists():
+        raise InputError(f"{root} is a single run directory; pass the directory that holds the runs")
+
+    warnings: list[str] = []
+    sweep = _read_sweep(root)
+    dirs = _discover(root)
+    entries_by_dir: dict[Path, dict] = {}
+    missing: list[dict] = []
+    if sweep is not None:
+        for e in sweep:
+            p = _resolve_entry_dir(root, e)
+            if _is_run_dir(p):
+                entries_by_dir[p.resolve()] = e
+                if p.resolve() not in {d.resolve() for d in dirs}:
+                    dirs.append(p)
+            else:
+                missing.append(e)
+        extra = [d for d in dirs if d.resolve() not in entries_by_dir]
+        if extra:
+            warnings.append(f"{len(extra)} run director{'y' if len(extra) == 1 else 'ies'} not "
+                            f"listed in sweep.json (included): "
+                            + ", ".join(_rel(root, d) for d in extra[:5])
+                            + (" ..." if len(extra) > 5 else ""))
+
+    if not dirs and not missing:
+        raise InputError(f"{root}: no run directories (folders with {CONFIG_FILE} / "
+                         f"{RESULTS_FILE}) found, at top level or one level down")
+
+    rows: list[dict] = []
+    flats: list[dict] = []
+    mismatches: list[str] = []
+    for d in dirs:
+        run_id = _rel(root, d)
+        cfg_path, res_path = d / CONFIG_FILE, d / RESULTS_FILE
+        if not cfg_path.exists():
+            raise InputError(f"{cfg_path}: missing; a run directory needs the config it ran with")
+        cfg = _read_json(cfg_path)
+        if not isinstance(cfg, dict):
+            raise InputError(f"{cfg_path}: expected a JSON object (config_to_dict(Config))")
+        flat = _flatten(cfg)
+        method = _cfg_get(flat, "distill.method")
+        if method not in METHODS:
+            raise InputError(f"{cfg_path}: distill.method={method!r} is not one of {', '.join(METHODS)}")
+        res = _read_json(res_path) if res_path.exists() else None
+        if res is not None and not isinstance(res, dict):
+            raise InputError(f"{res_path}: expected a JSON object")
+
+        # -- consistency checks
+        probs: list[str] = []
+        if res is not None and res.get("run_id") is not None:
+            rid = str(res["run_id"])
+            if rid not in (d.name, run_id):
+                probs.append(f"results.json run_id={rid!r} but the folder is {d.name!r}")
+        recorded = None if res is None else (res.get("config_hash") or res.get("config_sha256"))
+        if recorded:
+            rec = str(recorded).lower()
+            if len(rec) < 8 or not config_hash(cfg).startswith(rec):
+                probs.append(f"config.json hash {config_hash(cfg)[:12]} != recorded {rec[:12]} "
+                             f"(config edited after the run?)")
+        entry = entries_by_dir.get(d.resolve())
+        if entry is not None:
+            probs += _param_mismatches(_sweep_params(entry), flat)
+        if check_names:
+            probs += name_mismatches(d.name, flat)
+        if probs:
+            mismatches.append(f"{run_id}: " + "; ".join(probs))
+
+        row = _row(run_id, d, root, flat, res, warnings)
+        rows.append(row)
+        flats.append(flat)
+
+    if mismatches:
+        n = len(mismatches)
+        raise InputError(
+            f"{n} run{'s' if n > 1 else ''} whose config does not match its directory: "
+            + " | ".join(mismatches[:5]) + (f" | ... ({n - 5} more)" if n > 5 else "")
+            + " (re-run or fix the directory; --no-name-check skips the folder-name check)")
+
+    for e in missing:
+        rid = str(e.get("run_id") or Path(e.get("dir")).name)
+        rows.append({"run_id": rid, "dir": str(e.get("dir") or rid), "status": "missing",
+                     "method": None})
+        flats.append({})
+
+    df = pd.DataFrame(rows)
+    for c in BASE_COLUMNS:
+        if c not in df.columns:
+            df[c] = np.nan
+    done = df["status"] == "done"
+    if not done.any():
+        raise InputError(
+            f"{root}: no finished runs - none of the {len(df)} run(s) has a {RESULTS_FILE} with "
+            f'"status": "done" (statuses: {_counts(df["status"])})')
+
+    not_done = df[~done]
+    if len(not_done):
+        warnings.append(f"{len(not_done)} run(s) not finished and left out of every comparison "
+                        f"({_counts(not_done['status'])}): "
+                        + ", ".join(not_done["run_id"].astype(str).head(8))
+                        + (" ..." if len(not_done) > 8 else ""))
+
+    # -- budgets
+    budgets = df.loc[done, "budget"].unique()
+    if len(budgets) > 1 and not allow_mixed_budgets:
+        parts = []
+        for b in sorted(budgets):
+            ids = df.loc[done & (df["budget"] == b), "run_id"].astype(str).tolist()
+            parts.append(f"{b}: {len(ids)} run(s) ({', '.join(ids[:3])}{' ...' if len(ids) > 3 else ''})")
+        raise InputError(
+            "runs with different FLOP budgets cannot be compared as one grid: " + "; ".join(parts)
+            + " (analyse one budget per RUNS_DIR, or pass --allow-mixed-budgets to report each "
+            "budget separately)")
+
+    # -- seeds: data.seed folds into the seed when it varies independently of train.seed
+    _fold_data_seed(df, flats, done)
+    # -- arms and extra grid dimensions
+    extra_cols = _extra_dims(df, flats, done)
+    _assign_arms(df, flats, done)
+
+    metric_cols = sorted(c for c in df.columns if "/" in c and not c.endswith("_stderr"))
+    stderr_cols = sorted(c for c in df.columns if "/" in c and c.endswith("_stderr"))
+    ordered = BASE_COLUMNS + extra_cols + [c for m in metric_cols for c in (m, m + "_stderr")
+                                           if c in df.columns]
+    ordered += [c for c in df.columns if c not in ordered and c not in ("_flat",)]
+    df = df[ordered].sort_values(["status", "budget", "method", "run_id"],
+                                 key=lambda s: s.astype(str), kind="mergesort")
+    df = df.reset_index(drop=True)
+    for w in warnings:
+        log.warning(w)
+    projects = pd.Series([_cfg_get(f, "wandb.project") for f in flats if f]).dropna()
+    df.attrs.update({
+        "runs_dir": str(root),
+        "wandb_project": str(projects.mode().iloc[0]) if len(projects) else None,
+        "grid_cols": ["lr", "temperature", "alpha"] + extra_cols,
+        "extra_cols": extra_cols,
+        "metric_cols": metric_cols,
+        "stderr_cols": stderr_cols,
+        "warnings": warnings,
+    })
+    return df
+
+
+def _rel(root: Path, d: Path) -> str:
+    try:
+        return d.resolve().relative_to(root.resolve()).as_posix()
+    except ValueError:
+        return d.name
+
+
+def _counts(s: pd.Series) -> str:
+    vc = s.astype(str).value_counts()
+    return ", ".join(f"{k}: {v}" for k, v in vc.items())
+
+
+def _num(x: Any) -> float:
+    if x is None or isinstance(x, bool):
+        return math.nan
+    try:
+        return float(x)
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def _row(run_id: str, d: Path, root: Path, flat: dict, res: dict | None,
+         warnings: list[str]) -> dict:
+    method = _cfg_get(flat, "distill.method")
+    flops = float(_cfg_get(flat, "budget.flops") or 0.0)
+    count_teacher = bool(_cfg_get(flat, "budget.count_teacher"))
+    distills = method != "baseline"
+    row: dict[str, Any] = {
+        "run_id": run_id,
+        "dir": _rel(root, d),
+        "method": method,
+        "lr": _num(_cfg_get(flat, "train.lr")),
+        "temperature": _num(_cfg_get(flat, "distill.temperature")) if distills else math.nan,
+        "alpha": _num(_cfg_get(flat, "distill.alpha")) if distills else math.nan,
+        "hidden_weight": (_num(_cfg_get(flat, "distill.hidden_weight"))
+                          if method in ARM_PARAMS else math.nan),
+        "seed": _cfg_get(flat, "train.seed"),
+        "budget": _budget_label(flops, count_teacher),
+        "budget_flops": flops,
+        "count_teacher": count_teacher,
+    }
+    if res is None:
+        row["status"] = "unfinished"
+        return row
+    status = str(res.get("status", "done"))
+    row["status"] = status
+    row["steps"] = _num(res.get("steps"))
+    row["flops_spent"] = _num(res.get("flops_spent"))
+    fb = _num(res.get("flops_budget"))
+    row["flops_budget"] = fb if math.isfinite(fb) else (flops if flops else math.nan)
+    if flops and math.isfinite(fb) and not math.isclose(fb, flops, rel_tol=1e-6):
+        warnings.append(f"{run_id}: results.json flops_budget={fb:.4g} but config "
+                        f"budget.flops={flops:.4g}; using config for grouping")
+    nll, ppl = _num(res.get("valid_nll")), _num(res.get("valid_ppl"))
+    if not math.isfinite(ppl) and math.isfinite(nll):
+        ppl = math.exp(nll)
+    if not math.isfinite(nll) and math.isfinite(ppl) and ppl > 0:
+        nll = math.log(ppl)
+    row["valid_ppl"], row["valid_nll"] = ppl, nll
+    if status == "done" and not math.isfinite(ppl):
+        warnings.append(f"{run_id}: finished but has no finite valid_ppl / valid_nll")
+    row.update(_flatten_eval(res.get("eval")))
+    return row
+
+
+def _fold_data_seed(df: pd.DataFrame, flats: list[dict], done: pd.Series) -> None:
+    ds = pd.Series([_cfg_get(f, "data.seed") if f else None for f in flats], index=df.index)
+    ts = df["seed"]
+    sub = pd.DataFrame({"t": ts[done].astype(str), "d": ds[done].astype(str)})
+    if sub["d"].nunique() <= 1:
+        return
+    # one-to-one with train.seed -> carries no extra information
+    if sub.groupby("t")["d"].nunique().max() == 1 and sub.groupby("d")["t"].nunique().max() == 1:
+        return
+    df["seed"] = [f"{t}/{d}" if f else t for t, d, f in zip(ts, ds, flats, strict=False)]
+
+
+def _applies(method: str, key: str, flat: dict) -> bool:
+    if method == "baseline" and key.startswith(("distill.", "teacher.")):
+        return False
+    if key == "distill.jsd_beta" and _cfg_get(flat, "distill.divergence") != "jsd":
+        return False
+    return True
+
+
+def _extra_dims(df: pd.DataFrame, flats: list[dict], done: pd.Series) -> list[str]:
+    keys = sorted({k for i, f in enumerate(flats) if done.iloc[i] for k in f})
+    extras = []
+    budgets = df["budget_flops"].fillna(0)
+    for key in keys:
+        if key in HANDLED or key in IGNORED or key.startswith(IGNORED_PREFIXES):
+            continue
+        if key == "train.steps" and (budgets[done] > 0).all():
+            continue  # steps follow from the FLOP budget
+        vals = set()
+        for i, f in enumerate(flats):
+            if done.iloc[i] and _applies(df["method"].iloc[i], key, f):
+                vals.add(json.dumps(_cfg_get(f, key), sort_keys=True, default=str))
+        if len(vals) > 1:
+            extras.append(key)
+    for key in extras:
+        df[key] = [
+            (_fmt_value(_cfg_get(f, key)) if f and _applies(m, key, f) else None)
+            for f, m in zip(flats, df["method"], strict=False)
+        ]
+    return extras
+
+
+def _assign_arms(df: pd.DataFrame, flats: list[dict], done: pd.Series) -> None:
+    arms = []
+    varying: dict[str, list[str]] = {}
+    for method, params in ARM_PARAMS.items():
+        idx = [i for i in range(len(df)) if done.iloc[i] and df["method"].iloc[i] == method]
+        varying[method] = [
+            p for p in params
+            if len({json.dumps(_cfg_get(flats[i], p), default=str) for i in idx}) > 1
+        ]
+    for i, f in enumerate(flats):
+        method = df["method"].iloc[i]
+        if method is None:
+            arms.append(None)
+            continue
+        vs = varying.get(method, [])
+        if vs:
+            tag = ",".join(f"{ARM_SHORT[p]}={_fmt_value(_cfg_get(f, p))}" for p in vs)
+            arms.append(f"{method}[{tag}]")
+        else:
+            arms.append(method)
+    df["arm"] = arms

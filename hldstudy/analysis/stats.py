@@ -1,0 +1,305 @@
+"""Statistics for comparing distillation methods (pure numpy / scipy).
+
+Everything here works on *paired* observations: at one shared grid point
+(same learning rate, temperature, NLL weight, seed, FLOP budget) we have one
+run of method M and one run of the reference method (KD). The unit of
+analysis is the per-point difference ``delta = metric(M) - metric(KD)``; the
+pairing removes the (large) variation of the metric across the grid, so the
+tests below only ask about the *distribution of those differences*.
+
+What each test answers:
+
+- ``paired_bootstrap_ci``: percentile bootstrap CI of the mean delta. Pairs
+  (points) are resampled with replacement, so the CI describes how much the
+  mean delta *across this grid* would move had we run a different set of grid
+  points drawn like these. It does not cover seed noise within a point unless
+  the deltas were averaged over seeds first (see ``tables``), nor the
+  evaluation-set sampling error of each number.
+- ``sign_test``: exact two-sided binomial test of "a point is as likely to
+  favour M as KD" (median delta = 0). Ties (delta == 0) are dropped.
+  Distribution-free and robust to a few huge deltas; low power for small n.
+- ``wilcoxon_signed_rank``: secondary test (symmetric deltas around 0), more
+  power than the sign test, more assumptions.
+- ``holm``: Holm-Bonferroni step-down adjustment when several metrics (tasks)
+  are tested for the same method, controlling the family-wise error rate.
+- ``seed_variance``: std across seeds at a fixed point, pooled over points -
+  the noise floor a systematic delta has to beat.
+- ``select_best``: best config per method on validation perplexity, seed-mean
+  first, ties broken deterministically.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
+
+import numpy as np
+from scipy import stats as _st
+
+__all__ = [
+    "BootstrapCI",
+    "SignTest",
+    "paired_deltas",
+    "relative_delta_pct",
+    "paired_bootstrap_ci",
+    "sign_test",
+    "wilcoxon_signed_rank",
+    "holm",
+    "pooled_std",
+    "seed_variance",
+    "select_best",
+    "lower_is_better",
+]
+
+
+def _as_1d(x: Iterable[float]) -> np.ndarray:
+    arr = np.asarray(list(x) if not isinstance(x, np.ndarray) else x, dtype=float).ravel()
+    return arr
+
+
+def paired_deltas(values: Iterable[float], reference: Iterable[float]) -> np.ndarray:
+    """``values - reference`` elementwise; both are aligned on the same points. NaN pairs dropped."""
+    a, b = _as_1d(values), _as_1d(reference)
+    if a.shape != b.shape:
+        raise ValueError(f"paired arrays differ in length: {a.shape[0]} vs {b.shape[0]}")
+    d = a - b
+    return d[np.isfinite(d)]
+
+
+def relative_delta_pct(value, reference):
+    """``100 * (value - reference) / reference``: the relative change in %.
+
+    For perplexity a negative number means the method is better than the
+    reference. Works on scalars and arrays.
+    """
+    value = np.asarray(value, dtype=float)
+    reference = np.asarray(reference, dtype=float)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        out = 100.0 * (value - reference) / reference
+    return out.item() if out.ndim == 0 else out
+
+
+@dataclass(frozen=True)
+class BootstrapCI:
+    """Percentile-bootstrap CI of the mean of paired deltas.
+
+    ``mean`` is the observed mean delta; ``[lo, hi]`` is the central
+    ``level`` interval of the bootstrap distribution of the mean, obtained by
+    resampling the ``n`` pairs with replacement ``n_resamples`` times
+    (``seed`` makes it reproducible). ``lo``/``hi`` are NaN when n < 2 (one
+    pair says nothing about variability) and equal ``mean`` when all deltas
+    are identical.
+    """
+
+    mean: float
+    lo: float
+    hi: float
+    n: int
+    level: float
+    n_resamples: int
+    seed: int
+
+    def excludes_zero(self) -> bool:
+        return bool(np.isfinite(self.lo) and (self.lo > 0 or self.hi < 0))
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def paired_bootstrap_ci(
+    deltas: Iterable[float],
+    *,
+    n_resamples: int = 10_000,
+    level: float = 0.95,
+    seed: int = 0,
+) -> BootstrapCI:
+    """Percentile bootstrap CI of the mean paired delta.
+
+    ``deltas[i]`` is the difference between the two methods at shared point i
+    (the pairing is done by the caller; see ``paired_deltas``). The pairs are
+    the resampling unit: the CI describes the uncertainty of the *mean delta
+    over the grid* due to which points happened to be run, and says nothing
+    about any single point. Percentile method, no bias correction.
+    """
+    if not 0 < level < 1:
+        raise ValueError(f"level must be in (0, 1), got {level}")
+    if n_resamples < 1:
+        raise ValueError(f"n_resamples must be >= 1, got {n_resamples}")
+    d = _as_1d(deltas)
+    d = d[np.isfinite(d)]
+    n = int(d.size)
+    if n == 0:
+        return BootstrapCI(math.nan, math.nan, math.nan, 0, level, n_resamples, seed)
+    mean = float(d.mean())
+    if n == 1:
+        return BootstrapCI(mean, math.nan, math.nan, 1, level, n_resamples, seed)
+    if np.all(d == d[0]):
+        return BootstrapCI(mean, mean, mean, n, level, n_resamples, seed)
+    rng = np.random.default_rng(seed)
+    # Resample in blocks to bound memory for large n * n_resamples.
+    means = np.empty(n_resamples)
+    block = max(1, 2_000_000 // n)
+    for start in range(0, n_resamples, block):
+        stop = min(n_resamples, start + block)
+        idx = rng.integers(0, n, size=(stop - start, n))
+        means[start:stop] = d[idx].mean(axis=1)
+    alpha = (1.0 - level) / 2.0
+    lo, hi = np.quantile(means, [alpha, 1.0 - alpha])
+    # Guard against float rounding pushing the interval off the observed mean.
+    return BootstrapCI(mean, float(min(lo, mean)), float(max(hi, mean)), n, level, n_resamples, seed)
+
+
+@dataclass(frozen=True)
+class SignTest:
+    """Exact two-sided sign test. ``n = n_pos + n_neg`` (zeros dropped)."""
+
+    n_pos: int
+    n_neg: int
+    n_zero: int
+    p_value: float
+
+    @property
+    def n(self) -> int:
+        return self.n_pos + self.n_neg
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "n": self.n}
+
+
+def sign_test(deltas: Iterable[float]) -> SignTest:
+    """Exact two-sided binomial sign test of H0: P(delta > 0) = P(delta < 0) = 1/2.
+
+    Zeros are dropped (the usual convention). With k = min(#pos, #neg) and
+    n = #pos + #neg, ``p = min(1, 2 * P[Binomial(n, 1/2) <= k])``; p = 1 when
+    n = 0.
+    """
+    d = _as_1d(deltas)
+    d = d[np.isfinite(d)]
+    n_pos = int((d > 0).sum())
+    n_neg = int((d < 0).sum())
+    n_zero = int((d == 0).sum())
+    n = n_pos + n_neg
+    if n == 0:
+        return SignTest(n_pos, n_neg, n_zero, 1.0)
+    k = min(n_pos, n_neg)
+    p = min(1.0, 2.0 * float(_st.binom.cdf(k, n, 0.5)))
+    return SignTest(n_pos, n_neg, n_zero, p)
+
+
+def wilcoxon_signed_rank(deltas: Iterable[float]) -> float:
+    """Two-sided Wilcoxon signed-rank p-value of the paired deltas (NaN if it can't be computed).
+
+    Secondary to the sign test: it assumes the deltas are symmetric around
+    their median. Zeros are dropped ("wilcox"); exact distribution for small
+    n without ties, normal approximation otherwise (scipy's choice).
+    """
+    d = _as_1d(deltas)
+    d = d[np.isfinite(d)]
+    d = d[d != 0]
+    if d.size == 0:
+        return math.nan
+    try:
+        return float(_st.wilcoxon(d, zero_method="wilcox", alternative="two-sided").pvalue)
+    except ValueError:
+        return math.nan
+
+
+def holm(p_values: Sequence[float]) -> np.ndarray:
+    """Holm-Bonferroni adjusted p-values (family-wise error control), NaNs passed through.
+
+    Sort the m finite p-values ascending; adjusted p_(i) = max_{j<=i} min(1, (m - j + 1) p_(j)).
+    """
+    p = np.asarray(p_values, dtype=float)
+    out = np.full_like(p, np.nan)
+    ok = np.isfinite(p)
+    pv = p[ok]
+    m = pv.size
+    if m == 0:
+        return out
+    order = np.argsort(pv, kind="mergesort")
+    adj = np.minimum(1.0, (m - np.arange(m)) * pv[order])
+    adj = np.maximum.accumulate(adj)
+    res = np.empty(m)
+    res[order] = adj
+    out[ok] = res
+    return out
+
+
+def pooled_std(stds: Iterable[float], counts: Iterable[int]) -> float:
+    """``sqrt(sum (n_i - 1) s_i^2 / sum (n_i - 1))`` over groups with n_i >= 2 (NaN if none)."""
+    s = _as_1d(stds)
+    n = _as_1d(counts)
+    ok = np.isfinite(s) & (n >= 2)
+    dof = (n[ok] - 1).sum()
+    if dof <= 0:
+        return math.nan
+    return float(np.sqrt(((n[ok] - 1) * s[ok] ** 2).sum() / dof))
+
+
+def seed_variance(df, value: str, group_cols: Sequence[str], seed_col: str = "seed"):
+    """Std across seeds of ``value`` at each point, and the pooled std.
+
+    ``group_cols`` identify a point (everything but the seed, method included).
+    Returns ``(per_point, pooled)`` where ``per_point`` is a DataFrame with
+    ``group_cols + ["n_seeds", "mean", "std"]`` (std with ddof=1, NaN for one
+    seed) and ``pooled`` the pooled std over points with >= 2 seeds
+    (``pooled_std``), NaN when no point has two seeds.
+    """
+    import pandas as pd
+
+    cols = list(group_cols)
+    sub = df[cols + [seed_col, value]].dropna(subset=[value])
+    if sub.empty:
+        return pd.DataFrame(columns=cols + ["n_seeds", "mean", "std"]), math.nan
+    g = sub.groupby(cols, dropna=False, sort=True)[value]
+    per = g.agg(n_seeds="count", mean="mean", std=lambda x: x.std(ddof=1) if len(x) > 1 else np.nan)
+    per = per.reset_index()
+    return per, pooled_std(per["std"].to_numpy(), per["n_seeds"].to_numpy())
+
+
+def select_best(df, score: str = "valid_ppl", config_cols: Sequence[str] = (),
+                tiebreak: Sequence[str] = ()):
+    """The best config in ``df``: lowest ``score`` (validation perplexity by default).
+
+    Rows that share ``config_cols`` (differing only by seed) are averaged
+    first, so a config wins on its seed-mean, not on its luckiest seed.
+    Ties on the score are broken by ascending ``tiebreak`` columns then by the
+    config tuple itself (NaN last), so the choice is deterministic. Returns
+    ``(config_key: dict, rows: DataFrame)`` with the rows of the winning
+    config; raises ValueError when no row has a finite score.
+    """
+    cols = list(config_cols)
+    sub = df[np.isfinite(df[score].astype(float))]
+    if sub.empty:
+        raise ValueError(f"no row has a finite {score!r}")
+    if cols:
+        grp = sub.groupby(cols, dropna=False, sort=False)
+        agg = grp[score].mean().reset_index()
+    else:
+        agg = sub[[score]].mean().to_frame().T
+    keys = [score] + list(tiebreak) + [c for c in cols if c not in tiebreak]
+    agg = agg.sort_values(keys, kind="mergesort", na_position="last").reset_index(drop=True)
+    top = agg.iloc[0]
+    key = {c: top[c] for c in cols}
+    mask = np.ones(len(sub), dtype=bool)
+    for c, v in key.items():
+        col = sub[c]
+        mask &= (col.isna().to_numpy() if _isnan(v) else (col == v).to_numpy())
+    return key, sub[mask]
+
+
+def _isnan(v) -> bool:
+    try:
+        return bool(np.isnan(v))
+    except TypeError:
+        return v is None
+
+
+_LOWER_TOKENS = ("perplexity", "ppl", "nll", "loss", "bits_per_byte", "byte_perplexity", "bpb")
+
+
+def lower_is_better(metric: str) -> bool:
+    """True for perplexity / NLL / loss / bits-per-byte metrics, False for accuracies."""
+    m = metric.lower().split("/")[-1]
+    return any(t in m for t in _LOWER_TOKENS)

@@ -1,0 +1,326 @@
+"""End-to-end tests of `python -m hldstudy.analysis` on a fake-but-realistic RUNS_DIR."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from hldstudy.analysis import runs as runs_mod
+from hldstudy.analysis.__main__ import main
+from hldstudy.analysis.report import build_report
+from hldstudy.analysis.runs import config_hash, load_runs
+from hldstudy.config import (
+    BudgetConfig,
+    Config,
+    DistillConfig,
+    TeacherConfig,
+    TrainConfig,
+    config_to_dict,
+)
+from hldstudy.errors import InputError
+
+FLOPS_PER_STEP = {"baseline": 0.96e9, "kd": 1.0e9, "hldf": 1.01e9, "hldc": 1.03e9, "patient": 1.05e9}
+# Systematic relative perplexity effect vs KD (negative = better).
+EFFECT = {"baseline": +0.025, "kd": 0.0, "hldf": -0.004, "hldc": +0.001, "patient": +0.002}
+
+
+def run_name(method, lr, temp, alpha, seed, hw=None):
+    if method == "baseline":
+        return f"baseline_lr{lr:g}_s{seed}"
+    name = f"{method}_lr{lr:g}_T{temp:g}_a{alpha:g}"
+    if hw is not None:
+        name += f"_hw{hw:g}"
+    return name + f"_s{seed}"
+
+
+def write_run(root: Path, method, lr, temp, alpha, seed, *, budget=1e15, hw=1.0, name=None,
+              finished=True, rng=None, count_teacher=False, extra_results=None, subdir=None):
+    rng = rng or np.random.default_rng(0)
+    name = name or run_name(method, lr, temp, alpha, seed)
+    d = root / subdir / name if subdir else root / name
+    d.mkdir(parents=True)
+    cfg = Config(
+        name=name,
+        train=TrainConfig(lr=lr, seed=seed),
+        distill=DistillConfig(method=method, temperature=temp, alpha=alpha, hidden_weight=hw),
+        teacher=TeacherConfig(checkpoint=None if method == "baseline" else "/ckpt/teacher"),
+        budget=BudgetConfig(flops=budget, count_teacher=count_teacher),
+    )
+    cfg_dict = config_to_dict(cfg)
+    (d / "config.json").write_text(json.dumps(cfg_dict, indent=2, sort_keys=True))
+    if not finished:
+        return d
+    # U-shaped perplexity in log-lr, mild temperature effect, method effect, seed noise.
+    base = 28.0 * (1 + 0.08 * (math.log10(lr) - math.log10(3e-3)) ** 2) * (1 + 0.01 * (temp - 1))
+    ppl = base * (1 + EFFECT[method]) * (1 + 0.0015 * rng.standard_normal())
+    fps = FLOPS_PER_STEP[method]
+    steps = int(budget // fps)
+    hs = 0.30 - 0.004 * (ppl - 28) + 0.004 * rng.standard_normal()
+    lam = 0.35 - 0.006 * (ppl - 28) + 0.006 * rng.standard_normal()
+    res = {
+        "status": "done", "steps": steps, "flops_spent": steps * fps, "flops_budget": budget,
+        "valid_nll": math.log(ppl), "valid_ppl": ppl, "run_id": name,
+        "config_hash": config_hash(cfg_dict)[:16],
+        "eval": {
+            "hellaswag": {"acc": hs, "acc_stderr": 0.0046, "acc_norm": hs + 0.02,
+                          "acc_norm_stderr": 0.0046},
+            "lambada_openai": {"acc,none": lam, "acc_stderr,none": 0.0066,
+                               "perplexity,none": 60 * ppl / 28, "perplexity_stderr,none": 2.0},
+        },
+    }
+    res.update(extra_results or {})
+    (d / "results.json").write_text(json.dumps(res))
+    return d
+
+
+def make_runs_dir(root: Path, *, methods=("baseline", "kd", "hldf", "hldc"),
+                  lrs=(1e-3, 3e-3, 1e-2), temps=(1.0, 2.0), alphas=(0.5,), seeds=(0, 1),
+                  budget=1e15, sweep=True, seed=0) -> list[str]:
+    rng = np.random.default_rng(seed)
+    names = []
+    for method in methods:
+        for lr in lrs:
+            for temp in (temps if method != "baseline" else (1.0,)):
+                for alpha in (alphas if method != "baseline" else (0.5,)):
+                    for s in seeds:
+                        d = write_run(root, method, lr, temp, alpha, s, budget=budget, rng=rng)
+                        names.append(d.name)
+    if sweep:
+        (root / "sweep.json").write_text(json.dumps(
+            {"runs": [{"run_id": n, "dir": n} for n in names]}))
+    return names
+
+
+# --------------------------------------------------------------------------- #
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    root = tmp_path_factory.mktemp("runs")
+    names = make_runs_dir(root)
+    # one unfinished run and one listed-but-never-started run
+    write_run(root, "hldc", 3e-2, 1.0, 0.5, 0, finished=False)
+    sweep = json.loads((root / "sweep.json").read_text())
+    sweep["runs"] += [{"run_id": "hldc_lr0.03_T1_a0.5_s0", "dir": "hldc_lr0.03_T1_a0.5_s0"},
+                      {"run_id": "kd_lr0.03_T1_a0.5_s0", "dir": "kd_lr0.03_T1_a0.5_s0"}]
+    (root / "sweep.json").write_text(json.dumps(sweep))
+    out = tmp_path_factory.mktemp("report")
+    summary = build_report(root, out, n_resamples=2000)
+    return root, out, summary, names
+
+
+def test_report_files(report):
+    _, out, summary, _ = report
+    md = (out / "report.md").read_text()
+    for f in ("points.csv", "best_vs_best.csv", "grid_summary.csv", "seed_variance.csv",
+              "flops.csv", "flops_runs.csv", "accounting.csv", "runs.csv"):
+        assert (out / "tables" / f).exists(), f
+    on_disk = json.loads((out / "summary.json").read_text())
+    assert on_disk["budgets"][0]["budget"] == summary["budgets"][0]["budget"]
+    # figures exist and are embedded by relative path
+    figs = summary["budgets"][0]["figures"]
+    assert set(figs) == {"ppl_vs_lr", "delta_vs_kd", "downstream_best"}
+    for rel in figs.values():
+        assert (out / rel).exists() and (out / rel).stat().st_size > 5000
+        assert f"]({rel})" in md
+    # header states compute accounting, selection rule and statistics
+    assert "teacher FLOPs not counted" in md
+    assert "compute-matched at 1e+15 FLOPs" in md
+    assert "lowest *seed-mean validation perplexity*" in md
+    assert "percentile bootstrap" in md and "sign test" in md and "Holm" in md
+    for section in ("Best vs best", "Across the grid", "Point by point", "Seed variance",
+                    "Compute matching", "Run accounting"):
+        assert section in md
+
+
+def test_every_run_accounted_once(report):
+    root, out, summary, names = report
+    accounting = (out / "tables" / "accounting.csv").read_text().splitlines()[1:]
+    ids = [line.split(",")[0] for line in accounting]
+    assert len(ids) == len(set(ids))
+    expected = set(names) | {"hldc_lr0.03_T1_a0.5_s0", "kd_lr0.03_T1_a0.5_s0"}
+    assert set(ids) == expected
+    assert set(summary["runs"]) == expected
+    assert summary["runs"]["hldc_lr0.03_T1_a0.5_s0"] == "unfinished (left out)"
+    assert summary["runs"]["kd_lr0.03_T1_a0.5_s0"] == "missing (left out)"
+    assert summary["runs"]["baseline_lr0.001_s0"].startswith("baseline")
+    assert summary["runs"]["hldf_lr0.001_T1_a0.5_s0"] == "compared (paired)"
+    assert summary["runs"]["kd_lr0.001_T1_a0.5_s0"] == "reference (paired)"
+    assert summary["status_counts"] == {"done": len(names), "unfinished": 1, "missing": 1}
+    assert any("not finished" in w for w in summary["warnings"])
+
+
+def test_summary_statistics(report):
+    _, _, summary, _ = report
+    b = summary["budgets"][0]
+    assert b["teacher_flops_counted"] is False
+    assert b["n_pairs"] == 2 * 3 * 2 * 2  # (hldf, hldc) x lr x T x seed
+    hldf = b["arms"]["hldf"]["vs_reference"]["valid_ppl (%)"]
+    # 6 grid points; true effect -0.4% with 0.15% noise per run
+    assert hldf["n_points"] == 6
+    assert hldf["ci_lo"] <= hldf["mean_delta"] <= hldf["ci_hi"]
+    assert hldf["ci_hi"] < 0  # clearly better than KD
+    assert hldf["n_better"] == 6 and hldf["sign_p"] == pytest.approx(2 / 64)
+    assert math.isfinite(hldf["seed_std"])
+    # best vs best: KD's best is at lr 3e-3, T=1 (U-shape minimum, temperature hurts)
+    best = b["arms"]["kd"]["best"]
+    assert best["config"]["lr"] == pytest.approx(3e-3)
+    assert best["config"]["temperature"] == 1.0
+    assert len(best["run_ids"]) == 2
+    assert set(best["downstream"]) == {"hellaswag/acc", "hellaswag/acc_norm",
+                                       "lambada_openai/acc", "lambada_openai/perplexity"}
+    assert b["arms"]["baseline"]["best"]["config"]["temperature"] is None
+    # FLOPs: floor(C / fps) steps -> under budget by < one step
+    assert 0 < b["max_abs_flops_dev_pct"] < 100 * 1.03e9 / 1e15
+
+
+def test_cli_writes_report_and_skips_wandb_offline(tmp_path, monkeypatch, capsys, caplog):
+    root = tmp_path / "runs"
+    make_runs_dir(root, methods=("kd", "hldf"), lrs=(1e-3, 3e-3), temps=(1.0,), seeds=(0,),
+                  sweep=False)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    with caplog.at_level(logging.WARNING, logger="hldstudy.analysis"):
+        rc = main([str(root), "--out", str(tmp_path / "rep"), "--wandb-report",
+                   "--n-resamples", "500"])
+    assert rc == 0
+    assert (tmp_path / "rep" / "report.md").exists()
+    assert "wandb-report skipped" in caplog.text and "WANDB_MODE=offline" in caplog.text
+    summary = json.loads((tmp_path / "rep" / "summary.json").read_text())
+    assert summary["wandb_report"] is None
+    # one seed: no seed variance, said so
+    assert "seed variance cannot be estimated" in (tmp_path / "rep" / "report.md").read_text()
+
+
+# --------------------------------------------------------------------------- #
+# Errors
+# --------------------------------------------------------------------------- #
+
+
+def _cli_error(argv, capsys) -> str:
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1
+    return err
+
+
+def test_empty_dir(tmp_path, capsys):
+    (tmp_path / "runs").mkdir()
+    err = _cli_error([str(tmp_path / "runs"), "--out", str(tmp_path / "o")], capsys)
+    assert "no run directories" in err
+
+
+def test_no_finished_runs(tmp_path, capsys):
+    write_run(tmp_path / "runs", "kd", 1e-3, 1.0, 0.5, 0, finished=False)
+    err = _cli_error([str(tmp_path / "runs"), "--out", str(tmp_path / "o")], capsys)
+    assert "no finished runs" in err
+
+
+def test_missing_dir(tmp_path, capsys):
+    err = _cli_error([str(tmp_path / "nope"), "--out", str(tmp_path / "o")], capsys)
+    assert "does not exist" in err
+
+
+def test_mixed_budgets(tmp_path, capsys):
+    root = tmp_path / "runs"
+    make_runs_dir(root, methods=("kd", "hldf"), lrs=(1e-3,), temps=(1.0,), seeds=(0,),
+                  budget=1e15, sweep=False)
+    write_run(root, "kd", 3e-3, 1.0, 0.5, 0, budget=4e15, name="big_kd_lr0.003")
+    write_run(root, "hldf", 3e-3, 1.0, 0.5, 0, budget=4e15, name="big_hldf_lr0.003")
+    err = _cli_error([str(root), "--out", str(tmp_path / "o")], capsys)
+    assert "different FLOP budgets" in err and "1e+15" in err and "4e+15" in err
+    assert "big_kd_lr0.003" in err and "--allow-mixed-budgets" in err
+    # with the flag: one section per budget, each budget analysed on its own
+    summary = build_report(root, tmp_path / "o", allow_mixed_budgets=True, n_resamples=200)
+    assert [b["n_runs_compared"] for b in summary["budgets"]] == [2, 2]
+    md = (tmp_path / "o" / "report.md").read_text()
+    assert md.count("## Budget:") == 2
+    assert (tmp_path / "o" / "tables" / "points_b2.csv").exists()
+
+
+def test_teacher_accounting_mixed_is_a_different_budget(tmp_path):
+    root = tmp_path / "runs"
+    write_run(root, "kd", 1e-3, 1.0, 0.5, 0)
+    write_run(root, "hldf", 1e-3, 1.0, 0.5, 0, count_teacher=True)
+    with pytest.raises(InputError, match="teacher counted"):
+        load_runs(root)
+
+
+def test_mismatched_run_id(tmp_path, capsys):
+    root = tmp_path / "runs"
+    make_runs_dir(root, methods=("kd",), lrs=(1e-3,), temps=(1.0,), seeds=(0,), sweep=False)
+    write_run(root, "hldf", 1e-3, 1.0, 0.5, 0, name="run7", extra_results={"run_id": "run3"})
+    err = _cli_error([str(root), "--out", str(tmp_path / "o")], capsys)
+    assert "does not match its directory" in err and "run7" in err and "run3" in err
+
+
+def test_mismatched_name_hyperparameters(tmp_path):
+    root = tmp_path / "runs"
+    write_run(root, "kd", 1e-3, 1.0, 0.5, 0)
+    # folder says lr 3e-3 but the config holds 1e-3 (config overwritten / dir renamed)
+    write_run(root, "hldf", 1e-3, 1.0, 0.5, 0, name="hldf_lr3e-3_T1_a0.5_s0")
+    with pytest.raises(InputError, match=r"name says lr=3e-3 but train\.lr=0\.001"):
+        load_runs(root)
+    # the check can be switched off
+    assert len(load_runs(root, check_names=False)) == 2
+
+
+def test_name_precision():
+    flat = {"train.lr": 0.0031, "distill.temperature": 2.0, "distill.method": "kd",
+            "train.seed": 1}
+    assert runs_mod.name_mismatches("kd_lr3e-3_T2_s1", flat) == []  # 1 significant digit
+    assert runs_mod.name_mismatches("kd_lr3.1e-3_T2.0_s1", flat) == []
+    assert len(runs_mod.name_mismatches("kd_lr3.0e-3_T2_s1", flat)) == 1  # 2 digits: 3.1 != 3.0
+    assert len(runs_mod.name_mismatches("hldf_lr3e-3_T2_s1", flat)) == 1  # method
+    assert len(runs_mod.name_mismatches("kd_lr3e-3_T2_s2", flat)) == 1  # seed
+    assert runs_mod.name_mismatches("run_0007", flat) == []  # no encoded hparams
+
+
+def test_edited_config_hash(tmp_path):
+    root = tmp_path / "runs"
+    write_run(root, "kd", 1e-3, 1.0, 0.5, 0, name="r1")
+    d = write_run(root, "hldf", 1e-3, 1.0, 0.5, 0, name="r2")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["distill"]["temperature"] = 4.0
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(InputError, match="r2: config.json hash"):
+        load_runs(root)
+
+
+def test_sweep_params_mismatch(tmp_path):
+    root = tmp_path / "runs"
+    write_run(root, "kd", 1e-3, 1.0, 0.5, 0, name="r1")
+    (root / "sweep.json").write_text(json.dumps({"runs": [
+        {"run_id": "r1", "dir": "r1", "overrides": ["train.lr=0.003", "distill.method=kd"]}]}))
+    with pytest.raises(InputError, match=r"sweep.json sets train.lr=0.003 but config has 0.001"):
+        load_runs(root)
+
+
+def test_load_runs_columns_and_nesting(tmp_path, caplog):
+    root = tmp_path / "runs"
+    write_run(root, "kd", 1e-3, 1.0, 0.5, 0, subdir="g1")
+    write_run(root, "hldc", 1e-3, 1.0, 0.5, 0, subdir="g1", hw=0.5,
+              name=run_name("hldc", 1e-3, 1.0, 0.5, 0, hw=0.5))
+    write_run(root, "hldc", 1e-3, 1.0, 0.5, 0, subdir="g2", hw=2.0,
+              name=run_name("hldc", 1e-3, 1.0, 0.5, 0, hw=2.0))
+    write_run(root, "hldf", 1e-3, 1.0, 0.5, 0, subdir="g2", finished=False)
+    with caplog.at_level(logging.WARNING, logger="hldstudy.analysis"):
+        df = load_runs(root)
+    assert "not finished" in caplog.text
+    assert len(df) == 4
+    for c in ("run_id", "method", "lr", "temperature", "alpha", "hidden_weight", "seed",
+              "budget", "flops_spent", "steps", "valid_ppl", "valid_nll", "status",
+              "hellaswag/acc", "hellaswag/acc_stderr", "lambada_openai/perplexity"):
+        assert c in df.columns, c
+    assert set(df["run_id"]) >= {"g1/kd_lr0.001_T1_a0.5_s0", "g2/hldf_lr0.001_T1_a0.5_s0"}
+    # hidden weight varies within hldc -> two arms
+    assert set(df.loc[df["method"] == "hldc", "arm"]) == {"hldc[hw=0.5]", "hldc[hw=2]"}
+    assert df.loc[df["method"] == "kd", "hidden_weight"].isna().all()
+    assert (df.loc[df["run_id"].str.contains("hldf"), "status"] == "unfinished").all()
