@@ -1,0 +1,514 @@
+"""Deterministic, resumable batch streams and the `prepare_data` entry point.
+
+The batch of step i is a pure function of (data, seed, batch_size, i):
+
+* **Finite sources** (synthetic, text, jsonl, hf): the split is tokenized and
+  packed once (`packing.pack_first_fit`, or the concatenate-then-split packer
+  when ``packing=False``) into rows cached as ``.npy`` files under
+  ``workdir/data_cache/`` (keyed by a hash of the source content, tokenizer,
+  seq_len and packing options). The training stream is the infinite sequence
+  of row indices ``perm(seed, 0) ++ perm(seed, 1) ++ ...`` (a fresh numpy
+  permutation per epoch); batch i takes positions ``[i*B, (i+1)*B)`` of it, so
+  `batch_at(i)` is O(B) random access and no row is dropped at epoch ends.
+  The validation stream is the rows in order, one pass, the last batch padded
+  with empty rows (mask 0).
+* **TFDS** (C4): documents come from a `grain.MapDataset` over
+  `tfds.data_source` (array_record), shuffled with grain's per-epoch index
+  shuffle, tokenized on the fly and packed by `packing.StreamPacker`
+  (concatenate-then-split). The packer's exact position is a cursor
+  ``(document index, token offset)``; the stream records it at batch
+  boundaries, so resuming is O(1) and `batch_at(i)` replays forward from the
+  nearest recorded cursor (O(i) the first time for a cold process).
+
+`get_state()` is a small JSON-serializable dict ({"step", "fingerprint", ...});
+`set_state()` restores it and refuses a state recorded for different data.
+A disaggregated teacher builds the same stream with the same config and asks
+for `batch_at(step)`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from hldstudy.config import DataConfig
+from hldstudy.data import packing, sources
+from hldstudy.data.packing import StreamPacker, empty_rows, pack_first_fit, rows_to_batch
+from hldstudy.data.tokenizer import Tokenizer, train_tokenizer
+from hldstudy.errors import ConfigError, InputError
+
+# Bump when packing/row format changes, so cached rows are rebuilt.
+PACKING_VERSION = 1
+STATE_VERSION = 1
+# Documents used to train a tokenizer on a streaming (TFDS) source.
+TOKENIZER_TRAIN_DOCS = 50_000
+
+
+def encode_documents(tokenizer: Tokenizer, texts: Sequence[str], *, add_bos: bool = False,
+                     chunk: int = 4096) -> list[np.ndarray]:
+    """Token arrays with EOS appended (and BOS prepended with add_bos)."""
+    out: list[np.ndarray] = []
+    eos, bos = tokenizer.eos_id, tokenizer.bos_id
+    for i in range(0, len(texts), chunk):
+        for ids in tokenizer.encode_batch(list(texts[i:i + chunk])):
+            if add_bos:
+                ids = [bos] + ids
+            ids.append(eos)
+            out.append(np.asarray(ids, np.int32))
+    return out
+
+
+# --------------------------------------------------------------------------- #
+# Streams
+# --------------------------------------------------------------------------- #
+
+
+class BatchStream:
+    """Iterator of batch dicts (see `hldstudy.data.packing`) with resumable state."""
+
+    kind = "base"
+
+    def __init__(self, *, batch_size: int, seq_len: int, seed: int, shuffle: bool,
+                 fingerprint: str, pad_id: int = 0):
+        if batch_size <= 0:
+            raise ConfigError("data.batch_size", f"must be > 0, got {batch_size}")
+        self.batch_size = int(batch_size)
+        self.seq_len = int(seq_len)
+        self.seed = int(seed)
+        self.shuffle = bool(shuffle)
+        self.fingerprint = fingerprint
+        self.pad_id = pad_id
+        self.step = 0
+
+    # -- to implement ------------------------------------------------------ #
+    @property
+    def num_batches(self) -> int | None:
+        """Batches in one pass for a finite stream; None for an infinite one."""
+        raise NotImplementedError
+
+    def batch_at(self, step: int) -> dict[str, np.ndarray]:
+        raise NotImplementedError
+
+    # -- shared ------------------------------------------------------------ #
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        n = self.num_batches
+        if n is not None and self.step >= n:
+            raise StopIteration
+        try:
+            b = self.batch_at(self.step)
+        except IndexError:
+            raise StopIteration from None
+        self.step += 1
+        return b
+
+    def get_state(self) -> dict[str, Any]:
+        return {"version": STATE_VERSION, "kind": self.kind, "step": int(self.step),
+                "seed": self.seed, "batch_size": self.batch_size, "seq_len": self.seq_len,
+                "shuffle": self.shuffle, "fingerprint": self.fingerprint}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        if isinstance(state, (str, bytes)):
+            state = json.loads(state)
+        for k in ("kind", "seed", "batch_size", "seq_len", "shuffle", "fingerprint"):
+            mine = getattr(self, k)
+            if k in state and state[k] != mine:
+                raise InputError(f"data state was recorded with {k}={state[k]!r} but this stream has "
+                                 f"{k}={mine!r}; resume with the same data config and tokenizer")
+        step = int(state["step"])
+        if step < 0:
+            raise InputError(f"data state has a negative step {step}")
+        self.step = step
+
+    def valid_batches(self, n: int | None = None) -> list[dict[str, np.ndarray]]:
+        """The first n batches (all of a finite stream when n is None), in order."""
+        if n is None and self.num_batches is None:
+            raise ValueError("an infinite stream needs n")
+        out = []
+        i = 0
+        while n is None or i < n:
+            try:
+                out.append(self.batch_at(i))
+            except IndexError:
+                break
+            i += 1
+        return out
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(batch_size={self.batch_size}, seq_len={self.seq_len}, "
+                f"shuffle={self.shuffle}, num_batches={self.num_batches}, step={self.step})")
+
+
+class RowsBatchStream(BatchStream):
+    """Batches over a fixed array of packed rows (finite sources)."""
+
+    kind = "rows"
+
+    def __init__(self, tokens: np.ndarray, segments: np.ndarray, *, batch_size: int, seed: int,
+                 shuffle: bool, fingerprint: str, pad_id: int = 0):
+        if tokens.shape != segments.shape or tokens.ndim != 2:
+            raise ValueError("tokens and segments must be [N, seq_len + 1] arrays of one shape")
+        super().__init__(batch_size=batch_size, seq_len=tokens.shape[1] - 1, seed=seed,
+                         shuffle=shuffle, fingerprint=fingerprint, pad_id=pad_id)
+        if len(tokens) == 0:
+            raise InputError("the corpus packs into zero rows (no document has 2+ tokens)")
+        self.rows = tokens
+        self.segments = segments
+        self._perms: dict[int, np.ndarray] = {}
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.rows)
+
+    @property
+    def num_batches(self) -> int | None:
+        if self.shuffle:
+            return None
+        return math.ceil(self.num_rows / self.batch_size)
+
+    @property
+    def steps_per_epoch(self) -> float:
+        return self.num_rows / self.batch_size
+
+    def _perm(self, epoch: int) -> np.ndarray:
+        p = self._perms.get(epoch)
+        if p is None:
+            rng = np.random.default_rng([self.seed, epoch, 0x9E3779B9])
+            p = rng.permutation(self.num_rows)
+            if len(self._perms) >= 4:
+                self._perms.pop(min(self._perms))
+            self._perms[epoch] = p
+        return p
+
+    def row_indices(self, step: int) -> np.ndarray:
+        """Row indices of batch `step` (-1 = an empty padding row)."""
+        if step < 0:
+            raise IndexError(step)
+        B, N = self.batch_size, self.num_rows
+        if not self.shuffle:
+            if step >= self.num_batches:
+                raise IndexError(step)
+            idx = np.arange(step * B, (step + 1) * B)
+            return np.where(idx < N, idx, -1)
+        pos = np.arange(step * B, (step + 1) * B, dtype=np.int64)
+        epochs, within = np.divmod(pos, N)
+        out = np.empty(B, np.int64)
+        for e in np.unique(epochs):
+            sel = epochs == e
+            out[sel] = self._perm(int(e))[within[sel]]
+        return out
+
+    def batch_at(self, step: int) -> dict[str, np.ndarray]:
+        idx = self.row_indices(step)
+        real = idx >= 0
+        tok, seg = empty_rows(len(idx), self.seq_len, self.pad_id)
+        tok[real] = self.rows[idx[real]]
+        seg[real] = self.segments[idx[real]]
+        return rows_to_batch(tok, seg)
+
+    def stats(self) -> dict[str, float]:
+        real = int((np.asarray(self.segments) != 0).sum())
+        return {"rows": self.num_rows, "tokens": real,
+                "padding_fraction": 1.0 - real / self.segments.size}
+
+
+class StreamingBatchStream(BatchStream):
+    """Batches packed on the fly from an indexable document stream (TFDS via grain)."""
+
+    kind = "streaming"
+    CHECKPOINT_EVERY = 16
+
+    def __init__(self, documents, tokenizer: Tokenizer, *, seq_len: int, batch_size: int,
+                 seed: int, shuffle: bool, fingerprint: str, add_bos: bool = False,
+                 cross_document: bool = False):
+        super().__init__(batch_size=batch_size, seq_len=seq_len, seed=seed, shuffle=shuffle,
+                         fingerprint=fingerprint, pad_id=tokenizer.pad_id)
+        self.documents = documents  # grain.MapDataset of str (or any sequence)
+        self.tokenizer = tokenizer
+        self.add_bos = add_bos
+        self._finite_len = None if shuffle else len(documents)
+        self.packer = StreamPacker(self._get_doc, seq_len, cross_document=cross_document,
+                                   pad_id=tokenizer.pad_id)
+        self._ckpt: dict[int, tuple[int, int]] = {0: (0, 0)}
+        self._pos = 0  # the step whose rows the packer produces next
+        self._end: int | None = None  # first step past a finite stream's end
+
+    def _get_doc(self, i: int):
+        if self._finite_len is not None and i >= self._finite_len:
+            return None
+        return encode_documents(self.tokenizer, [self.documents[i]], add_bos=self.add_bos)[0]
+
+    @property
+    def num_batches(self) -> int | None:
+        return None if self.shuffle else self._end
+
+    def _seek(self, step: int) -> None:
+        if step == self._pos:
+            return
+        start = max(k for k in self._ckpt if k <= step)
+        if not (start <= self._pos <= step):
+            self.packer.cursor = self._ckpt[start]
+            self._pos = start
+        while self._pos < step:
+            self._produce()
+
+    def _produce(self) -> dict[str, np.ndarray]:
+        if self._end is not None and self._pos >= self._end:
+            raise IndexError(self._pos)
+        rows = []
+        for _ in range(self.batch_size):
+            r = self.packer.next_row()
+            if r is None:
+                break
+            rows.append(r)
+        if not rows:
+            self._end = self._pos
+            raise IndexError(self._pos)
+        tok, seg = empty_rows(self.batch_size, self.seq_len, self.pad_id)
+        for j, (t, s) in enumerate(rows):
+            tok[j], seg[j] = t, s
+        self._pos += 1
+        if self._pos % self.CHECKPOINT_EVERY == 0 or self._pos not in self._ckpt:
+            self._ckpt[self._pos] = self.packer.cursor
+        return rows_to_batch(tok, seg)
+
+    def batch_at(self, step: int) -> dict[str, np.ndarray]:
+        if step < 0:
+            raise IndexError(step)
+        if self._end is not None and step >= self._end:
+            raise IndexError(step)
+        self._seek(step)
+        b = self._produce()
+        # Keep sparse checkpoints only (plus the latest position).
+        for k in [k for k in self._ckpt if k % self.CHECKPOINT_EVERY and k not in
+                  (self._pos, self.step)]:
+            del self._ckpt[k]
+        return b
+
+    def get_state(self) -> dict[str, Any]:
+        st = super().get_state()
+        if self.step not in self._ckpt:
+            self._seek(self.step)
+        st["cursor"] = list(self._ckpt[self.step])
+        return st
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        if isinstance(state, (str, bytes)):
+            state = json.loads(state)
+        super().set_state(state)
+        if "cursor" in state:
+            self._ckpt[self.step] = (int(state["cursor"][0]), int(state["cursor"][1]))
+
+
+# --------------------------------------------------------------------------- #
+# Building streams
+# --------------------------------------------------------------------------- #
+
+
+def _key(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:20]
+
+
+def pack_corpus(cfg: DataConfig, tokenizer: Tokenizer, texts: Sequence[str]):
+    """Tokenize + pack a finite corpus into (tokens, segments) rows."""
+    docs = encode_documents(tokenizer, texts, add_bos=cfg.add_bos)
+    if cfg.packing:
+        return pack_first_fit(docs, cfg.seq_len, pad_id=tokenizer.pad_id)
+    packer = StreamPacker(lambda i: docs[i] if i < len(docs) else None, cfg.seq_len,
+                          cross_document=True, pad_id=tokenizer.pad_id)
+    rows = []
+    while (r := packer.next_row()) is not None:
+        rows.append(r)
+    if not rows:
+        return empty_rows(0, cfg.seq_len)
+    return np.stack([r[0] for r in rows]), np.stack([r[1] for r in rows])
+
+
+def _cached_rows(cfg: DataConfig, tokenizer: Tokenizer, corpus: sources.Corpus,
+                 workdir: Path | None, fingerprint: str):
+    if workdir is None:
+        return pack_corpus(cfg, tokenizer, corpus.texts)
+    cache = Path(workdir) / "data_cache"
+    tok_path = cache / f"{fingerprint}.tokens.npy"
+    seg_path = cache / f"{fingerprint}.segments.npy"
+    if tok_path.exists() and seg_path.exists():
+        try:
+            return np.load(tok_path, mmap_mode="r"), np.load(seg_path, mmap_mode="r")
+        except (OSError, ValueError):
+            pass  # a damaged cache is rebuilt
+    tok, seg = pack_corpus(cfg, tokenizer, corpus.texts)
+    cache.mkdir(parents=True, exist_ok=True)
+    for path, arr in ((tok_path, tok), (seg_path, seg)):
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        with open(tmp, "wb") as fh:
+            np.save(fh, arr)
+        os.replace(tmp, path)
+    (cache / f"{fingerprint}.json").write_text(json.dumps({
+        "source": corpus.description, "corpus_key": corpus.key, "docs": len(corpus),
+        "rows": int(len(tok)), "seq_len": cfg.seq_len, "packing": cfg.packing,
+        "add_bos": cfg.add_bos, "tokenizer": tokenizer.fingerprint()}, indent=2))
+    return tok, seg
+
+
+def make_batches(cfg: DataConfig, tokenizer: Tokenizer, split: str,
+                 workdir: str | Path | None = None, *, corpus: sources.Corpus | None = None,
+                 ) -> BatchStream:
+    """The batch stream of a split: shuffled and infinite for ``cfg.train_split``, in order
+    and one pass for any other split. Raises InputError when the split has no documents."""
+    train = split == cfg.train_split
+    common = {"seq_len": cfg.seq_len, "packing": cfg.packing, "add_bos": cfg.add_bos,
+              "tokenizer": tokenizer.fingerprint(), "v": PACKING_VERSION}
+    if cfg.source == "tfds":
+        docs = sources.tfds_documents(cfg, split, shuffle_seed=cfg.seed if train else None)
+        fp = _key([sources.tfds_key(cfg, split), common])
+        return StreamingBatchStream(docs, tokenizer, seq_len=cfg.seq_len,
+                                    batch_size=cfg.batch_size, seed=cfg.seed, shuffle=train,
+                                    fingerprint=fp, add_bos=cfg.add_bos,
+                                    cross_document=not cfg.packing)
+    if corpus is None:
+        corpus = sources.load_corpus(cfg, split, workdir)
+    if len(corpus) == 0:
+        field = "data.valid_path" if (not train and cfg.valid_path) else "data.path"
+        raise InputError(f"{field}: {corpus.description} has no documents for split {split!r}")
+    fp = _key([corpus.key, common])
+    tok, seg = _cached_rows(cfg, tokenizer, corpus, None if workdir is None else Path(workdir), fp)
+    return RowsBatchStream(tok, seg, batch_size=cfg.batch_size, seed=cfg.seed, shuffle=train,
+                           fingerprint=fp, pad_id=tokenizer.pad_id)
+
+
+@dataclass
+class DataBundle:
+    tokenizer: Tokenizer
+    train: BatchStream
+    # None when the source has no validation documents (e.g. valid_holdout_docs=0).
+    valid: BatchStream | None
+
+    def valid_batches(self, n: int | None = None) -> list[dict[str, np.ndarray]]:
+        """The first n validation batches (fixed, unshuffled); [] without a validation split."""
+        if self.valid is None:
+            return []
+        return self.valid.valid_batches(n)
+
+
+def _tokenizer_texts(cfg: DataConfig, corpus: sources.Corpus | None) -> Iterable[str]:
+    if corpus is not None:
+        return corpus.texts
+    docs = sources.tfds_documents(cfg, cfg.train_split)
+    n = min(len(docs), TOKENIZER_TRAIN_DOCS)
+    return (docs[i] for i in range(n))
+
+
+def prepare_data(cfg: DataConfig, workdir: str | Path) -> DataBundle:
+    """Tokenizer + train/valid streams for a run directory.
+
+    The tokenizer is `cfg.tokenizer` when set; otherwise `workdir/tokenizer.model`,
+    trained on the training split (first 50k docs for TFDS) unless one is already
+    there. Packed rows are cached under `workdir/data_cache/`.
+    """
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    corpus = None if cfg.source == "tfds" else sources.load_corpus(cfg, cfg.train_split, workdir)
+    if corpus is not None and len(corpus) == 0:
+        raise InputError(f"data.path: {corpus.description} has no documents")
+    if cfg.tokenizer:
+        tokenizer = Tokenizer.load(cfg.tokenizer)
+    else:
+        path = workdir / "tokenizer.model"
+        meta_path = workdir / "tokenizer.json"
+        ident = {"vocab_size": cfg.tokenizer_vocab_size,
+                 "corpus": corpus.key if corpus is not None else sources.tfds_key(cfg, cfg.train_split)}
+        if path.exists():
+            tokenizer = Tokenizer.load(path)
+            if meta_path.exists():
+                meta = json.loads(meta_path.read_text())
+                if meta.get("vocab_size") != ident["vocab_size"]:
+                    raise InputError(
+                        f"{path} was trained with vocab_size={meta.get('vocab_size')} but "
+                        f"data.tokenizer_vocab_size={cfg.tokenizer_vocab_size}; delete it or set "
+                        "data.tokenizer")
+        else:
+            tokenizer = train_tokenizer(_tokenizer_texts(cfg, corpus), cfg.tokenizer_vocab_size,
+                                        workdir / "tokenizer")
+            meta_path.write_text(json.dumps(ident, indent=2) + "\n")
+    train = make_batches(cfg, tokenizer, cfg.train_split, workdir, corpus=corpus)
+    try:
+        valid = make_batches(cfg, tokenizer, cfg.valid_split, workdir)
+    except InputError:
+        if cfg.source == "tfds" or cfg.valid_path:
+            raise
+        valid = None  # no held-out documents
+    return DataBundle(tokenizer=tokenizer, train=train, valid=valid)
+
+
+# --------------------------------------------------------------------------- #
+# Statistics
+# --------------------------------------------------------------------------- #
+
+
+def _flat_tokens(x: Any) -> np.ndarray:
+    if isinstance(x, dict):
+        t = np.asarray(x["targets"])
+        m = np.asarray(x["mask"]) > 0 if "mask" in x else np.ones(t.shape, bool)
+        return t[m].ravel()
+    if isinstance(x, RowsBatchStream):
+        return np.asarray(x.rows)[:, 1:][
+            (np.asarray(x.segments)[:, 1:] == np.asarray(x.segments)[:, :-1])
+            & (np.asarray(x.segments)[:, :-1] != 0)]
+    if isinstance(x, (list, tuple)) and x and (isinstance(x[0], (dict, list, tuple, np.ndarray))):
+        parts = [_flat_tokens(p) for p in x]
+        return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+    a = np.asarray(x).ravel()
+    return a[a >= 0]
+
+
+def unigram_entropy(rows_or_tokens: Any, vocab_size: int) -> float:
+    """Plug-in entropy (nats/token) of the empirical unigram distribution.
+
+    Accepts a batch dict or list of batch dicts (counts the masked targets — the
+    tokens a model is scored on), a `RowsBatchStream` (all its trained targets),
+    or any array / list of token ids (all entries >= 0). A model that ignores
+    context cannot get a lower cross-entropy on the same tokens.
+    """
+    toks = _flat_tokens(rows_or_tokens).astype(np.int64)
+    if toks.size == 0:
+        raise ValueError("no tokens")
+    counts = np.bincount(toks, minlength=vocab_size).astype(np.float64)
+    p = counts[counts > 0] / toks.size
+    return float(-(p * np.log(p)).sum())
+
+
+def bigram_conditional_entropy(docs: Iterable[Sequence[int]]) -> float:
+    """Plug-in H(x_t | x_{t-1}) in nats over within-document transitions."""
+    prev, nxt = [], []
+    for d in docs:
+        d = np.asarray(d, np.int64)
+        if len(d) >= 2:
+            prev.append(d[:-1])
+            nxt.append(d[1:])
+    if not prev:
+        raise ValueError("no transitions")
+    a, b = np.concatenate(prev), np.concatenate(nxt)
+    V = int(max(a.max(), b.max())) + 1
+    pair = np.bincount(a * V + b, minlength=V * V).astype(np.float64)
+    ctx = np.bincount(a, minlength=V).astype(np.float64)
+    nz = pair > 0
+    p_pair = pair[nz] / a.size
+    p_cond = pair[nz] / ctx[np.nonzero(nz)[0] // V]
+    return float(-(p_pair * np.log(p_cond)).sum())
+
+
+__all__ = [
+    "BatchStream", "RowsBatchStream", "StreamingBatchStream", "DataBundle", "make_batches",
+    "prepare_data", "encode_documents", "pack_corpus", "unigram_entropy",
+    "bigram_conditional_entropy", "packing",
+]
