@@ -147,23 +147,28 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, model_prefix: str | P
     model_prefix.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=model_prefix.parent) as tmp:
         tmp_prefix = Path(tmp) / "spm"
-        spm.SentencePieceTrainer.Train(
-            sentence_iterator=iter(lines),
-            model_prefix=str(tmp_prefix),
-            model_type=model_type,
-            vocab_size=vocab_size,
-            hard_vocab_limit=False,
-            byte_fallback=True,
-            character_coverage=character_coverage,
-            pad_id=PAD_ID, eos_id=EOS_ID, bos_id=BOS_ID, unk_id=UNK_ID,
-            pad_piece="<pad>", eos_piece="</s>", bos_piece="<s>", unk_piece="<unk>",
-            num_threads=1,
-            shuffle_input_sentence=False,
-            input_sentence_size=0,
-            split_digits=True,
-            max_sentence_length=1 << 16,
-            minloglevel=2,
-        )
+        try:
+            spm.SentencePieceTrainer.Train(
+                sentence_iterator=iter(lines),
+                model_prefix=str(tmp_prefix),
+                model_type=model_type,
+                vocab_size=vocab_size,
+                hard_vocab_limit=False,
+                byte_fallback=True,
+                character_coverage=character_coverage,
+                pad_id=PAD_ID, eos_id=EOS_ID, bos_id=BOS_ID, unk_id=UNK_ID,
+                pad_piece="<pad>", eos_piece="</s>", bos_piece="<s>", unk_piece="<unk>",
+                num_threads=1,
+                shuffle_input_sentence=False,
+                input_sentence_size=0,
+                split_digits=True,
+                max_sentence_length=1 << 16,
+                minloglevel=2,
+            )
+        except RuntimeError as e:
+            msg = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+            raise InputError(f"data.tokenizer_vocab_size: SentencePiece training failed with "
+                             f"vocab_size={vocab_size}: {msg}") from None
         # The proto records the (temporary) model prefix; store the final one so the
         # same texts at the same prefix give byte-identical model files.
         proto = _set_prefix(Path(f"{tmp_prefix}.model").read_bytes(), str(model_prefix))
