@@ -2,8 +2,12 @@
 
 from hldstudy.distill.base import Stage, Strategy, TeacherOutputs
 from hldstudy.distill.baseline import Baseline
+from hldstudy.distill.hld import HLDC, HLDF, Patient
+from hldstudy.distill.kd import LogitKD
 
-STRATEGIES: dict[str, type[Strategy]] = {"baseline": Baseline}
+STRATEGIES: dict[str, type[Strategy]] = {
+    "baseline": Baseline, "kd": LogitKD, "hldf": HLDF, "hldc": HLDC, "patient": Patient,
+}
 
 
 def make_strategy(cfg, student_cfg, teacher_cfg=None) -> Strategy:

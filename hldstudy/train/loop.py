@@ -126,7 +126,9 @@ class Trainer:
     def __init__(self, cfg: Config, workdir: str | Path, *, teacher=None, data=None):
         from hldstudy.flops import step_flops
 
-        validate(cfg)
+        from hldstudy.teacher import with_teacher_tokenizer
+
+        cfg = validate(with_teacher_tokenizer(cfg))
         self.cfg = cfg
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
