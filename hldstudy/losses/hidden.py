@@ -16,15 +16,16 @@ def normalized_mse(pred_TxD: jax.Array, target_TxD: jax.Array, mask_T: jax.Array
     unchanged, so its weight is comparable across layers and models. Leading
     dims `[..., T, D]` are allowed; `mask_T` has the shape `[..., T]`.
     """
-    pred = pred_TxD.astype(jnp.float32)
-    target = target_TxD.astype(jnp.float32)
+    dtype = jnp.promote_types(target_TxD.dtype, jnp.float32)  # f32, or f64 under x64
+    pred = pred_TxD.astype(dtype)
+    target = target_TxD.astype(dtype)
     if mask_T is None:
         mask_T = jnp.ones(target.shape[:-1], bool)
     valid = mask_T.astype(bool)[..., None]
     err = jnp.sum(jnp.where(valid, jnp.square(pred - target), 0.0))
     norm = jnp.sum(jnp.where(valid, jnp.square(target), 0.0))
     # Tiny floor only guards the all-masked / all-zero-target case (returns err / eps).
-    return err / jnp.maximum(norm, jnp.finfo(jnp.float32).tiny)
+    return err / jnp.maximum(norm, jnp.finfo(dtype).tiny)
 
 
 class Regressor(nnx.Module):

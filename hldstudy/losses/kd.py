@@ -25,12 +25,18 @@ import jax.numpy as jnp
 DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")
 
 
+def _upcast(x: jax.Array) -> jax.Array:
+    """At least float32 (bf16 -> f32; float64 stays float64 for x64 gradient checks)."""
+    return x.astype(jnp.promote_types(x.dtype, jnp.float32))
+
+
 def masked_mean(values_T: jax.Array, mask_T: jax.Array) -> jax.Array:
     """Mean of `values_T` over tokens where `mask_T` is true (0 if none are)."""
-    mask_T = mask_T.astype(jnp.float32)
+    values_T = _upcast(values_T)
+    count = jnp.sum(mask_T.astype(values_T.dtype))
     # `where` (not multiply) so that NaN/inf in masked rows cannot leak through.
-    total = jnp.sum(jnp.where(mask_T > 0, values_T.astype(jnp.float32), 0.0))
-    return total / jnp.maximum(jnp.sum(mask_T), 1.0)
+    total = jnp.sum(jnp.where(mask_T.astype(bool), values_T, 0.0))
+    return total / jnp.maximum(count, 1.0)
 
 
 def softcap(logits: jax.Array, cap: float | None) -> jax.Array:
@@ -42,7 +48,7 @@ def softcap(logits: jax.Array, cap: float | None) -> jax.Array:
 
 def nll_per_token(logits_TxV: jax.Array, labels_T: jax.Array) -> jax.Array:
     """`lse(z) - z[y]` per token, in float32. Out-of-range labels are clipped (mask them)."""
-    logits_TxV = logits_TxV.astype(jnp.float32)
+    logits_TxV = _upcast(logits_TxV)
     vocab = logits_TxV.shape[-1]
     labels_T = jnp.clip(labels_T, 0, vocab - 1)
     target_T = jnp.take_along_axis(logits_TxV, labels_T[..., None], axis=-1)[..., 0]
@@ -61,8 +67,8 @@ def forward_kl_per_token(
 
     `KL = sum_v p_t(v) (a_v - b_v) - lse(a) + lse(b)` with `a = z_t/tau`, `b = z_s/tau`.
     """
-    a = teacher_logits_TxV.astype(jnp.float32) / temperature
-    b = student_logits_TxV.astype(jnp.float32) / temperature
+    a = _upcast(teacher_logits_TxV) / temperature
+    b = _upcast(student_logits_TxV) / temperature
     log_p_t = jax.nn.log_softmax(a, axis=-1)
     log_p_s = jax.nn.log_softmax(b, axis=-1)
     p_t = jnp.exp(log_p_t)
@@ -100,12 +106,12 @@ def jsd_per_token(
     beta -> 1). Note TRL's `generalized_jsd_loss` instead *defines* its end
     points as KL divergences; do not mix the two conventions.
     """
-    a = teacher_logits_TxV.astype(jnp.float32) / temperature
-    b = student_logits_TxV.astype(jnp.float32) / temperature
+    a = _upcast(teacher_logits_TxV) / temperature
+    b = _upcast(student_logits_TxV) / temperature
     log_p_t = jax.nn.log_softmax(a, axis=-1)
     log_p_s = jax.nn.log_softmax(b, axis=-1)
     if beta <= 0.0 or beta >= 1.0:
-        return jnp.zeros(a.shape[:-1], jnp.float32)
+        return jnp.zeros(a.shape[:-1], a.dtype)
     log_m = jnp.logaddexp(jnp.log(beta) + log_p_t, jnp.log1p(-beta) + log_p_s)
     p_t, p_s = jnp.exp(log_p_t), jnp.exp(log_p_s)
     kl_t = jnp.sum(jnp.where(p_t > 0, p_t * (log_p_t - log_m), 0.0), axis=-1)
@@ -186,8 +192,9 @@ def materialized_kd_loss(
     validate_kd_args(temperature, alpha, divergence)
     h_s_TxD, h_t_TxD, labels_T, mask_T = flatten_tokens(h_s, h_t, labels, mask)
     h_t_TxD, w_t = jax.lax.stop_gradient(h_t_TxD), jax.lax.stop_gradient(w_t)
-    z_s_TxV = jnp.dot(h_s_TxD, w_s, preferred_element_type=jnp.float32)
-    z_t_TxV = jnp.dot(h_t_TxD, w_t, preferred_element_type=jnp.float32)
+    logit_dtype = jnp.promote_types(h_s_TxD.dtype, jnp.float32)
+    z_s_TxV = jnp.dot(h_s_TxD, w_s, preferred_element_type=logit_dtype)
+    z_t_TxV = jnp.dot(h_t_TxD, w_t, preferred_element_type=logit_dtype)
     z_s_TxV = _softcap(z_s_TxV, softcap)
     z_t_TxV = _softcap(z_t_TxV, softcap)
     nll = nll_from_logits(z_s_TxV, labels_T, mask_T)
