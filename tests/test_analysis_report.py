@@ -152,7 +152,7 @@ def test_every_run_accounted_once(report):
     assert summary["runs"]["hldf_lr0.001_T1_a0.5_s0"] == "compared (paired)"
     assert summary["runs"]["kd_lr0.001_T1_a0.5_s0"] == "reference (paired)"
     assert summary["status_counts"] == {"done": len(names), "unfinished": 1, "missing": 1}
-    assert any("not finished" in w for w in summary["warnings"])
+    assert any("not done" in w for w in summary["warnings"])
 
 
 def test_summary_statistics(report):
@@ -313,7 +313,7 @@ def test_load_runs_columns_and_nesting(tmp_path, caplog):
     write_run(root, "hldf", 1e-3, 1.0, 0.5, 0, subdir="g2", finished=False)
     with caplog.at_level(logging.WARNING, logger="hldstudy.analysis"):
         df = load_runs(root)
-    assert "not finished" in caplog.text
+    assert "not done" in caplog.text
     assert len(df) == 4
     for c in ("run_id", "method", "lr", "temperature", "alpha", "hidden_weight", "seed",
               "budget", "flops_spent", "steps", "valid_ppl", "valid_nll", "status",
@@ -324,3 +324,60 @@ def test_load_runs_columns_and_nesting(tmp_path, caplog):
     assert set(df.loc[df["method"] == "hldc", "arm"]) == {"hldc[hw=0.5]", "hldc[hw=2]"}
     assert df.loc[df["method"] == "kd", "hidden_weight"].isna().all()
     assert (df.loc[df["run_id"].str.contains("hldf"), "status"] == "unfinished").all()
+
+
+def test_extra_varying_config_field_is_a_grid_dimension(tmp_path):
+    root = tmp_path / "runs"
+    for method in ("kd", "hldf"):
+        for div in ("forward_kl", "reverse_kl"):
+            d = write_run(root, method, 1e-3, 1.0, 0.5, 0, name=f"{method}_{div}")
+            cfg = json.loads((d / "config.json").read_text())
+            cfg["distill"]["divergence"] = div
+            (d / "config.json").write_text(json.dumps(cfg))
+            res = json.loads((d / "results.json").read_text())
+            res.pop("config_hash")
+            (d / "results.json").write_text(json.dumps(res))
+    df = load_runs(root)
+    assert "distill.divergence" in df.attrs["grid_cols"]
+    summary = build_report(root, tmp_path / "o", n_resamples=100)
+    # hldf pairs with kd only at the same divergence: two pairs, not four
+    assert summary["budgets"][0]["n_pairs"] == 2
+    assert "`distill.divergence`" in (tmp_path / "o" / "report.md").read_text()
+
+
+class _FakeReports:
+    """Stands in for wandb_workspaces.reports.v2 to check what --wandb-report builds."""
+
+    saved: list = []
+
+    class _Block:
+        def __init__(self, *args, **kwargs):
+            self.args, self.kwargs = args, kwargs
+
+    H1 = MarkdownBlock = Runset = ScatterPlot = PanelGrid = _Block
+
+    class Report:
+        def __init__(self, **kwargs):
+            self.kwargs = kwargs
+            self.url = "https://wandb.example/report/1"
+
+        def save(self):
+            _FakeReports.saved.append(self.kwargs)
+
+
+def test_wandb_report_online_uses_reports_api(tmp_path, monkeypatch):
+    from hldstudy.analysis import report as report_mod
+
+    root = tmp_path / "runs"
+    make_runs_dir(root, methods=("kd", "hldf"), lrs=(1e-3,), temps=(1.0,), seeds=(0,),
+                  sweep=False)
+    monkeypatch.setenv("WANDB_MODE", "online")
+    monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
+    monkeypatch.setattr(report_mod, "_import_reports", lambda: _FakeReports)
+    _FakeReports.saved.clear()
+    summary = build_report(root, tmp_path / "o", n_resamples=100, wandb_report=True)
+    assert summary["wandb_report"] == "https://wandb.example/report/1"
+    (kw,) = _FakeReports.saved
+    assert kw["project"] == "hldstudy"
+    md_block = kw["blocks"][1]
+    assert "Best vs best" in md_block.kwargs["text"]

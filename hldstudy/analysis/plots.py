@@ -77,8 +77,8 @@ def plot_ppl_vs_lr(df: pd.DataFrame, path: str | Path, title: str = "") -> Path 
     ax.set_ylabel("validation perplexity (lower is better)")
     ax.set_title(title or "Validation perplexity vs learning rate")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8, title="median over other hparams; bars: min–max; dotted: best",
-              title_fontsize=7)
+    ax.legend(fontsize=8, title="median over other hparams\nbars: min–max, dotted: best",
+              title_fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     return _save(fig, path)
 
 

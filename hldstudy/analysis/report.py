@@ -354,7 +354,8 @@ def _budget_md(b: _Budget, ref: str) -> list[str]:
         heads = {"n_seeds": "seeds", "n_configs": "configs tried",
                  "valid ppl": "valid ppl (± seed std)"}
         if PPL_DELTA in best:
-            best["Δppl % vs " + ref] = [fmt_signed(v) for v in best[PPL_DELTA]]
+            best["Δppl % vs " + ref] = [fmt_signed(v) if a != ref else "—"
+                                        for a, v in zip(best["arm"], best[PPL_DELTA], strict=True)]
             cols.append("Δppl % vs " + ref)
         for m in b.metrics:
             best[f"{m} {arrows[m]}"] = [pm(r[m], r[m + "_stderr"]) for _, r in best.iterrows()]
@@ -364,7 +365,8 @@ def _budget_md(b: _Budget, ref: str) -> list[str]:
         if b.metrics and f"d:{b.metrics[0]}" in best:
             L.append(f"\nDownstream differences vs `{ref}`'s best config (± combined stderr):\n")
             for m in b.metrics:
-                best[f"Δ {m}"] = [pm(r[f"d:{m}"], r[f"d:{m}_se"]) if r["arm"] != ref else "—"
+                best[f"Δ {m}"] = [pm(r[f"d:{m}"], r[f"d:{m}_se"], signed=True)
+                                  if r["arm"] != ref else "—"
                                   for _, r in best.iterrows()]
             dcols = ["arm"] + [f"Δ {m}" for m in b.metrics]
             L.append(md_table(best, columns=dcols, formats={c: str for c in dcols}))
@@ -416,16 +418,30 @@ def _budget_md(b: _Budget, ref: str) -> list[str]:
         L.append("_(no shared points)_\n")
     else:
         p = b.pairs.copy()
-        cols = ["arm"] + [c for c in gcols if p[c].notna().any()] + ["seed", "ref_valid_ppl",
-                                                                       "valid_ppl", PPL_DELTA]
-        fm = {PPL_DELTA: fmt_signed}
-        heads = {"ref_valid_ppl": f"{ref} ppl", "valid_ppl": "arm ppl", PPL_DELTA: "Δppl %"}
-        for m in b.metrics:
-            c = f"d:{m}"
-            cols.append(c)
-            fm[c] = fmt_signed
-            heads[c] = f"Δ {m} {arrows[m]}"
-        L.append(md_table(p, columns=cols, formats=fm, headers=heads))
+        shown = [c for c in gcols if p[c].notna().any()]
+        dcols = [PPL_DELTA] + [f"d:{m}" for m in b.metrics]
+        fm = {c: fmt_signed for c in dcols}
+        heads = {"ref_valid_ppl": f"{ref} ppl", "valid_ppl": "arm ppl", PPL_DELTA: "Δppl %",
+                 "n_seeds": "seeds"}
+        heads.update({f"d:{m}": f"Δ {m} {arrows[m]}" for m in b.metrics})
+        per_seed_cols = ["arm"] + shown + ["seed", "ref_valid_ppl", "valid_ppl"] + dcols
+        if p["seed"].nunique() > 1:
+            key = tables._keystr_frame(p, ["arm"] + gcols)
+            agg = p.groupby(key, sort=False).agg(
+                {**{c: "first" for c in ["arm"] + shown}, "seed": "count",
+                 "ref_valid_ppl": "mean", "valid_ppl": "mean",
+                 **{c: "mean" for c in dcols}}).rename(columns={"seed": "n_seeds"})
+            agg = agg.sort_values(["arm"] + shown, kind="mergesort")
+            L.append("Mean over the seeds run at each point (per-seed rows below and in "
+                     "`tables/points*.csv`):\n")
+            L.append(md_table(agg, columns=["arm"] + shown + ["n_seeds", "ref_valid_ppl",
+                                                              "valid_ppl"] + dcols,
+                              formats=fm, headers=heads))
+            L.append("<details><summary>Per seed</summary>\n")
+            L.append(md_table(p, columns=per_seed_cols, formats=fm, headers=heads))
+            L.append("</details>\n")
+        else:
+            L.append(md_table(p, columns=per_seed_cols, formats=fm, headers=heads))
         if len(b.unpaired):
             L.append(f"\n{len(b.unpaired)} run(s) without a {ref} run at their point: "
                      + ", ".join(b.unpaired["run_id"].astype(str).head(10)) + "\n")

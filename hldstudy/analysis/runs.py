@@ -427,7 +427,8 @@ def load_runs(runs_dir: str | Path, *, allow_mixed_budgets: bool = False,
 
     not_done = df[~done]
     if len(not_done):
-        warnings.append(f"{len(not_done)} run(s) not finished and left out of every comparison "
+        warnings.append(f"{len(not_done)} run(s) not done (unfinished, failed or missing) and "
+                        f"left out of every comparison "
                         f"({_counts(not_done['status'])}): "
                         + ", ".join(not_done["run_id"].astype(str).head(8))
                         + (" ..." if len(not_done) > 8 else ""))

@@ -342,9 +342,19 @@ def fmt_p(v) -> str:
 
 
 def fmt_signed(v, digits: int = 3) -> str:
+    """Signed, fixed-point: +0.0031 (accuracy deltas), -0.360 (%), +1.40 (perplexity)."""
     if v is None or (isinstance(v, float) and math.isnan(v)):
         return "–"
-    return f"{v:+.{digits}g}" if abs(v) >= 1e-3 or v == 0 else f"{v:+.2e}"
+    a = abs(v)
+    if a >= 100:
+        return f"{v:+.0f}"
+    if a >= 10:
+        return f"{v:+.1f}"
+    if a >= 1:
+        return f"{v:+.2f}"
+    if a >= 0.1:
+        return f"{v:+.3f}"
+    return f"{v:+.4f}"
 
 
 def md_table(df: pd.DataFrame, formats: dict[str, Callable] | None = None,
@@ -370,9 +380,10 @@ def md_table(df: pd.DataFrame, formats: dict[str, Callable] | None = None,
     return "\n".join(lines) + "\n"
 
 
-def pm(mean, se, digits: int = 4) -> str:
+def pm(mean, se, digits: int = 4, signed: bool = False) -> str:
     if mean is None or (isinstance(mean, float) and math.isnan(mean)):
         return "–"
+    m = fmt_signed(mean) if signed else fmt_num(mean, digits)
     if se is None or (isinstance(se, float) and math.isnan(se)):
-        return fmt_num(mean, digits)
-    return f"{fmt_num(mean, digits)} ± {fmt_num(se, 2)}"
+        return m
+    return f"{m} ± {fmt_num(se, 2)}"
