@@ -65,6 +65,8 @@ def write_run(root: Path, method, lr, temp, alpha, seed, *, budget=1e15, hw=1.0,
     res = {
         "status": "done", "steps": steps, "flops_spent": steps * fps, "flops_budget": budget,
         "valid_nll": math.log(ppl), "valid_ppl": ppl, "run_id": name,
+        # what hldstudy.train records next to the metrics
+        "name": name, "method": method, "count_teacher": count_teacher,
         "config_hash": config_hash(cfg_dict)[:16],
         "eval": {
             "hellaswag": {"acc": hs, "acc_stderr": 0.0046, "acc_norm": hs + 0.02,
@@ -381,3 +383,15 @@ def test_wandb_report_online_uses_reports_api(tmp_path, monkeypatch):
     assert kw["project"] == "hldstudy"
     md_block = kw["blocks"][1]
     assert "Best vs best" in md_block.kwargs["text"]
+
+
+def test_results_recorded_by_trainer_must_match_config(tmp_path):
+    root = tmp_path / "runs"
+    write_run(root, "kd", 1e-3, 1.0, 0.5, 0, name="r1")
+    d = write_run(root, "hldf", 1e-3, 1.0, 0.5, 0, name="r2")
+    res = json.loads((d / "results.json").read_text())
+    res.pop("config_hash")
+    res["method"] = "hldc"  # config.json was overwritten by another method's config
+    (d / "results.json").write_text(json.dumps(res))
+    with pytest.raises(InputError, match="results.json method=hldc but config distill.method=hldf"):
+        load_runs(root)

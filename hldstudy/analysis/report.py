@@ -123,6 +123,10 @@ def build_report(runs_dir: str | Path, out_dir: str | Path, *, allow_mixed_budge
         if math.isfinite(b.max_dev) and b.max_dev > 1.0:
             warnings.append(f"[{label}] a run's FLOPs deviate {b.max_dev:.2f}% from the budget "
                             f"(> 1%): compute matching is not tight")
+        over = b.flops_runs[b.flops_runs["rel_dev_pct"] > 1e-4]
+        if len(over):
+            warnings.append(f"[{label}] {len(over)} run(s) spent more FLOPs than the budget: "
+                            + ", ".join(over["run_id"].astype(str).head(5)))
         budgets.append(b)
         _write_tables(b, out)
         _write_figures(b, out)
@@ -451,9 +455,11 @@ def _budget_md(b: _Budget, ref: str) -> list[str]:
     # (4) FLOPs
     L.append("### Compute matching: FLOPs spent vs budget\n")
     if not b.flops_arms.empty:
-        L.append(md_table(b.flops_arms, headers={
-            "rel_dev_min_pct": "min dev %", "rel_dev_max_pct": "max dev %",
-            "flops_per_step": "FLOPs/step (median)"}))
+        as_int = lambda v: "–" if v is None or not np.isfinite(v) else f"{int(v):,}"
+        L.append(md_table(b.flops_arms, formats={"steps_min": as_int, "steps_max": as_int},
+                          headers={"rel_dev_min_pct": "min dev %", "rel_dev_max_pct": "max dev %",
+                                   "flops_per_step": "FLOPs/step (median)",
+                                   "spent_min": "spent min", "spent_max": "spent max"}))
     L.append(f"\nMaximum |spent − budget| / budget over all runs: **{fmt_num(b.max_dev)}%** "
              "(per run: `tables/flops_runs*.csv`).\n")
     return L

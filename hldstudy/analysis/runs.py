@@ -21,7 +21,9 @@ Consistency check ("does this config still belong to this directory?"); any
 failure raises ``InputError`` listing the runs:
 
 1. ``results.json["run_id"]``, when present, must equal the folder name or
-   the relative path.
+   the relative path; ``method``, ``name``, ``count_teacher`` and
+   ``flops_budget`` recorded by the trainer in results.json must equal
+   ``distill.method``, ``name``, ``budget.count_teacher``, ``budget.flops``.
 2. ``results.json["config_hash"]`` (or ``config_sha256``), when present, must
    be a prefix (>= 8 hex digits) of ``config_hash(config.json)``: sha256 of
    the canonical JSON (``sort_keys=True, separators=(",", ":")``) - i.e. the
@@ -242,6 +244,26 @@ def name_mismatches(name: str, flat_cfg: dict) -> list[str]:
     return problems
 
 
+def _recorded_mismatches(res: dict, flat_cfg: dict) -> list[str]:
+    """What the trainer recorded in results.json at run time vs config.json now."""
+    problems = []
+    checks = (("method", "distill.method"), ("name", "name"),
+              ("count_teacher", "budget.count_teacher"), ("flops_budget", "budget.flops"))
+    for rkey, ckey in checks:
+        if res.get(rkey) is None:
+            continue
+        want, have = res[rkey], _cfg_get(flat_cfg, ckey)
+        if isinstance(want, (int, float)) and not isinstance(want, bool):
+            same = isinstance(have, (int, float)) and math.isclose(
+                float(want), float(have), rel_tol=1e-6, abs_tol=1e-9)
+        else:
+            same = want == have
+        if not same:
+            problems.append(f"results.json {rkey}={_fmt_value(want)} but config {ckey}="
+                            f"{_fmt_value(have)}")
+    return problems
+
+
 def _param_mismatches(params: dict, flat_cfg: dict) -> list[str]:
     problems = []
     for key, want in params.items():
@@ -384,6 +406,8 @@ def load_runs(runs_dir: str | Path, *, allow_mixed_budgets: bool = False,
             rid = str(res["run_id"])
             if rid not in (d.name, run_id):
                 probs.append(f"results.json run_id={rid!r} but the folder is {d.name!r}")
+        if res is not None:
+            probs += _recorded_mismatches(res, flat)
         recorded = None if res is None else (res.get("config_hash") or res.get("config_sha256"))
         if recorded:
             rec = str(recorded).lower()
@@ -524,9 +548,6 @@ def _row(run_id: str, d: Path, root: Path, flat: dict, res: dict | None,
     row["flops_spent"] = _num(res.get("flops_spent"))
     fb = _num(res.get("flops_budget"))
     row["flops_budget"] = fb if math.isfinite(fb) else (flops if flops else math.nan)
-    if flops and math.isfinite(fb) and not math.isclose(fb, flops, rel_tol=1e-6):
-        warnings.append(f"{run_id}: results.json flops_budget={fb:.4g} but config "
-                        f"budget.flops={flops:.4g}; using config for grouping")
     nll, ppl = _num(res.get("valid_nll")), _num(res.get("valid_ppl"))
     if not math.isfinite(ppl) and math.isfinite(nll):
         ppl = math.exp(nll)
