@@ -88,6 +88,11 @@ class BatchStream:
         self.pad_id = pad_id
         self.step = 0
 
+    @property
+    def finite(self) -> bool:
+        """Training streams (shuffled) repeat forever; the others make one pass."""
+        return not self.shuffle
+
     # -- to implement ------------------------------------------------------ #
     @property
     def num_batches(self) -> int | None:
@@ -132,8 +137,8 @@ class BatchStream:
 
     def valid_batches(self, n: int | None = None) -> list[dict[str, np.ndarray]]:
         """The first n batches (all of a finite stream when n is None), in order."""
-        if n is None and self.num_batches is None:
-            raise ValueError("an infinite stream needs n")
+        if n is None and not self.finite:
+            raise ValueError("an infinite (training) stream needs n")
         out = []
         i = 0
         while n is None or i < n:
@@ -227,6 +232,7 @@ class StreamingBatchStream(BatchStream):
 
     kind = "streaming"
     CHECKPOINT_EVERY = 16
+    MAX_CHECKPOINTS = 256
 
     def __init__(self, documents, tokenizer: Tokenizer, *, seq_len: int, batch_size: int,
                  seed: int, shuffle: bool, fingerprint: str, add_bos: bool = False,
@@ -253,6 +259,8 @@ class StreamingBatchStream(BatchStream):
         return None if self.shuffle else self._end
 
     def _seek(self, step: int) -> None:
+        """Moves the packer to the start of `step`: directly from the nearest recorded
+        cursor at or before it (or the current position), replaying forward from there."""
         if step == self._pos:
             return
         start = max(k for k in self._ckpt if k <= step)
@@ -261,6 +269,11 @@ class StreamingBatchStream(BatchStream):
             self._pos = start
         while self._pos < step:
             self._produce()
+
+    def _remember(self, step: int, cursor: tuple[int, int]) -> None:
+        self._ckpt[step] = cursor
+        if len(self._ckpt) > self.MAX_CHECKPOINTS:  # keep step 0 and the most recent ones
+            del self._ckpt[min(k for k in self._ckpt if k != 0)]
 
     def _produce(self) -> dict[str, np.ndarray]:
         if self._end is not None and self._pos >= self._end:
@@ -278,28 +291,24 @@ class StreamingBatchStream(BatchStream):
         for j, (t, s) in enumerate(rows):
             tok[j], seg[j] = t, s
         self._pos += 1
-        if self._pos % self.CHECKPOINT_EVERY == 0 or self._pos not in self._ckpt:
-            self._ckpt[self._pos] = self.packer.cursor
+        if self._pos % self.CHECKPOINT_EVERY == 0:
+            self._remember(self._pos, self.packer.cursor)
         return rows_to_batch(tok, seg)
 
     def batch_at(self, step: int) -> dict[str, np.ndarray]:
+        """Batch `step`: O(1) when steps are read in order or after `set_state`;
+        otherwise replayed from the nearest recorded cursor (every 16 steps)."""
         if step < 0:
             raise IndexError(step)
         if self._end is not None and step >= self._end:
             raise IndexError(step)
         self._seek(step)
-        b = self._produce()
-        # Keep sparse checkpoints only (plus the latest position).
-        for k in [k for k in self._ckpt if k % self.CHECKPOINT_EVERY and k not in
-                  (self._pos, self.step)]:
-            del self._ckpt[k]
-        return b
+        return self._produce()
 
     def get_state(self) -> dict[str, Any]:
         st = super().get_state()
-        if self.step not in self._ckpt:
-            self._seek(self.step)
-        st["cursor"] = list(self._ckpt[self.step])
+        self._seek(self.step)
+        st["cursor"] = list(self.packer.cursor)
         return st
 
     def set_state(self, state: dict[str, Any]) -> None:
@@ -307,7 +316,10 @@ class StreamingBatchStream(BatchStream):
             state = json.loads(state)
         super().set_state(state)
         if "cursor" in state:
-            self._ckpt[self.step] = (int(state["cursor"][0]), int(state["cursor"][1]))
+            cursor = (int(state["cursor"][0]), int(state["cursor"][1]))
+            self._remember(self.step, cursor)
+            self.packer.cursor = cursor
+            self._pos = self.step
 
 
 # --------------------------------------------------------------------------- #

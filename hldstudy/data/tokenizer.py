@@ -92,7 +92,9 @@ class Tokenizer:
         """Hash of the model proto without its training-time file prefix (cache keys)."""
         import hashlib
 
-        return hashlib.sha256(_set_prefix(self.serialized(), "")).hexdigest()[:16]
+        if getattr(self, "_fingerprint", None) is None:
+            self._fingerprint = hashlib.sha256(_set_prefix(self.serialized(), "")).hexdigest()[:16]
+        return self._fingerprint
 
     def __repr__(self) -> str:
         return f"Tokenizer(vocab_size={self.vocab_size}, model_path={self.model_path})"
