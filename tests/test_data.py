@@ -302,7 +302,7 @@ def test_text_source(tmp_path, tokenizer):
         prepare_data(replace(cfg, path=str(tmp_path / "empty.txt")), tmp_path / "run")
 
 
-def test_jsonl_source(tmp_path, tokenizer):
+def test_jsonl_source(tmp_path, tokenizer, monkeypatch):
     f = tmp_path / "data.jsonl"
     rows = [{"text": t, "id": i} for i, t in enumerate(generate_documents(30, seed=5))]
     f.write_text("".join(json.dumps(r) + "\n" for r in rows) + "\n")
@@ -313,6 +313,11 @@ def test_jsonl_source(tmp_path, tokenizer):
     assert len(valid) == 3  # at most 10% held out
     bundle = prepare_data(cfg, tmp_path / "run")
     check_batch(next(bundle.train), 2, 32)
+    # With packed rows cached, a restart does not read the corpus again.
+    with monkeypatch.context() as m:
+        m.setattr(sources, "read_jsonl_files", lambda *a: pytest.fail("corpus re-read"))
+        again = prepare_data(cfg, tmp_path / "run")
+        assert same(again.train.batch_at(3), bundle.train.batch_at(3))
     assert sources.load_corpus(replace(cfg, max_docs=10), "train").texts == [
         r["text"] for r in rows[:9]]
     with pytest.raises(ConfigError, match="data.text_field") as e:
@@ -321,7 +326,7 @@ def test_jsonl_source(tmp_path, tokenizer):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "ok"}\n{not json\n')
     with pytest.raises(InputError, match="bad.jsonl:2"):
-        sources.load_corpus(replace(cfg, path=str(bad)), "train")
+        len(sources.load_corpus(replace(cfg, path=str(bad)), "train"))
     with pytest.raises(InputError, match="data.path.*does not exist"):
         prepare_data(replace(cfg, path=str(tmp_path / "missing.jsonl")), tmp_path / "run2")
 

@@ -347,18 +347,23 @@ def pack_corpus(cfg: DataConfig, tokenizer: Tokenizer, texts: Sequence[str]):
 
 
 def _cached_rows(cfg: DataConfig, tokenizer: Tokenizer, corpus: sources.Corpus,
-                 workdir: Path | None, fingerprint: str):
-    if workdir is None:
-        return pack_corpus(cfg, tokenizer, corpus.texts)
-    cache = Path(workdir) / "data_cache"
-    tok_path = cache / f"{fingerprint}.tokens.npy"
-    seg_path = cache / f"{fingerprint}.segments.npy"
-    if tok_path.exists() and seg_path.exists():
-        try:
-            return np.load(tok_path, mmap_mode="r"), np.load(seg_path, mmap_mode="r")
-        except (OSError, ValueError):
-            pass  # a damaged cache is rebuilt
+                 workdir: Path | None, fingerprint: str, split: str):
+    """Packed rows from the workdir cache, or built (reading the corpus) and cached."""
+    cache = Path(workdir) / "data_cache" if workdir is not None else None
+    if cache is not None:
+        tok_path = cache / f"{fingerprint}.tokens.npy"
+        seg_path = cache / f"{fingerprint}.segments.npy"
+        if tok_path.exists() and seg_path.exists():
+            try:
+                return np.load(tok_path, mmap_mode="r"), np.load(seg_path, mmap_mode="r")
+            except (OSError, ValueError):
+                pass  # a damaged cache is rebuilt
+    if len(corpus) == 0:
+        field = "data.valid_path" if (split != cfg.train_split and cfg.valid_path) else "data.path"
+        raise InputError(f"{field}: {corpus.description} has no documents for split {split!r}")
     tok, seg = pack_corpus(cfg, tokenizer, corpus.texts)
+    if cache is None:
+        return tok, seg
     cache.mkdir(parents=True, exist_ok=True)
     for path, arr in ((tok_path, tok), (seg_path, seg)):
         tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
@@ -389,11 +394,9 @@ def make_batches(cfg: DataConfig, tokenizer: Tokenizer, split: str,
                                     cross_document=not cfg.packing)
     if corpus is None:
         corpus = sources.load_corpus(cfg, split, workdir)
-    if len(corpus) == 0:
-        field = "data.valid_path" if (not train and cfg.valid_path) else "data.path"
-        raise InputError(f"{field}: {corpus.description} has no documents for split {split!r}")
     fp = _key([corpus.key, common])
-    tok, seg = _cached_rows(cfg, tokenizer, corpus, None if workdir is None else Path(workdir), fp)
+    tok, seg = _cached_rows(cfg, tokenizer, corpus, None if workdir is None else Path(workdir), fp,
+                            split)
     return RowsBatchStream(tok, seg, batch_size=cfg.batch_size, seed=cfg.seed, shuffle=train,
                            fingerprint=fp, pad_id=tokenizer.pad_id)
 
@@ -430,8 +433,6 @@ def prepare_data(cfg: DataConfig, workdir: str | Path) -> DataBundle:
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     corpus = None if cfg.source == "tfds" else sources.load_corpus(cfg, cfg.train_split, workdir)
-    if corpus is not None and len(corpus) == 0:
-        raise InputError(f"data.path: {corpus.description} has no documents")
     if cfg.tokenizer:
         tokenizer = Tokenizer.load(cfg.tokenizer)
     else:
@@ -449,6 +450,8 @@ def prepare_data(cfg: DataConfig, workdir: str | Path) -> DataBundle:
                         f"data.tokenizer_vocab_size={cfg.tokenizer_vocab_size}; delete it or set "
                         "data.tokenizer")
         else:
+            if corpus is not None and len(corpus) == 0:
+                raise InputError(f"data.path: {corpus.description} has no documents")
             tokenizer = train_tokenizer(_tokenizer_texts(cfg, corpus), cfg.tokenizer_vocab_size,
                                         workdir / "tokenizer")
             meta_path.write_text(json.dumps(ident, indent=2) + "\n")

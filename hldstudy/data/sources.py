@@ -34,7 +34,9 @@ import glob as globlib
 import gzip
 import hashlib
 import json
+import os
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -99,28 +101,48 @@ def read_text_files(files: list[Path]) -> list[str]:
     return docs
 
 
+def read_jsonl_lines(lines, f: Path, text_field: str) -> list[str]:
+    docs = []
+    for lineno, line in lines:
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise InputError(f"{f}:{lineno}: not valid JSON ({e.msg})") from None
+        if not isinstance(obj, dict) or text_field not in obj:
+            keys = ", ".join(sorted(obj)) if isinstance(obj, dict) else type(obj).__name__
+            raise ConfigError("data.text_field", f"{f}:{lineno} has no field {text_field!r}",
+                              f"fields there: {keys}")
+        text = obj[text_field]
+        if not isinstance(text, str):
+            raise InputError(f"{f}:{lineno}: field {text_field!r} is "
+                             f"{type(text).__name__}, not a string")
+        if text.strip():
+            docs.append(text)
+    return docs
+
+
 def read_jsonl_files(files: list[Path], text_field: str) -> list[str]:
     docs = []
     for f in files:
-        for lineno, line in enumerate(_open_text(f).splitlines(), start=1):
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise InputError(f"{f}:{lineno}: not valid JSON ({e.msg})") from None
-            if not isinstance(obj, dict) or text_field not in obj:
-                keys = ", ".join(sorted(obj)) if isinstance(obj, dict) else type(obj).__name__
-                raise ConfigError("data.text_field", f"{f}:{lineno} has no field {text_field!r}",
-                                  f"fields there: {keys}")
-            text = obj[text_field]
-            if not isinstance(text, str):
-                raise InputError(f"{f}:{lineno}: field {text_field!r} is "
-                                 f"{type(text).__name__}, not a string")
-            if text.strip():
-                docs.append(text)
+        docs.extend(read_jsonl_lines(enumerate(_open_text(f).splitlines(), start=1), f,
+                                     text_field))
     return docs
+
+
+def _peek_jsonl(f: Path, text_field: str) -> None:
+    """Checks the first record of a jsonl file has `text_field`."""
+    opener = gzip.open if f.name.endswith(".gz") else open
+    try:
+        with opener(f, "rt", encoding="utf-8") as fh:
+            for lineno, line in enumerate(fh, start=1):
+                if line.strip():
+                    read_jsonl_lines([(lineno, line)], f, text_field)
+                    return
+    except (OSError, UnicodeDecodeError, EOFError) as e:
+        raise InputError(f"{f}: cannot read as UTF-8 text ({e})") from e
 
 
 def _files_key(files: list[Path]) -> list:
@@ -141,18 +163,29 @@ def _hash(obj: Any) -> str:
 
 
 class Corpus:
-    """A finite list of documents and a key identifying its content."""
+    """A finite list of documents and a key identifying its content.
 
-    def __init__(self, texts: list[str], key: str, description: str):
-        self.texts = texts
+    `texts` may be a zero-argument function: the documents are then read on first
+    use, so a run whose packed rows are already cached never reads the corpus.
+    """
+
+    def __init__(self, texts: list[str] | Callable[[], list[str]], key: str, description: str):
+        self._texts = texts
         self.key = key
         self.description = description
+
+    @property
+    def texts(self) -> list[str]:
+        if callable(self._texts):
+            self._texts = self._texts()
+        return self._texts
 
     def __len__(self) -> int:
         return len(self.texts)
 
     def __repr__(self) -> str:
-        return f"Corpus({self.description}, {len(self.texts)} docs, key={self.key})"
+        n = "?" if callable(self._texts) else len(self._texts)
+        return f"Corpus({self.description}, {n} docs, key={self.key})"
 
 
 def _which_split(cfg: DataConfig, split: str) -> str:
@@ -185,33 +218,35 @@ def synthetic_corpus(cfg: DataConfig, split: str, workdir: Path | None) -> Corpu
     n = cfg.synthetic_docs if which == "train" else cfg.synthetic_valid_docs
     stream = "train" if which == "train" else "validation"
     key = f"synthetic-v{synthetic.GENERATOR_VERSION}-{cfg.synthetic_seed}-{stream}-{n}"
-    texts = None
-    cache = None
-    if workdir is not None:
-        cache = Path(workdir) / "synthetic" / f"{key}.jsonl"
-        if cache.exists():
+
+    def load() -> list[str]:
+        cache = Path(workdir) / "synthetic" / f"{key}.jsonl" if workdir is not None else None
+        if cache is not None and cache.exists():
             try:
                 texts = [json.loads(line)["text"] for line in cache.read_text().splitlines()]
+                if len(texts) == n:
+                    return texts
             except (json.JSONDecodeError, KeyError):
-                texts = None
-            if texts is not None and len(texts) != n:
-                texts = None
-    if texts is None:
+                pass  # rebuilt below
         texts = synthetic.generate_documents(n, cfg.synthetic_seed, split=stream)
         if cache is not None:
             cache.parent.mkdir(parents=True, exist_ok=True)
-            tmp = cache.with_suffix(f".tmp{id(texts)}")
+            tmp = cache.with_name(f"{cache.name}.{os.getpid()}.tmp")
             tmp.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
             tmp.replace(cache)
-    return Corpus(texts, key, f"synthetic {stream} (seed {cfg.synthetic_seed})")
+        return texts
+
+    return Corpus(load, key, f"synthetic {stream} (seed {cfg.synthetic_seed})")
 
 
 def text_corpus(cfg: DataConfig, split: str) -> Corpus:
     which = _which_split(cfg, split)
     files = expand_paths(cfg.path, "data.path", TEXT_EXTS)
-    docs = read_text_files(files)
     vfiles = expand_paths(cfg.valid_path, "data.valid_path", TEXT_EXTS) if cfg.valid_path else []
-    texts = _split_local(docs, cfg, which, lambda: read_text_files(vfiles))
+
+    def texts() -> list[str]:
+        return _split_local(read_text_files(files), cfg, which, lambda: read_text_files(vfiles))
+
     key = _hash(["text", which, _files_key(files), _files_key(vfiles), cfg.max_docs,
                  cfg.valid_holdout_docs])
     return Corpus(texts, f"text-{which}-{key}", f"text files {cfg.path} ({which})")
@@ -220,18 +255,26 @@ def text_corpus(cfg: DataConfig, split: str) -> Corpus:
 def jsonl_corpus(cfg: DataConfig, split: str) -> Corpus:
     which = _which_split(cfg, split)
     files = expand_paths(cfg.path, "data.path", JSONL_EXTS)
-    docs = read_jsonl_files(files, cfg.text_field)
     vfiles = expand_paths(cfg.valid_path, "data.valid_path", JSONL_EXTS) if cfg.valid_path else []
-    texts = _split_local(docs, cfg, which, lambda: read_jsonl_files(vfiles, cfg.text_field))
+    _peek_jsonl(files[0], cfg.text_field)  # a wrong text_field fails now, not after minutes
+
+    def texts() -> list[str]:
+        return _split_local(read_jsonl_files(files, cfg.text_field), cfg, which,
+                            lambda: read_jsonl_files(vfiles, cfg.text_field))
+
     key = _hash(["jsonl", which, _files_key(files), _files_key(vfiles), cfg.text_field,
                  cfg.max_docs, cfg.valid_holdout_docs])
     return Corpus(texts, f"jsonl-{which}-{key}", f"jsonl files {cfg.path} ({which})")
 
 
-def _hf_column(ds, field: str, where: str) -> list[str]:
+def _hf_check_column(ds, field: str, where: str) -> None:
     if field not in ds.column_names:
         raise ConfigError("data.text_field", f"{where} has no column {field!r}",
                           f"columns: {', '.join(ds.column_names)}")
+
+
+def _hf_column(ds, field: str, where: str) -> list[str]:
+    _hf_check_column(ds, field, where)
     col = ds[field]
     return [t for t in col if isinstance(t, str) and t.strip()]
 
@@ -270,19 +313,24 @@ def hf_corpus(cfg: DataConfig, split: str, workdir: Path | None) -> Corpus:
         if cfg.train_split not in ds:
             raise ConfigError("data.train_split", f"{cfg.path} has no split {cfg.train_split!r}",
                               f"splits: {', '.join(ds)}")
-        if which == "valid" and not cfg.valid_path and cfg.valid_split in ds:
-            texts = _hf_column(ds[cfg.valid_split], cfg.text_field, f"{cfg.path}[{cfg.valid_split}]")
-            if cfg.max_docs > 0:
-                texts = texts[: cfg.max_docs]
-        else:
-            docs = _hf_column(ds[cfg.train_split], cfg.text_field, f"{cfg.path}[{cfg.train_split}]")
-            if cfg.valid_split in ds and not cfg.valid_path:  # no holdout needed
-                texts = docs[: cfg.max_docs] if cfg.max_docs > 0 else docs
-            else:
-                texts = _split_local(docs, cfg, which, lambda: _hf_valid(cfg, cache_dir))
+        for name, part in ds.items():
+            _hf_check_column(part, cfg.text_field, f"{cfg.path}[{name}]")
     else:
-        docs = _hf_column(ds, cfg.text_field, cfg.path)
-        texts = _split_local(docs, cfg, which, lambda: _hf_valid(cfg, cache_dir))
+        _hf_check_column(ds, cfg.text_field, cfg.path)
+
+    def texts() -> list[str]:
+        if not isinstance(ds, datasets.DatasetDict):
+            docs = _hf_column(ds, cfg.text_field, cfg.path)
+            return _split_local(docs, cfg, which, lambda: _hf_valid(cfg, cache_dir))
+        has_valid = cfg.valid_split in ds and not cfg.valid_path
+        if which == "valid" and has_valid:
+            out = _hf_column(ds[cfg.valid_split], cfg.text_field, cfg.path)
+            return out[: cfg.max_docs] if cfg.max_docs > 0 else out
+        docs = _hf_column(ds[cfg.train_split], cfg.text_field, cfg.path)
+        if has_valid:  # no holdout needed
+            return docs[: cfg.max_docs] if cfg.max_docs > 0 else docs
+        return _split_local(docs, cfg, which, lambda: _hf_valid(cfg, cache_dir))
+
     fp = getattr(ds, "_fingerprint", None)
     if fp is None and isinstance(ds, datasets.DatasetDict):
         fp = {k: v._fingerprint for k, v in ds.items()}
