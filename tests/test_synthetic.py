@@ -137,3 +137,12 @@ def test_cloze_target_recoverable():
         assert word and word.isalpha(), it["text"][-40:]
         assert not it["text"].endswith((".", " "))
         assert re.search(rf"\b{word}\b", ctx), it["text"]  # stated earlier in the document
+
+
+def test_save_eval_tasks(tmp_path):
+    import json
+
+    paths = syn.save_eval_tasks(tmp_path, 5, 7, seed=2)
+    mc = [json.loads(x) for x in open(paths["synthetic_hellaswag"])]
+    cz = [json.loads(x) for x in open(paths["synthetic_lambada"])]
+    assert mc == syn.make_multiple_choice(5, 2) and cz == syn.make_cloze(7, 2)

@@ -32,6 +32,7 @@ import hashlib
 import json
 import math
 import os
+import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -245,6 +246,7 @@ class StreamingBatchStream(BatchStream):
         self._finite_len = None if shuffle else len(documents)
         self.packer = StreamPacker(self._get_doc, seq_len, cross_document=cross_document,
                                    pad_id=tokenizer.pad_id)
+        self._lock = threading.RLock()  # batch_at moves one shared packer
         self._ckpt: dict[int, tuple[int, int]] = {0: (0, 0)}
         self._pos = 0  # the step whose rows the packer produces next
         self._end: int | None = None  # first step past a finite stream's end
@@ -300,26 +302,29 @@ class StreamingBatchStream(BatchStream):
         otherwise replayed from the nearest recorded cursor (every 16 steps)."""
         if step < 0:
             raise IndexError(step)
-        if self._end is not None and step >= self._end:
-            raise IndexError(step)
-        self._seek(step)
-        return self._produce()
+        with self._lock:
+            if self._end is not None and step >= self._end:
+                raise IndexError(step)
+            self._seek(step)
+            return self._produce()
 
     def get_state(self) -> dict[str, Any]:
-        st = super().get_state()
-        self._seek(self.step)
-        st["cursor"] = list(self.packer.cursor)
-        return st
+        with self._lock:
+            st = super().get_state()
+            self._seek(self.step)
+            st["cursor"] = list(self.packer.cursor)
+            return st
 
     def set_state(self, state: dict[str, Any]) -> None:
         if isinstance(state, (str, bytes)):
             state = json.loads(state)
-        super().set_state(state)
-        if "cursor" in state:
-            cursor = (int(state["cursor"][0]), int(state["cursor"][1]))
-            self._remember(self.step, cursor)
-            self.packer.cursor = cursor
-            self._pos = self.step
+        with self._lock:
+            super().set_state(state)
+            if "cursor" in state:
+                cursor = (int(state["cursor"][0]), int(state["cursor"][1]))
+                self._remember(self.step, cursor)
+                self.packer.cursor = cursor
+                self._pos = self.step
 
 
 # --------------------------------------------------------------------------- #

@@ -495,3 +495,21 @@ def cloze_target(item: dict) -> tuple[str, str]:
     """(context, target) split as lm-eval's lambada does: the last space-separated word."""
     ctx, word = item["text"].rsplit(" ", 1)
     return ctx, " " + word
+
+
+def save_eval_tasks(directory, n_multiple_choice: int = 1000, n_cloze: int = 1000,
+                    seed: int = 0) -> dict[str, str]:
+    """Writes `synthetic_hellaswag.jsonl` and `synthetic_lambada.jsonl` (one item per
+    line, HF hellaswag / lambada schemas) into `directory`; returns {task: path}."""
+    import json
+    from pathlib import Path
+
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    out = {}
+    for name, items in (("synthetic_hellaswag", make_multiple_choice(n_multiple_choice, seed)),
+                        ("synthetic_lambada", make_cloze(n_cloze, seed))):
+        path = d / f"{name}.jsonl"
+        path.write_text("".join(json.dumps(it) + "\n" for it in items))
+        out[name] = str(path)
+    return out
