@@ -39,7 +39,8 @@ def run_name(method, lr, temp, alpha, seed, hw=None):
 
 
 def write_run(root: Path, method, lr, temp, alpha, seed, *, budget=1e15, hw=1.0, name=None,
-              finished=True, rng=None, count_teacher=False, extra_results=None, subdir=None):
+              finished=True, rng=None, count_teacher=False, extra_results=None, subdir=None,
+              teacher="/ckpt/teacher"):
     rng = rng or np.random.default_rng(0)
     name = name or run_name(method, lr, temp, alpha, seed)
     d = root / subdir / name if subdir else root / name
@@ -48,7 +49,7 @@ def write_run(root: Path, method, lr, temp, alpha, seed, *, budget=1e15, hw=1.0,
         name=name,
         train=TrainConfig(lr=lr, seed=seed),
         distill=DistillConfig(method=method, temperature=temp, alpha=alpha, hidden_weight=hw),
-        teacher=TeacherConfig(checkpoint=None if method == "baseline" else "/ckpt/teacher"),
+        teacher=TeacherConfig(checkpoint=None if method == "baseline" else teacher),
         budget=BudgetConfig(flops=budget, count_teacher=count_teacher),
     )
     cfg_dict = config_to_dict(cfg)
@@ -395,3 +396,15 @@ def test_results_recorded_by_trainer_must_match_config(tmp_path):
     (d / "results.json").write_text(json.dumps(res))
     with pytest.raises(InputError, match="results.json method=hldc but config distill.method=hldf"):
         load_runs(root)
+
+
+def test_teacher_run_next_to_students_is_left_out(tmp_path):
+    root = tmp_path / "runs"
+    write_run(root, "baseline", 1e-3, 1.0, 0.5, 0, name="teacher", budget=0.0)
+    for m in ("kd", "hldf"):
+        write_run(root, m, 1e-3, 1.0, 0.5, 0, teacher=str(root / "teacher"))
+    df = load_runs(root)  # no mixed-budget error: the teacher is not a contestant
+    assert df.set_index("run_id").loc["teacher", "status"] == "teacher"
+    summary = build_report(root, tmp_path / "o", n_resamples=100)
+    assert summary["runs"]["teacher"] == "teacher of the students (left out)"
+    assert "baseline" not in summary["budgets"][0]["arms"]

@@ -83,13 +83,17 @@ def plot_ppl_vs_lr(df: pd.DataFrame, path: str | Path, title: str = "") -> Path 
 
 
 def plot_deltas(pairs: pd.DataFrame, summary: pd.DataFrame | None, path: str | Path,
-                title: str = "") -> Path | None:
-    """Per-grid-point perplexity delta vs KD (%), one row per arm, with the mean and its CI."""
+                title: str = "", reference: str = "kd") -> Path | None:
+    """Per-grid-point perplexity delta vs the reference (%), one row per arm, mean and CI.
+
+    Each dot is one grid point (its seeds averaged), so the dots are exactly
+    the units the sign test and the bootstrap CI use.
+    """
     if pairs.empty or pairs[PPL_DELTA].notna().sum() == 0:
         return None
     gcols = list(pairs.attrs.get("grid_cols", []))
     arms = sorted(pairs["arm"].unique())
-    colors = arm_colors(["kd"] + arms)
+    colors = arm_colors([reference] + arms)
     fig, ax = plt.subplots(figsize=(7.5, 1.2 + 0.9 * len(arms)))
     rng = np.random.default_rng(0)
     for i, arm in enumerate(arms):
@@ -116,9 +120,12 @@ def plot_deltas(pairs: pd.DataFrame, summary: pd.DataFrame | None, path: str | P
     ax.set_yticks(range(len(arms)))
     ax.set_yticklabels(arms)
     ax.set_ylim(-0.6, len(arms) - 0.2)
-    ax.set_xlabel("validation perplexity vs KD at the same grid point (%)  ← better than KD")
-    ax.set_title(title or "Point-by-point perplexity delta vs KD (dots: grid points, "
-                 "diamond: mean, 95% bootstrap CI)", fontsize=9)
+    ref = reference.upper() if reference == "kd" else reference
+    level = summary.attrs.get("level", 0.95) if summary is not None else 0.95
+    ax.set_xlabel(f"validation perplexity vs {ref} at the same grid point (%)  "
+                  f"← better than {ref}")
+    ax.set_title(title or f"Point-by-point perplexity delta vs {ref} (dots: grid points, "
+                 f"diamond: mean, {level:.0%} bootstrap CI)", fontsize=9)
     ax.grid(True, axis="x", alpha=0.3)
     return _save(fig, path)
 

@@ -169,7 +169,8 @@ def _write_figures(b: _Budget, out: Path) -> None:
                              title=f"Validation perplexity vs learning rate — {b.label}")
     if p:
         b.figures["ppl_vs_lr"] = p.relative_to(out).as_posix()
-    p = plots.plot_deltas(b.pairs, b.summary, f / f"delta_vs_kd{b.suffix}.png")
+    p = plots.plot_deltas(b.pairs, b.summary, f / f"delta_vs_kd{b.suffix}.png",
+                          reference=b.reference)
     if p:
         b.figures["delta_vs_kd"] = p.relative_to(out).as_posix()
     p = plots.plot_downstream(b.best, f / f"downstream_best{b.suffix}.png")
@@ -200,7 +201,9 @@ def _accounting(df: pd.DataFrame, budgets: list[_Budget], reference: str) -> pd.
     rows = []
     for r in df.itertuples(index=False):
         rid = str(r.run_id)
-        if r.status != "done":
+        if r.status == "teacher":
+            use = "teacher of the students (left out)"
+        elif r.status != "done":
             use = f"{r.status} (left out)"
         elif rid in role:
             use = role[rid]

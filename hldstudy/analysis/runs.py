@@ -433,6 +433,12 @@ def load_runs(runs_dir: str | Path, *, allow_mixed_budgets: bool = False,
             + " | ".join(mismatches[:5]) + (f" | ... ({n - 5} more)" if n > 5 else "")
             + " (re-run or fix the directory; --no-name-check skips the folder-name check)")
 
+    # A teacher trained by hldstudy may sit next to its students; it is not a contestant.
+    teachers = _teacher_dirs(root, dirs, flats)
+    for row, d in zip(rows, dirs, strict=True):
+        if d.resolve() in teachers:
+            row["status"] = "teacher"
+
     for e in missing:
         rid = str(e.get("run_id") or Path(e.get("dir")).name)
         rows.append({"run_id": rid, "dir": str(e.get("dir") or rid), "status": "missing",
@@ -449,7 +455,10 @@ def load_runs(runs_dir: str | Path, *, allow_mixed_budgets: bool = False,
             f"{root}: no finished runs - none of the {len(df)} run(s) has a {RESULTS_FILE} with "
             f'"status": "done" (statuses: {_counts(df["status"])})')
 
-    not_done = df[~done]
+    not_done = df[~done & (df["status"] != "teacher")]
+    if (df["status"] == "teacher").any():
+        warnings.append("teacher run(s) found among the runs and left out: "
+                        + ", ".join(df.loc[df["status"] == "teacher", "run_id"].astype(str)))
     if len(not_done):
         warnings.append(f"{len(not_done)} run(s) not done (unfinished, failed or missing) and "
                         f"left out of every comparison "
@@ -469,6 +478,15 @@ def load_runs(runs_dir: str | Path, *, allow_mixed_budgets: bool = False,
             + " (analyse one budget per RUNS_DIR, or pass --allow-mixed-budgets to report each "
             "budget separately)")
 
+    # -- the student architecture should be fixed within one budget
+    for b in df.loc[done, "budget"].unique():
+        idx = [i for i in range(len(df)) if done.iloc[i] and df["budget"].iloc[i] == b]
+        archs = {json.dumps({k: v for k, v in flats[i].items() if k.startswith("model.")},
+                            sort_keys=True, default=str) for i in idx}
+        if len(archs) > 1:
+            warnings.append(f"[{b}] {len(archs)} different student model configs share one "
+                            "budget; model fields become grid dimensions and best-vs-best "
+                            "selects across them")
     # -- seeds: data.seed folds into the seed when it varies independently of train.seed
     _fold_data_seed(df, flats, done)
     # -- arms and extra grid dimensions
@@ -558,6 +576,21 @@ def _row(run_id: str, d: Path, root: Path, flat: dict, res: dict | None,
         warnings.append(f"{run_id}: finished but has no finite valid_ppl / valid_nll")
     row.update(_flatten_eval(res.get("eval")))
     return row
+
+
+def _teacher_dirs(root: Path, dirs: list[Path], flats: list[dict]) -> set[Path]:
+    refs = set()
+    for f in flats:
+        ck = _cfg_get(f, "teacher.checkpoint")
+        if not ck or not isinstance(ck, str) or ck.startswith("remote://"):
+            continue
+        p = Path(ck)
+        for cand in ([p] if p.is_absolute() else [Path.cwd() / p, root / p, root.parent / p]):
+            try:
+                refs.add(cand.resolve())
+            except OSError:
+                pass
+    return {d.resolve() for d in dirs if d.resolve() in refs}
 
 
 def _fold_data_seed(df: pd.DataFrame, flats: list[dict], done: pd.Series) -> None:
