@@ -171,6 +171,7 @@ class RowsBatchStream(BatchStream):
         self.rows = tokens
         self.segments = segments
         self._perms: dict[int, np.ndarray] = {}
+        self._lock = threading.Lock()
 
     @property
     def num_rows(self) -> int:
@@ -187,14 +188,16 @@ class RowsBatchStream(BatchStream):
         return self.num_rows / self.batch_size
 
     def _perm(self, epoch: int) -> np.ndarray:
-        p = self._perms.get(epoch)
-        if p is None:
-            rng = np.random.default_rng([self.seed, epoch, 0x9E3779B9])
-            p = rng.permutation(self.num_rows)
-            if len(self._perms) >= 4:
-                self._perms.pop(min(self._perms))
-            self._perms[epoch] = p
-        return p
+        """The row order of an epoch: a numpy permutation seeded by (seed, epoch)."""
+        with self._lock:
+            p = self._perms.get(epoch)
+            if p is None:
+                rng = np.random.default_rng([self.seed % 2**63, epoch, 0x9E3779B9])
+                p = rng.permutation(self.num_rows)
+                if len(self._perms) >= 4:
+                    self._perms.pop(min(self._perms))
+                self._perms[epoch] = p
+            return p
 
     def row_indices(self, step: int) -> np.ndarray:
         """Row indices of batch `step` (-1 = an empty padding row)."""
