@@ -52,6 +52,8 @@ from jax import lax
 from hldstudy.losses.kd import flatten_tokens, validate_kd_args
 
 FUSED_DIVERGENCES = ("forward_kl", "reverse_kl")
+# "pallas" picks the kernel family by platform; the explicit ones are for tests.
+BACKENDS = ("xla", "pallas", "pallas_triton", "pallas_mosaic")
 
 # CPU defaults (see benchmarks/fused_kd.py): a window of 64 rows x the whole
 # vocabulary keeps XLA's matmuls large and the temporaries at 64 x V floats.
@@ -70,7 +72,7 @@ class KDConfig:
     row_block: int
     vocab_block: int
     vocab: int
-    backend: str  # "xla" | "pallas"
+    backend: str  # one of BACKENDS
     interpret: bool = False  # Pallas interpret mode (CPU testing)
 
 
@@ -78,59 +80,68 @@ class KDConfig:
 # Per-chunk building blocks (shared in spirit with the Pallas kernels).
 
 
-def chunk_logits(cfg: KDConfig, h_s_RxD, h_t_RxE, w_s_DxC, w_t_ExC, valid_C):
-    """Student/teacher logits of one chunk, soft-capped, invalid columns -> -inf.
+def cap_and_mask(cfg: KDConfig, z_s_RxC, z_t_RxC, valid_1xC):
+    """Soft-caps raw chunk logits and sets invalid columns to -inf (never 0).
 
     Returns (z_s, z_t, cap_grad) with cap_grad = d capped / d raw (None if no cap).
     """
-    z_s = jnp.dot(h_s_RxD, w_s_DxC, preferred_element_type=jnp.float32)
-    z_t = jnp.dot(h_t_RxE, w_t_ExC, preferred_element_type=jnp.float32)
     cap_grad = None
     if cfg.softcap is not None:
         c = cfg.softcap
-        z_s = c * jnp.tanh(z_s / c)
-        z_t = c * jnp.tanh(z_t / c)
-        cap_grad = 1.0 - jnp.square(z_s / c)
+        z_s_RxC = c * jnp.tanh(z_s_RxC / c)
+        z_t_RxC = c * jnp.tanh(z_t_RxC / c)
+        cap_grad = 1.0 - jnp.square(z_s_RxC / c)
     neg_inf = jnp.float32(-jnp.inf)
-    z_s = jnp.where(valid_C[None, :], z_s, neg_inf)
-    z_t = jnp.where(valid_C[None, :], z_t, neg_inf)
-    return z_s, z_t, cap_grad
+    z_s_RxC = jnp.where(valid_1xC, z_s_RxC, neg_inf)
+    z_t_RxC = jnp.where(valid_1xC, z_t_RxC, neg_inf)
+    return z_s_RxC, z_t_RxC, cap_grad
+
+
+# Per-row statistics are kept as [R, 1] columns (keepdims) everywhere, so the
+# same code runs in XLA and inside Pallas kernels (2-D tiles only).
+N_STATS = 9  # m_a, S_a, U_f, m_b, S_b, U_r, m_z, S_z, z_y
 
 
 def init_stats(rows: int):
-    neg_inf = jnp.full((rows,), -jnp.inf, jnp.float32)
-    zero = jnp.zeros((rows,), jnp.float32)
-    # m_a, S_a, U_f, m_b, S_b, U_r, m_z, S_z, z_y
+    neg_inf = jnp.full((rows, 1), -jnp.inf, jnp.float32)
+    zero = jnp.zeros((rows, 1), jnp.float32)
     return (neg_inf, zero, zero, neg_inf, zero, zero, neg_inf, zero, zero)
 
 
-def update_stats(cfg: KDConfig, stats, z_s, z_t, valid_C, is_label_RxC):
-    """One online log-sum-exp step over a chunk of tempered logits."""
+def _row_max(x):
+    return jnp.max(x, axis=-1, keepdims=True)
+
+
+def _row_sum(x):
+    return jnp.sum(x, axis=-1, keepdims=True)
+
+
+def update_stats(cfg: KDConfig, stats, z_s, z_t, valid_1xC, is_label_RxC):
+    """One online log-sum-exp step over a chunk of (capped, masked) logits."""
     m_a, s_a, u_f, m_b, s_b, u_r, m_z, s_z, z_y = stats
     inv_tau = 1.0 / cfg.temperature
     a, b = z_t * inv_tau, z_s * inv_tau
-    valid = valid_C[None, :]
     # a - b is nan on masked columns (-inf - -inf): select, never multiply.
-    a_minus_b = jnp.where(valid, a - b, 0.0)
+    a_minus_b = jnp.where(valid_1xC, a - b, 0.0)
 
-    m_a_new = jnp.maximum(m_a, jnp.max(a, axis=-1))
-    e_a = jnp.exp(a - m_a_new[:, None])
+    m_a_new = jnp.maximum(m_a, _row_max(a))
+    e_a = jnp.exp(a - m_a_new)
     scale_a = jnp.exp(m_a - m_a_new)
-    s_a = s_a * scale_a + jnp.sum(e_a, axis=-1)
-    m_b_new = jnp.maximum(m_b, jnp.max(b, axis=-1))
-    e_b = jnp.exp(b - m_b_new[:, None])
+    s_a = s_a * scale_a + _row_sum(e_a)
+    m_b_new = jnp.maximum(m_b, _row_max(b))
+    e_b = jnp.exp(b - m_b_new)
     scale_b = jnp.exp(m_b - m_b_new)
-    s_b = s_b * scale_b + jnp.sum(e_b, axis=-1)
+    s_b = s_b * scale_b + _row_sum(e_b)
     if cfg.divergence == "forward_kl":
-        u_f = u_f * scale_a + jnp.sum(e_a * a_minus_b, axis=-1)
+        u_f = u_f * scale_a + _row_sum(e_a * a_minus_b)
     else:
-        u_r = u_r * scale_b - jnp.sum(e_b * a_minus_b, axis=-1)
+        u_r = u_r * scale_b - _row_sum(e_b * a_minus_b)
     if cfg.temperature == 1.0:  # NLL logits are the tempered student logits
         m_z_new, s_z = m_b_new, s_b
     else:
-        m_z_new = jnp.maximum(m_z, jnp.max(z_s, axis=-1))
-        s_z = s_z * jnp.exp(m_z - m_z_new) + jnp.sum(jnp.exp(z_s - m_z_new[:, None]), axis=-1)
-    z_y = z_y + jnp.sum(jnp.where(is_label_RxC, z_s, 0.0), axis=-1)
+        m_z_new = jnp.maximum(m_z, _row_max(z_s))
+        s_z = s_z * jnp.exp(m_z - m_z_new) + _row_sum(jnp.exp(z_s - m_z_new))
+    z_y = z_y + _row_sum(jnp.where(is_label_RxC, z_s, 0.0))
     return (m_a_new, s_a, u_f, m_b_new, s_b, u_r, m_z_new, s_z, z_y)
 
 
@@ -148,23 +159,22 @@ def finalize_stats(cfg: KDConfig, stats):
     return lse_a, lse_b, lse_z, kl, nll
 
 
-def logit_grad(cfg: KDConfig, z_s, z_t, cap_grad, valid_C, is_label_RxC, row_stats, coef_nll_R, coef_kl_R):
-    """dLoss/dz_raw for one chunk: coef_nll * dNLL + coef_kl * dKL (coefs per row)."""
+def logit_grad(cfg: KDConfig, z_s, z_t, cap_grad, valid_1xC, is_label_RxC, row_stats, coef_nll, coef_kl):
+    """dLoss/dz_raw for one chunk: coef_nll * dNLL + coef_kl * dKL (per-row [R, 1] coefs)."""
     lse_a, lse_b, lse_z, kl = row_stats
     inv_tau = 1.0 / cfg.temperature
     a, b = z_t * inv_tau, z_s * inv_tau
-    p_s = jnp.exp(b - lse_b[:, None])
-    p_z = p_s if cfg.temperature == 1.0 else jnp.exp(z_s - lse_z[:, None])
+    p_s = jnp.exp(b - lse_b)
+    p_z = p_s if cfg.temperature == 1.0 else jnp.exp(z_s - lse_z)
     g_nll = p_z - is_label_RxC.astype(jnp.float32)
     if cfg.divergence == "forward_kl":
-        g_kl = (p_s - jnp.exp(a - lse_a[:, None])) * inv_tau
+        g_kl = (p_s - jnp.exp(a - lse_a)) * inv_tau
     else:
-        b_minus_a = jnp.where(valid_C[None, :], b - a, 0.0)
-        # log(p_s / p_t) = (b - a) - lse_b + lse_a
-        log_ratio = b_minus_a - (lse_b - lse_a)[:, None]
-        g_kl = p_s * (log_ratio - kl[:, None]) * inv_tau
-    g = coef_nll_R[:, None] * g_nll + coef_kl_R[:, None] * g_kl
-    g = jnp.where(valid_C[None, :], g, 0.0)
+        # log(p_s / p_t) = (b - a) - lse_b + lse_a; masked columns have p_s = 0.
+        log_ratio = jnp.where(valid_1xC, b - a, 0.0) - (lse_b - lse_a)
+        g_kl = p_s * (log_ratio - kl) * inv_tau
+    g = coef_nll * g_nll + coef_kl * g_kl
+    g = jnp.where(valid_1xC, g, 0.0)
     if cap_grad is not None:
         g = g * cap_grad
     return g
@@ -180,12 +190,18 @@ def chunk_columns(j, width: int, vocab: int):
     """Clamped start of chunk j, its validity mask and global column ids."""
     nominal = j * width
     start = jnp.minimum(nominal, vocab - width)
-    cols = start + jnp.arange(width)
-    return start, cols >= nominal, cols
+    cols_1xC = start + jnp.arange(width)[None, :]
+    return start, cols_1xC >= nominal, cols_1xC
 
 
 # ---------------------------------------------------------------------------
 # XLA implementation.
+
+
+def _xla_chunk_logits(cfg, h_s_RxD, h_t_RxE, w_s_DxC, w_t_ExC, valid_1xC):
+    z_s = jnp.dot(h_s_RxD, w_s_DxC, preferred_element_type=jnp.float32)
+    z_t = jnp.dot(h_t_RxE, w_t_ExC, preferred_element_type=jnp.float32)
+    return cap_and_mask(cfg, z_s, z_t, valid_1xC)
 
 
 def _xla_window_stats(cfg, h_s_RxD, h_t_RxE, labels_R, w_s, w_t):
@@ -195,8 +211,8 @@ def _xla_window_stats(cfg, h_s_RxD, h_t_RxE, labels_R, w_s, w_t):
         start, valid, cols = chunk_columns(j, width, cfg.vocab)
         w_s_c = lax.dynamic_slice_in_dim(w_s, start, width, axis=1)
         w_t_c = lax.dynamic_slice_in_dim(w_t, start, width, axis=1)
-        z_s, z_t, _ = chunk_logits(cfg, h_s_RxD, h_t_RxE, w_s_c, w_t_c, valid)
-        is_label = (cols[None, :] == labels_R[:, None]) & valid[None, :]
+        z_s, z_t, _ = _xla_chunk_logits(cfg, h_s_RxD, h_t_RxE, w_s_c, w_t_c, valid)
+        is_label = (cols == labels_R[:, None]) & valid
         return update_stats(cfg, stats, z_s, z_t, valid, is_label)
 
     stats = lax.fori_loop(0, n_chunks, body, init_stats(h_s_RxD.shape[0]))
@@ -212,8 +228,8 @@ def _xla_window_grads(cfg, h_s_RxD, h_t_RxE, labels_R, w_s, w_t, row_stats, coef
         start, valid, cols = chunk_columns(j, width, cfg.vocab)
         w_s_c = lax.dynamic_slice_in_dim(w_s, start, width, axis=1)
         w_t_c = lax.dynamic_slice_in_dim(w_t, start, width, axis=1)
-        z_s, z_t, cap_grad = chunk_logits(cfg, h_s_RxD, h_t_RxE, w_s_c, w_t_c, valid)
-        is_label = (cols[None, :] == labels_R[:, None]) & valid[None, :]
+        z_s, z_t, cap_grad = _xla_chunk_logits(cfg, h_s_RxD, h_t_RxE, w_s_c, w_t_c, valid)
+        is_label = (cols == labels_R[:, None]) & valid
         g = logit_grad(cfg, z_s, z_t, cap_grad, valid, is_label, row_stats, coef_nll_R, coef_kl_R)
         dh = dh + jnp.dot(g, w_s_c.T.astype(jnp.float32), preferred_element_type=jnp.float32)
         dw_c = jnp.dot(h_s_RxD.T.astype(jnp.float32), g, preferred_element_type=jnp.float32)
@@ -228,10 +244,10 @@ def _xla_window_grads(cfg, h_s_RxD, h_t_RxE, labels_R, w_s, w_t, row_stats, coef
 
 def _xla_window_stats_and_grads(cfg, h_s_RxD, h_t_RxE, labels_R, mask_R, w_s, w_t, inv_count, dw_DxV):
     """Single-chunk schedule: logits once, then stats and the gradient (for cotangent 1)."""
-    valid = jnp.ones((cfg.vocab,), bool)
-    cols = jnp.arange(cfg.vocab)
-    z_s, z_t, cap_grad = chunk_logits(cfg, h_s_RxD, h_t_RxE, w_s, w_t, valid)
-    is_label = cols[None, :] == labels_R[:, None]
+    valid = jnp.ones((1, cfg.vocab), bool)
+    cols = jnp.arange(cfg.vocab)[None, :]
+    z_s, z_t, cap_grad = _xla_chunk_logits(cfg, h_s_RxD, h_t_RxE, w_s, w_t, valid)
+    is_label = cols == labels_R[:, None]
     stats = update_stats(cfg, init_stats(h_s_RxD.shape[0]), z_s, z_t, valid, is_label)
     lse_a, lse_b, lse_z, kl, nll = finalize_stats(cfg, stats)
     coef_nll, coef_kl = _loss_coefs(cfg, mask_R, inv_count, 1.0)
@@ -242,8 +258,8 @@ def _xla_window_stats_and_grads(cfg, h_s_RxD, h_t_RxE, labels_R, mask_R, w_s, w_
 
 
 def _loss_coefs(cfg, mask_R, inv_count, g_loss):
-    """Per-row weights of dNLL and dKL in d(loss): masked mean, alpha, tau^2."""
-    w = jnp.where(mask_R, inv_count * g_loss, 0.0).astype(jnp.float32)
+    """Per-row [R, 1] weights of dNLL and dKL in d(loss): masked mean, alpha, tau^2."""
+    w = jnp.where(mask_R[:, None], inv_count * g_loss, 0.0).astype(jnp.float32)
     return cfg.alpha * w, (1.0 - cfg.alpha) * cfg.temperature**2 * w
 
 
@@ -257,7 +273,7 @@ def _xla_stats(cfg, h_s, w_s, h_t, w_t, labels):
     R = cfg.row_block
     fn = lambda xs: _xla_window_stats(cfg, xs[0], xs[1], xs[2], w_s, w_t)
     out = lax.map(fn, (_windows(h_s, R), _windows(h_t, R), _windows(labels, R)))
-    return tuple(o.reshape(-1) for o in out)
+    return tuple(o.reshape(-1, 1) for o in out)
 
 
 def _xla_grads(cfg, h_s, w_s, h_t, w_t, labels, row_stats, coef_nll, coef_kl):
@@ -285,7 +301,7 @@ def _xla_stats_and_grads(cfg, h_s, w_s, h_t, w_t, labels, mask, inv_count):
 
     xs = tuple(_windows(x, R) for x in (h_s, h_t, labels, mask))
     dw, (kl, nll, dh) = lax.scan(step, jnp.zeros(w_s.shape, jnp.float32), xs)
-    return kl.reshape(-1), nll.reshape(-1), dh.reshape(h_s.shape), dw
+    return kl.reshape(-1, 1), nll.reshape(-1, 1), dh.reshape(h_s.shape), dw
 
 
 # ---------------------------------------------------------------------------
@@ -293,7 +309,7 @@ def _xla_stats_and_grads(cfg, h_s, w_s, h_t, w_t, labels, mask, inv_count):
 
 
 def _stats(cfg, h_s, w_s, h_t, w_t, labels):
-    if cfg.backend == "pallas":
+    if cfg.backend.startswith("pallas"):
         from hldstudy.losses import pallas_kd
 
         return pallas_kd.stats(cfg, h_s, w_s, h_t, w_t, labels)
@@ -301,7 +317,7 @@ def _stats(cfg, h_s, w_s, h_t, w_t, labels):
 
 
 def _grads(cfg, h_s, w_s, h_t, w_t, labels, row_stats, coef_nll, coef_kl):
-    if cfg.backend == "pallas":
+    if cfg.backend.startswith("pallas"):
         from hldstudy.losses import pallas_kd
 
         return pallas_kd.grads(cfg, h_s, w_s, h_t, w_t, labels, row_stats, coef_nll, coef_kl)
@@ -313,8 +329,8 @@ def _grads_in_forward(cfg) -> bool:
 
 
 def _reduce(cfg, kl_R, nll_R, mask_R, inv_count):
-    kl = jnp.sum(jnp.where(mask_R, kl_R, 0.0)) * inv_count
-    nll = jnp.sum(jnp.where(mask_R, nll_R, 0.0)) * inv_count
+    kl = jnp.sum(jnp.where(mask_R[:, None], kl_R, 0.0)) * inv_count
+    nll = jnp.sum(jnp.where(mask_R[:, None], nll_R, 0.0)) * inv_count
     loss = cfg.alpha * nll + (1.0 - cfg.alpha) * cfg.temperature**2 * kl
     return loss, nll, kl
 
@@ -361,8 +377,8 @@ _fused.defvjp(_fused_fwd, _fused_bwd)
 def resolve_backend(backend: str) -> str:
     if backend == "auto":
         return "pallas" if jax.default_backend() in ("gpu", "tpu", "cuda", "rocm") else "xla"
-    if backend not in ("xla", "pallas"):
-        raise ValueError(f"backend: expected 'auto', 'xla' or 'pallas', got {backend!r}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: expected 'auto' or one of {BACKENDS}, got {backend!r}")
     return backend
 
 
@@ -392,7 +408,8 @@ def fused_kd_loss(
     Args:
       row_block, vocab_block: window sizes; None picks the backend's default
         (CPU/XLA: 64 rows x whole vocabulary; Pallas: see `pallas_kd`).
-      backend: "auto" (Pallas on GPU/TPU, XLA elsewhere), "xla" or "pallas".
+      backend: "auto" (Pallas on GPU/TPU, XLA elsewhere), "xla", "pallas" (Triton
+        kernels on GPU, Mosaic on TPU), or "pallas_triton" / "pallas_mosaic".
       interpret: run Pallas kernels in interpret mode (for CPU tests).
     """
     if divergence == "jsd":
@@ -411,10 +428,10 @@ def fused_kd_loss(
     if w_t.shape[-1] != vocab:
         raise ValueError(f"w_t: vocabulary {w_t.shape[-1]} differs from w_s's {vocab}")
 
-    if backend == "pallas":
+    if backend.startswith("pallas"):
         from hldstudy.losses import pallas_kd
 
-        default_rows, default_vocab = pallas_kd.default_blocks(h_s.shape[-1], vocab)
+        default_rows, default_vocab = pallas_kd.default_blocks(h_s.shape[-1], vocab, backend)
     else:
         default_rows, default_vocab = CPU_ROW_BLOCK, CPU_VOCAB_BLOCK
     n_tokens = h_s.shape[0]
