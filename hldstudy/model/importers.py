@@ -21,9 +21,9 @@ loader:
 Loaders take local paths only; nothing is downloaded.
 
 API:
-  load_gguf(path, **overrides) -> (ModelConfig, nnx.State, tokenizer)
-  load_hf(path, **overrides) -> (ModelConfig, nnx.State, tokenizer | None)
-  load_pretrained(path, **overrides) -> (Transformer, tokenizer | None)
+  load_gguf(path, **overrides) -> (ModelConfig, nnx.State, Tokenizer)
+  load_hf(path, **overrides) -> (ModelConfig, nnx.State, Tokenizer | None)
+  load_pretrained(path, **overrides) -> (Transformer, Tokenizer | None)
   export_hf(model, path, *, tokenizer=None, dtype="float32") -> Path
   read_safetensors(path) / write_safetensors(path, tensors, metadata=None)
 
@@ -49,10 +49,10 @@ from flax import nnx
 
 from hldstudy.config import ModelConfig
 from hldstudy.errors import InputError
+from hldstudy.model.gguf_tokenizer import sp_proto_from_gguf, tokenizer_from_proto
 
 __all__ = [
     "export_hf",
-    "gguf_tokenizer",
     "load_gguf",
     "load_hf",
     "load_pretrained",
@@ -371,95 +371,14 @@ def load_gguf(path: str | Path, **overrides) -> tuple[ModelConfig, nnx.State, An
     """Reads a gemma3 GGUF file: (config, `nnx.split(model, nnx.Param)` state, tokenizer).
 
     Quantized tensors are dequantized to float32 (then cast to `param_dtype`).
-    The tokenizer is rebuilt from the file's metadata (see `gguf_tokenizer`).
+    The tokenizer (hldstudy `Tokenizer`) is rebuilt from the file's metadata
+    (see `hldstudy.model.gguf_tokenizer`).
     """
     path = Path(path)
     reader = _gguf_reader(path)
     cfg = _apply_overrides(_gguf_config(reader, str(path)), overrides, str(path))
     state = _to_state(cfg, _hf_to_pure(cfg, _gguf_hf_weights(reader, str(path)), str(path)))
-    return cfg, state, _wrap_tokenizer(_gguf_sp_proto(reader, str(path)))
-
-
-# --------------------------------------------------------------------------------------
-# Tokenizer from GGUF metadata
-# --------------------------------------------------------------------------------------
-
-
-def _gguf_sp_proto(reader, source: str) -> bytes:
-    """Rebuilds a SentencePiece ModelProto (serialized) from `tokenizer.ggml.*` metadata."""
-    from sentencepiece import sentencepiece_model_pb2 as sp_pb2
-
-    kind = _field(reader, "tokenizer.ggml.model")
-    if kind != "llama":  # "llama" = SentencePiece (score-merged BPE); gpt2 etc. are not
-        raise InputError(f"{source}: tokenizer.ggml.model={kind!r} is not a SentencePiece "
-                         f"tokenizer ('llama')")
-    f_tok = reader.fields.get("tokenizer.ggml.tokens")
-    if f_tok is None:
-        raise InputError(f"{source}: metadata has no tokenizer.ggml.tokens")
-    tokens = [bytes(f_tok.parts[i]).decode("utf-8") for i in f_tok.data]
-    n = len(tokens)
-    f_sc = reader.fields.get("tokenizer.ggml.scores")
-    scores = (np.concatenate([f_sc.parts[i] for i in f_sc.data]).astype(np.float32)
-              if f_sc is not None else np.zeros(n, np.float32))
-    f_ty = reader.fields.get("tokenizer.ggml.token_type")
-    types = (np.concatenate([f_ty.parts[i] for i in f_ty.data]).astype(np.int32)
-             if f_ty is not None else np.ones(n, np.int32))
-    if len(scores) != n or len(types) != n:
-        raise InputError(f"{source}: tokenizer tokens/scores/token_type lengths differ")
-
-    m = sp_pb2.ModelProto()
-    # GGUF token types use SentencePiece's numbering (1 normal, 2 unknown, 3 control,
-    # 4 user-defined, 5 unused, 6 byte).
-    for piece, score, typ in zip(tokens, scores.tolist(), types.tolist()):
-        p = m.pieces.add()
-        p.piece, p.score, p.type = piece, score, typ if 1 <= typ <= 6 else 1
-    ts = m.trainer_spec
-    ts.model_type = sp_pb2.TrainerSpec.BPE
-    ts.vocab_size = n
-    ts.byte_fallback = bool((types == 6).any())
-    ids = {}
-    for name in ("unk", "bos", "eos", "pad"):
-        key = "unknown" if name == "unk" else "padding" if name == "pad" else name
-        tid = _field(reader, f"tokenizer.ggml.{key}_token_id")
-        if tid is None and name == "unk":
-            tid = next((i for i, t in enumerate(types.tolist()) if t == 2), None)
-        ids[name] = -1 if tid is None else int(tid)
-        setattr(ts, f"{name}_id", ids[name])
-        if ids[name] >= 0:
-            setattr(ts, f"{name}_piece", tokens[ids[name]])
-    if ids["unk"] < 0:
-        raise InputError(f"{source}: tokenizer has no unknown token")
-    ns = m.normalizer_spec
-    ns.name = "identity"
-    ns.add_dummy_prefix = bool(_field(reader, "tokenizer.ggml.add_space_prefix", True))
-    ns.remove_extra_whitespaces = False
-    ns.escape_whitespaces = True
-    m.denormalizer_spec.name = "identity"
-    m.denormalizer_spec.add_dummy_prefix = False
-    m.denormalizer_spec.remove_extra_whitespaces = False
-    m.denormalizer_spec.escape_whitespaces = False
-    return m.SerializeToString()
-
-
-def _wrap_tokenizer(proto: bytes, model_path: str | None = None):
-    """hldstudy's Tokenizer if the data package provides it, else a raw SP processor."""
-    try:
-        from hldstudy.data.tokenizer import Tokenizer
-    except ImportError:
-        Tokenizer = None
-    if Tokenizer is not None and hasattr(Tokenizer, "from_serialized"):
-        return Tokenizer.from_serialized(proto)
-    import sentencepiece as spm
-
-    sp = spm.SentencePieceProcessor()
-    sp.LoadFromSerializedProto(proto)
-    return sp
-
-
-def gguf_tokenizer(path: str | Path):
-    """Only the tokenizer of a GGUF file (no weights are read)."""
-    path = Path(path)
-    return _wrap_tokenizer(_gguf_sp_proto(_gguf_reader(path), str(path)))
+    return cfg, state, tokenizer_from_proto(sp_proto_from_gguf(reader, str(path)))
 
 
 # --------------------------------------------------------------------------------------
@@ -600,7 +519,8 @@ def load_hf(path: str | Path, **overrides) -> tuple[ModelConfig, nnx.State, Any]
     """Reads a Hugging Face Gemma 3 directory (config.json + *.safetensors).
 
     Returns (config, `nnx.split(model, nnx.Param)` state, tokenizer or None); the
-    tokenizer comes from `tokenizer.model` (SentencePiece) when the directory has one.
+    tokenizer (hldstudy `Tokenizer`) comes from `tokenizer.model` (SentencePiece) when
+    the directory has one.
     """
     path = Path(path)
     if not path.is_dir():
@@ -633,7 +553,9 @@ def load_hf(path: str | Path, **overrides) -> tuple[ModelConfig, nnx.State, Any]
     tokenizer = None
     sp_file = path / "tokenizer.model"
     if sp_file.is_file():
-        tokenizer = _wrap_tokenizer(sp_file.read_bytes(), str(sp_file))
+        from hldstudy.data.tokenizer import Tokenizer
+
+        tokenizer = Tokenizer.load(sp_file)
     return cfg, state, tokenizer
 
 
