@@ -1,0 +1,5 @@
+import sys
+
+from hldstudy.cli import main
+
+sys.exit(main())

@@ -1,0 +1,30 @@
+"""`hldstudy <command>`: the package's front door.
+
+    hldstudy quickstart [--size small|medium|large] [--workdir DIR]
+    hldstudy train ...     (same as python -m hldstudy.train)
+    hldstudy flops ...     (same as python -m hldstudy.flops)
+"""
+
+from __future__ import annotations
+
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    commands = {
+        "quickstart": "hldstudy.quickstart",
+        "train": "hldstudy.train.__main__",
+        "flops": "hldstudy.flops",
+        "analysis": "hldstudy.analysis.__main__",
+    }
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
+        print(__doc__.strip())
+        return 0 if not argv or argv[0] in ("-h", "--help") else 2
+    import importlib
+
+    return importlib.import_module(commands[argv[0]]).main(argv[1:]) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
