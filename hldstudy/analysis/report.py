@@ -404,6 +404,12 @@ def _budget_md(b: _Budget, ref: str) -> list[str]:
         lvl = b.summary.attrs.get("level", 0.95)
         L.append(f"\nCI: {lvl:.0%} percentile bootstrap over grid points. "
                  "`valid_ppl (%)` is relative; downstream rows are absolute differences.\n")
+        n_min = int(b.summary["n_points"].min())
+        if n_min < 6:
+            L.append(f"_Only {n_min} grid point(s) for some comparisons: the smallest possible "
+                     f"two-sided sign-test p with n points is 2/2^n ({2 / 2 ** n_min:.3g} here), "
+                     "so p < 0.05 is unreachable below 6 points, and the bootstrap CI of so few "
+                     "points is unreliable (undefined for one point)._\n")
     if "delta_vs_kd" in b.figures:
         L.append(f"![perplexity delta vs {ref}]({b.figures['delta_vs_kd']})\n")
 

@@ -308,7 +308,9 @@ def _budget_label(flops: float, count_teacher: bool) -> str:
     who = "teacher counted" if count_teacher else "student only"
     if not flops:
         return f"no FLOP budget ({who})"
-    return f"{flops:.3g} FLOPs ({who})"
+    # 6 significant digits: budgets that differ only by float noise group together, real
+    # differences (even 0.1%) stay apart.
+    return f"{flops:.6g} FLOPs ({who})"
 
 
 def _read_sweep(root: Path) -> list[dict] | None:
