@@ -384,6 +384,7 @@ def test_wandb_report_online_uses_reports_api(tmp_path, monkeypatch):
     assert kw["project"] == "hldstudy"
     md_block = kw["blocks"][1]
     assert "Best vs best" in md_block.kwargs["text"]
+    assert "](figures/" not in md_block.kwargs["text"]  # no dead local image links
 
 
 def test_results_recorded_by_trainer_must_match_config(tmp_path):

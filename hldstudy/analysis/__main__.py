@@ -59,6 +59,8 @@ def main(argv=None) -> int:
         n = len(summary["runs"])
         print(f"wrote {args.out}/report.md ({n} runs accounted for, "
               f"{len(summary['budgets'])} budget(s)); summary.json, tables/, figures/")
+        if summary.get("wandb_report"):
+            print(f"W&B report: {summary['wandb_report']}")
     return 0
 
 

@@ -534,11 +534,18 @@ def publish_wandb_report(df: pd.DataFrame, markdown: str, summary: dict) -> str 
     try:
         blocks = [wr.H1(text="Distillation comparison: HLD vs KD")
                   if _accepts_text(wr.H1) else wr.H1("Distillation comparison: HLD vs KD"),
-                  wr.MarkdownBlock(text=markdown)]
+                  # local PNG links would be dead in W&B; the figures stay in the local report
+                  wr.MarkdownBlock(text=re.sub(r"^!\[[^\]]*\]\([^)]*\)\s*$", "", markdown,
+                                               flags=re.M))]
         try:
             runset = wr.Runset(entity=entity, project=project) if entity else \
                 wr.Runset(project=project)
-            panels = [wr.ScatterPlot(title="valid ppl vs lr", x="c::train.lr", y="valid_ppl")]
+            if hasattr(wr, "Config") and hasattr(wr, "SummaryMetric"):
+                x, y = wr.Config("train.lr"), wr.SummaryMetric("valid_ppl")
+            else:
+                x, y = "c::train.lr", "valid_ppl"
+            panels = [wr.ScatterPlot(title="validation perplexity vs learning rate", x=x, y=y,
+                                     log_x=True)]
             blocks.append(wr.PanelGrid(runsets=[runset], panels=panels))
         except Exception as e:  # noqa: BLE001 - panels are a bonus
             log.warning("W&B report: skipping the run panels (%s)", e)
@@ -549,7 +556,7 @@ def publish_wandb_report(df: pd.DataFrame, markdown: str, summary: dict) -> str 
         report = wr.Report(**kwargs)
         report.save()
         url = getattr(report, "url", None)
-        log.warning("W&B report saved: %s", url)
+        log.info("W&B report saved: %s", url)
         return url
     except Exception as e:  # noqa: BLE001
         log.warning("--wandb-report failed (%s: %s); the local report is complete",
