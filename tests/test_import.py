@@ -256,7 +256,7 @@ def test_hf_roundtrip_exact(tiny_model, tiny_gguf, tmp_path):
 
 def test_hf_bf16_and_variants(tmp_path):
     cfg = dataclasses.replace(CFG, sliding_window=None, global_every=1, final_softcap=30.0,
-                              attn_softcap=50.0, query_pre_attn_scalar=24.0)
+                              query_pre_attn_scalar=24.0)
     model = _random_model(cfg, seed=3)
     export_hf(model, tmp_path, dtype="bfloat16")
     got_cfg, state, tok = load_hf(tmp_path)
@@ -291,6 +291,11 @@ def test_hf_config_formats(tiny_model, tmp_path):
 
 
 def test_hf_errors(tiny_model, tmp_path):
+    from hldstudy.errors import ConfigError
+
+    gemma2ish = Transformer(dataclasses.replace(CFG, attn_softcap=50.0), rngs=nnx.Rngs(0))
+    with pytest.raises(ConfigError, match="attn_softcap"):
+        export_hf(gemma2ish, tmp_path / "g2")
     with pytest.raises(InputError, match="not found"):
         load_hf(tmp_path / "nope")
     with pytest.raises(InputError, match="config.json"):

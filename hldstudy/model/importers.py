@@ -494,8 +494,9 @@ def _hf_config(raw: dict, source: str) -> ModelConfig:
         max_seq_len=raw.get("max_position_embeddings", 8192),
         rope_base_global=float(theta_g), rope_base_local=float(theta_l),
         sliding_window=window, global_every=global_every, qk_norm=True,
-        attn_softcap=raw.get("attn_logit_softcapping"),
-        final_softcap=raw.get("final_logit_softcapping"),
+        # transformers' Gemma 3 reads attn_logit_softcapping but never applies it (Gemma 3
+        # has no attention soft-cap; Gemma 2 had); do the same.
+        attn_softcap=None, final_softcap=raw.get("final_logit_softcapping"),
         query_pre_attn_scalar=float(raw.get("query_pre_attn_scalar", 256)),
         norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
     )
@@ -559,6 +560,10 @@ def load_hf(path: str | Path, **overrides) -> tuple[ModelConfig, nnx.State, Any]
     return cfg, state, tokenizer
 
 
+def _int_if_integral(x: float) -> int | float:
+    return int(x) if float(x).is_integer() else float(x)
+
+
 def export_hf(model, path: str | Path, *, tokenizer=None, dtype: str = "float32") -> Path:
     """Writes `model` as a Hugging Face `Gemma3ForCausalLM` directory.
 
@@ -572,6 +577,9 @@ def export_hf(model, path: str | Path, *, tokenizer=None, dtype: str = "float32"
     if not cfg.qk_norm:
         raise ConfigError("model.qk_norm", "Gemma 3 (HF) always has QK-norm",
                           "export a model with qk_norm=true")
+    if cfg.attn_softcap is not None:
+        raise ConfigError("model.attn_softcap", "transformers' Gemma 3 ignores attention "
+                          "soft-capping, the exported model would differ", "set it to null")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     layer_types = ["full_attention" if cfg.is_global_layer(i) else "sliding_attention"
@@ -587,8 +595,9 @@ def export_hf(model, path: str | Path, *, tokenizer=None, dtype: str = "float32"
         "rope_scaling": None, "sliding_window": cfg.sliding_window or cfg.max_seq_len,
         "sliding_window_pattern": cfg.global_every if cfg.sliding_window else 1,
         "layer_types": layer_types,
-        "query_pre_attn_scalar": cfg.query_pre_attn_scalar or cfg.head_dim,
-        "attn_logit_softcapping": cfg.attn_softcap,
+        # transformers 5 validates this field as int.
+        "query_pre_attn_scalar": _int_if_integral(cfg.query_pre_attn_scalar or cfg.head_dim),
+        "attn_logit_softcapping": None,
         "final_logit_softcapping": cfg.final_softcap,
         "attention_bias": False, "attention_dropout": 0.0, "tie_word_embeddings": True,
         "use_bidirectional_attention": False, "initializer_range": 0.02,
