@@ -247,14 +247,34 @@ def _resolve_stage(cfg: Config, method: str, stage: str | None) -> str:
     return stage
 
 
+def fused_loss_recomputes(cfg: Config) -> bool:
+    """Whether the configured fused KD loss recomputes logits in its backward.
+
+    The XLA path (the CPU default) uses one vocabulary chunk per row window
+    and forms the gradient in the forward rule: no recompute. The Pallas
+    kernels (auto on GPU / TPU) chunk the vocabulary and rebuild the logits.
+    """
+    if cfg.distill.loss_impl != "fused":
+        return False
+    backend = cfg.distill.fused_backend
+    if backend == "auto":
+        import jax
+
+        backend = "pallas" if jax.default_backend() in ("gpu", "tpu", "cuda", "rocm") else "xla"
+    return backend.startswith("pallas")
+
+
 def step_flops(cfg: Config, method: str | None = None, stage: str | None = None,
                teacher_model: ModelConfig | None = None, *,
-               count_teacher: bool | None = None) -> FlopBreakdown:
+               count_teacher: bool | None = None,
+               fused_recompute: bool | None = None) -> FlopBreakdown:
     """FLOPs of one training step of `method` (default `cfg.distill.method`) at `stage`.
 
     teacher_model: the teacher's ModelConfig (the config only names a
     checkpoint); required by every method but baseline.
     count_teacher: overrides `cfg.budget.count_teacher`.
+    fused_recompute: whether the fused KD loss rebuilds logit chunks in its
+        backward (hardware figure only); None -> `fused_loss_recomputes(cfg)`.
     """
     method = method or cfg.distill.method
     if method not in METHODS:
@@ -312,7 +332,8 @@ def step_flops(cfg: Config, method: str | None = None, stage: str | None = None,
             fs_dense["nonemb"] + fs_dense["attention"]
             + elementwise_per_token(s, seq, n_layers=s_layers, head=False, train=False)
             - _EW["embed"][0] * s.d_model)
-    if kd_loss and cfg.distill.loss_impl == "fused":
+    if kd_loss and (fused_recompute if fused_recompute is not None
+                    else fused_loss_recomputes(cfg)):
         # Backward rebuilds each chunk's student and teacher logits.
         hw["recompute_fused"] = tokens * 2.0 * (s.d_model + t.d_model) * s.vocab_size
     if t is not None and (t_layers > 0 or t_head):

@@ -125,8 +125,11 @@ def test_steps_for_budget_floor():
 
 
 def test_hardware_terms():
-    cfg = cfg_for("kd", loss_impl="fused")
+    cfg = cfg_for("kd", loss_impl="fused", fused_backend="pallas")
     b = step_flops(cfg, teacher_model=TEACHER)
+    xla_path = step_flops(cfg_for("kd", loss_impl="fused", fused_backend="xla"),
+                          teacher_model=TEACHER)
+    assert xla_path.hardware["recompute_fused"] == 0  # one vocab chunk: no recompute
     assert b.hardware["recompute_fused"] == 128 * 2 * (64 + 128) * 512
     assert b.hardware["teacher"] > b.teacher  # dense attention + elementwise
     assert b.hardware_flops("disaggregated") == pytest.approx(
