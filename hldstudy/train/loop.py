@@ -123,7 +123,8 @@ def plan_stages(cfg: Config, strategy, flops_per_step) -> list[StagePlan]:
 class Trainer:
     """Holds what stages share: mesh, data, strategy, teacher, logger, checkpointer."""
 
-    def __init__(self, cfg: Config, workdir: str | Path, *, teacher=None, data=None):
+    def __init__(self, cfg: Config, workdir: str | Path, *, teacher=None, data=None,
+                 devices=None):
         from hldstudy.flops import step_flops
 
         from hldstudy.teacher import with_teacher_tokenizer
@@ -135,7 +136,7 @@ class Trainer:
         check_resume_compatible(cfg, self.workdir)
         save_config(cfg, self.workdir / "config.json")
         mesh_lib.maybe_initialize_distributed()
-        self.mesh = mesh_lib.make_mesh(cfg.train)
+        self.mesh = mesh_lib.make_mesh(cfg.train, devices)
         mesh_lib.check_batch_divisible(cfg.data.batch_size, self.mesh)
         if data is None:
             from hldstudy.data import prepare_data
