@@ -1,0 +1,637 @@
+"""Closed-form memory / network planner: colocated vs disaggregated teacher.
+
+Answers "will this OOM / will the network stall" before anyone rents a
+cluster (DESIGN.md, "Disaggregated teacher"). Everything is a pure function
+of model shapes and a few hardware numbers; `python -m hldstudy.plan` prints
+the tables (`--json` for one machine-readable object).
+
+Layouts (D trainer devices, FSDP: weights, grads and optimizer states are
+sharded over all D; every device processes `tokens_per_step / (D * A)`
+tokens per micro-step, A = gradient-accumulation steps):
+
+- **colocated**: teacher and student on the same D devices; the teacher's
+  weights (inference dtype) are sharded too and its forward runs inside the
+  step.
+- **disaggregated**: the trainer holds the student (weights, grads, AdamW
+  states, activations), the teacher's LM head only (to rebuild the teacher
+  logits inside the fused loss) and a prefetch ring of K steps of streamed
+  teacher hidden states; the teacher runs on `teacher_devices` separate
+  devices holding its weights in inference dtype and the activations of one
+  forward.
+
+Memory terms (bytes per device):
+
+- weights / grads: `P * param_bytes / D`; AdamW: `2 * P * param_bytes / D`
+  (optax keeps mu and nu in the parameter dtype); FSDP all-gather buffer: two
+  layers' full weights (double-buffered prefetch) when D > 1.
+- activations (training, per token per layer, compute dtype `c` bytes):
+  `c * (4 d + 4 F + 4 (N + 2K) H)` + attention scores `N * T * (8 + c)`
+  (dense implementation: float32 logits and probabilities plus the cast
+  probabilities, as hldstudy's model builds them) or `8 N` (flash-style:
+  row statistics only). The copy counts are calibrated against XLA's
+  `memory_analysis()` of the compiled baseline step (see
+  `predict_step_memory`). With `remat`, only each block's input survives
+  (`c d` per layer) plus one block's working set during its recompute.
+- logits peak: materialized = student logits + their gradient + teacher
+  logits, float32 `[tokens, V]` (`3 * tokens * V * 4`); fused =
+  `4 * row_block * vocab_block * 4` (student/teacher chunk, probabilities,
+  gradient) + the `d_s x V` float32 head-gradient accumulator + per-row
+  statistics (`16` bytes per token).
+- ring (disaggregated): `K * tokens_dev_step * n_streamed * d_t * stream_bytes`.
+
+Network bytes per step: hidden = `tokens * n_streamed * d_t * stream_bytes`
+(n_streamed = final hidden + `hidden_layers` intermediate layers) versus
+logits = `tokens * V * stream_bytes`; the ratio is `V / (n_streamed * d_t)`.
+
+Step time: student-side FLOPs per step (3x forward, teacher-head rebuild,
+regressors, fused-loss recompute when chunked) over `D * tflops * mfu`
+(defaults: 989 TFLOPS peak bf16, H100 SXM, at 40% MFU ~ 400 TFLOPS
+effective per device). `required_link_gbps` is the per-trainer-device
+inbound bandwidth that keeps the ring from emptying: hidden bytes per step
+/ D / step time. The teacher side must also keep up: its forward over
+`teacher_devices` at the same MFU (`teacher_bound`).
+
+Verdicts: colocated "fits" / "out of memory"; disaggregated "out of memory"
+(either side over `hbm * usable`), else "network-bound" (link below the
+requirement), else "fits". GB are decimal (1e9 bytes).
+
+Not modelled: MoE routing buffers and expert parallelism (MoE weights are
+FSDP-sharded like dense ones; activations use the *active* FFN width),
+pipeline parallelism, CUDA/XLA runtime reserve beyond `usable`, the
+optimizer's transient update tree, and hybrid linear-attention layers
+(every layer is treated as softmax attention).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+from dataclasses import dataclass
+
+from hldstudy.config import Config, ModelConfig
+from hldstudy.errors import ConfigError, user_errors
+from hldstudy.flops import causal_context
+
+GB = 1e9
+DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2,
+               "fp8": 1, "float8": 1}
+
+# Activation copies per token per layer (compute dtype), calibrated against
+# XLA's memory_analysis() of the compiled baseline step (12 CPU shapes:
+# temp bytes within -19%..+14%, total within 17%).
+ACT_COPIES = {"d": 4, "ffn": 4, "qkv": 4}
+LOGIT_COPIES_TRAIN = 2  # student logits + their gradient (float32)
+
+
+def dtype_bytes(name: str | int) -> int:
+    if isinstance(name, int):
+        return name
+    if name not in DTYPE_BYTES:
+        raise ConfigError("dtype", f"unknown dtype {name!r}",
+                          f"one of {', '.join(sorted(DTYPE_BYTES))}")
+    return DTYPE_BYTES[name]
+
+
+# --------------------------------------------------------------------------- #
+# Model shapes (dense or mixture-of-experts)
+# --------------------------------------------------------------------------- #
+
+
+@dataclass(frozen=True)
+class PlanModel:
+    name: str
+    vocab_size: int
+    d_model: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    d_ff: int  # dense FFN width (0 for a pure MoE layer)
+    tied_head: bool = True
+    n_experts: int = 0
+    experts_per_token: int = 0
+    shared_experts: int = 0
+    d_expert: int = 0
+    sliding_window: int | None = None
+    global_every: int = 1
+    qk_norm: bool = True
+
+    @classmethod
+    def from_model_config(cls, m: ModelConfig, name: str = "model") -> "PlanModel":
+        return cls(name=name, vocab_size=m.vocab_size, d_model=m.d_model, n_layers=m.n_layers,
+                   n_heads=m.n_heads, n_kv_heads=m.n_kv_heads, head_dim=m.head_dim,
+                   d_ff=m.d_ff, tied_head=True, sliding_window=m.sliding_window,
+                   global_every=m.global_every, qk_norm=m.qk_norm)
+
+    @property
+    def is_moe(self) -> bool:
+        return self.n_experts > 0
+
+    def window(self, i: int) -> int | None:
+        if self.sliding_window is None or self.global_every <= 1:
+            return None
+        return None if (i + 1) % self.global_every == 0 else self.sliding_window
+
+    @property
+    def attn_params(self) -> int:
+        d, n, k, h = self.d_model, self.n_heads, self.n_kv_heads, self.head_dim
+        return 2 * d * n * h + 2 * d * k * h
+
+    @property
+    def ffn_width_active(self) -> int:
+        """FFN width a token passes through (dense d_ff + routed and shared experts)."""
+        return self.d_ff + (self.experts_per_token + self.shared_experts) * self.d_expert
+
+    def layer_params(self) -> int:
+        d = self.d_model
+        ffn = 3 * d * self.d_ff + 3 * d * self.d_expert * (self.n_experts + self.shared_experts)
+        router = d * self.n_experts
+        norms = 4 * d + (2 * self.head_dim if self.qk_norm else 0)
+        return self.attn_params + ffn + router + norms
+
+    def layer_matmul_params_active(self) -> int:
+        return self.attn_params + 3 * self.d_model * self.ffn_width_active + \
+            self.d_model * self.n_experts
+
+    @property
+    def embedding_params(self) -> int:
+        return self.vocab_size * self.d_model
+
+    @property
+    def head_params(self) -> int:
+        """Parameters of the LM head matrix (the embedding itself when tied)."""
+        return self.vocab_size * self.d_model
+
+    def total_params(self) -> int:
+        extra_head = 0 if self.tied_head else self.head_params
+        return self.n_layers * self.layer_params() + self.d_model + self.embedding_params + extra_head
+
+    def active_params(self) -> int:
+        extra_head = 0 if self.tied_head else self.head_params
+        per_layer = self.layer_params() - 3 * self.d_model * self.d_expert * (
+            self.n_experts - self.experts_per_token)
+        return self.n_layers * per_layer + self.d_model + self.embedding_params + extra_head
+
+    def forward_flops_per_token(self, seq_len: int, *, head: bool = True,
+                                n_layers: int | None = None) -> float:
+        n = self.n_layers if n_layers is None else n_layers
+        attn = 4.0 * self.n_heads * self.head_dim * sum(
+            causal_context(seq_len, self.window(i)) for i in range(n))
+        return 2.0 * n * self.layer_matmul_params_active() + attn + (
+            2.0 * self.d_model * self.vocab_size if head else 0.0)
+
+
+# Planner-local shapes (not model presets: hldstudy cannot train MoE layers).
+# Plausible, documented numbers in the style of the named families, not
+# official specifications.
+PLAN_PRESETS: dict[str, PlanModel] = {
+    # "35B-A3B" MoE teacher, Qwen3-MoE style: 40 layers, d 2048, 32 query / 4
+    # KV heads of 256, 256 routed experts of width 512, 8 routed + 1 shared
+    # per token, untied head, 151,936-token vocabulary: 34.5B total, 3.3B
+    # active parameters.
+    "moe-35b-a3b": PlanModel(name="moe-35b-a3b", vocab_size=151936, d_model=2048, n_layers=40,
+                             n_heads=32, n_kv_heads=4, head_dim=256, d_ff=0, tied_head=False,
+                             n_experts=256, experts_per_token=8, shared_experts=1, d_expert=512),
+    # 9B dense student, Qwen3-8B-like: 36 layers, d 4096, 32 / 8 heads of 128,
+    # d_ff 14336, untied head, same vocabulary: 9.1B parameters.
+    "dense-9b": PlanModel(name="dense-9b", vocab_size=151936, d_model=4096, n_layers=36,
+                          n_heads=32, n_kv_heads=8, head_dim=128, d_ff=14336, tied_head=False),
+}
+
+
+def plan_model(name: str) -> PlanModel:
+    """A planner preset, or any `hldstudy.model.presets` name."""
+    if name in PLAN_PRESETS:
+        return PLAN_PRESETS[name]
+    from hldstudy.model.presets import PRESETS
+
+    if name in PRESETS:
+        return PlanModel.from_model_config(PRESETS[name], name)
+    raise ConfigError("preset", f"unknown model {name!r}",
+                      f"choose one of {', '.join(sorted({**PLAN_PRESETS, **PRESETS}))}")
+
+
+# --------------------------------------------------------------------------- #
+# Memory terms (pure functions, bytes)
+# --------------------------------------------------------------------------- #
+
+
+def weights_bytes(m: PlanModel, nbytes: int, devices: int = 1) -> float:
+    return m.total_params() * nbytes / devices
+
+
+def optimizer_bytes(m: PlanModel, nbytes: int, devices: int = 1, states: int = 2) -> float:
+    return states * m.total_params() * nbytes / devices
+
+
+def fsdp_gather_bytes(m: PlanModel, nbytes: int, devices: int, buffers: int = 2) -> float:
+    return 0.0 if devices <= 1 else float(buffers * m.layer_params() * nbytes)
+
+
+def score_bytes_per_token_layer(m: PlanModel, seq_len: int, compute_bytes: int,
+                                attention: str = "dense") -> float:
+    if attention == "dense":
+        return m.n_heads * seq_len * (8 + compute_bytes)
+    if attention == "flash":
+        return 8.0 * m.n_heads
+    raise ConfigError("attention", f"{attention!r} is not one of dense, flash")
+
+
+def layer_activation_bytes_per_token(m: PlanModel, seq_len: int, compute_bytes: int,
+                                     attention: str = "dense") -> float:
+    """What one block keeps per token for its backward (no remat)."""
+    c = compute_bytes
+    qkv = (m.n_heads + 2 * m.n_kv_heads) * m.head_dim
+    return c * (ACT_COPIES["d"] * m.d_model + ACT_COPIES["ffn"] * m.ffn_width_active
+                + ACT_COPIES["qkv"] * qkv) + score_bytes_per_token_layer(m, seq_len, c, attention)
+
+
+def train_activation_bytes(m: PlanModel, tokens: float, seq_len: int, compute_bytes: int, *,
+                           remat: bool = False, attention: str = "dense",
+                           n_layers: int | None = None) -> float:
+    """Saved activations of a training forward over `tokens` tokens (logits excluded)."""
+    n = m.n_layers if n_layers is None else n_layers
+    per_layer = layer_activation_bytes_per_token(m, seq_len, compute_bytes, attention)
+    head = 2 * m.d_model * compute_bytes  # final norm in / out
+    if remat:
+        return tokens * (n * m.d_model * compute_bytes + per_layer + head)
+    return tokens * (n * per_layer + head)
+
+
+def inference_activation_bytes(m: PlanModel, tokens: float, seq_len: int, compute_bytes: int,
+                               *, attention: str = "dense", kept_layers: int = 1) -> float:
+    """A forward without backward: one block's working set + the kept hidden states."""
+    return tokens * (layer_activation_bytes_per_token(m, seq_len, compute_bytes, attention)
+                     + (1 + kept_layers) * m.d_model * compute_bytes)
+
+
+def logits_bytes_materialized(tokens: float, vocab: int, with_teacher: bool = True) -> float:
+    """Float32 student logits + their gradient (+ teacher logits)."""
+    return (LOGIT_COPIES_TRAIN + (1 if with_teacher else 0)) * tokens * vocab * 4.0
+
+
+def logits_bytes_fused(tokens: float, vocab: int, d_student: int, row_block: int = 256,
+                       vocab_block: int = 512) -> float:
+    """Chunk workspace + float32 head-gradient accumulator + per-row statistics."""
+    rb, vb = min(row_block, max(1, int(tokens))), min(vocab_block, vocab)
+    return 4.0 * rb * vb * 4 + d_student * vocab * 4.0 + 16.0 * tokens
+
+
+def ring_bytes(ring: int, tokens: float, n_streamed: int, d_teacher: int,
+               stream_bytes: int = 2) -> float:
+    return ring * tokens * n_streamed * d_teacher * stream_bytes
+
+
+def network_bytes_per_step(tokens: float, n_streamed: int, d_teacher: int, vocab: int,
+                           stream_bytes: int = 2) -> dict[str, float]:
+    hidden = tokens * n_streamed * d_teacher * stream_bytes
+    logits = tokens * vocab * stream_bytes
+    return {"hidden": hidden, "logits": logits, "logits_over_hidden": logits / hidden}
+
+
+# --------------------------------------------------------------------------- #
+# The plan
+# --------------------------------------------------------------------------- #
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    teacher: PlanModel
+    student: PlanModel
+    tokens_per_step: int
+    devices: int
+    hbm_gb: float
+    link_gbps: float
+    seq_len: int = 4096
+    loss: str = "fused"  # fused | materialized
+    remat: bool = False
+    ring: int = 4
+    param_bytes: int = 4
+    compute_dtype: str = "bf16"
+    teacher_dtype: str = "bf16"
+    stream_dtype: str = "bf16"
+    hidden_layers: int = 0
+    teacher_devices: int | None = None
+    grad_accum: int = 1
+    tflops: float = 989.0
+    mfu: float = 0.4
+    attention: str = "flash"  # dense (hldstudy's implementation) | flash
+    row_block: int = 256
+    vocab_block: int = 512
+    usable: float = 0.9
+    fused_recompute: bool = True
+
+
+def _check(p: PlanInputs) -> None:
+    for name in ("tokens_per_step", "devices", "seq_len", "grad_accum", "param_bytes"):
+        if getattr(p, name) <= 0:
+            raise ConfigError(name.replace("_", "-"), f"must be > 0, got {getattr(p, name)}")
+    for name in ("hbm_gb", "link_gbps", "tflops", "mfu", "usable"):
+        if not getattr(p, name) > 0:
+            raise ConfigError(name.replace("_", "-"), f"must be > 0, got {getattr(p, name)}")
+    if p.ring < 0 or p.hidden_layers < 0:
+        raise ConfigError("ring", "ring and hidden-layers must be >= 0")
+    if p.loss not in ("fused", "materialized"):
+        raise ConfigError("loss", f"{p.loss!r} is not one of fused, materialized")
+    if p.hidden_layers > p.teacher.n_layers:
+        raise ConfigError("hidden-layers", f"the teacher has {p.teacher.n_layers} layers")
+    if p.tokens_per_step % (p.devices * p.grad_accum):
+        raise ConfigError("tokens-per-step", f"{p.tokens_per_step} is not divisible by "
+                          f"devices x grad-accum = {p.devices * p.grad_accum}")
+
+
+def plan(p: PlanInputs) -> dict:
+    """Per-device memory of both layouts, network bytes, link requirement, verdicts."""
+    _check(p)
+    s, t = p.student, p.teacher
+    vocab = min(s.vocab_size, t.vocab_size)
+    d_dev = p.devices
+    t_dev = p.teacher_devices or p.devices
+    pb, cb = p.param_bytes, dtype_bytes(p.compute_dtype)
+    tb, sb = dtype_bytes(p.teacher_dtype), dtype_bytes(p.stream_dtype)
+    tok_step_dev = p.tokens_per_step / d_dev  # tokens per device per optimizer step
+    tok_micro = tok_step_dev / p.grad_accum  # ... per micro-step (activations)
+    n_streamed = 1 + p.hidden_layers
+    limit = p.hbm_gb * GB * p.usable
+
+    student_state = {
+        "student_weights": weights_bytes(s, pb, d_dev),
+        "student_grads": weights_bytes(s, pb, d_dev),
+        "student_optimizer": optimizer_bytes(s, pb, d_dev),
+        "student_fsdp_gather": fsdp_gather_bytes(s, pb, d_dev),
+        "student_activations": train_activation_bytes(s, tok_micro, p.seq_len, cb,
+                                                      remat=p.remat, attention=p.attention),
+    }
+    if p.loss == "materialized":
+        logits = logits_bytes_materialized(tok_micro, vocab, with_teacher=True)
+    else:
+        logits = logits_bytes_fused(tok_micro, vocab, s.d_model, p.row_block, p.vocab_block)
+
+    colocated = dict(student_state)
+    colocated.update({
+        "teacher_weights": weights_bytes(t, tb, d_dev),
+        "teacher_fsdp_gather": fsdp_gather_bytes(t, tb, d_dev),
+        "teacher_activations": inference_activation_bytes(t, tok_micro, p.seq_len, cb,
+                                                          attention=p.attention,
+                                                          kept_layers=n_streamed),
+        "logits_peak": logits,
+    })
+    disagg = dict(student_state)
+    disagg.update({
+        "teacher_head": t.head_params * tb / d_dev,
+        "ring": ring_bytes(p.ring, tok_step_dev, n_streamed, t.d_model, sb),
+        "logits_peak": logits,
+    })
+    tok_teacher_dev = p.tokens_per_step / t_dev / p.grad_accum  # one forward's share
+    teacher_side = {
+        "teacher_weights": weights_bytes(t, tb, t_dev),
+        "teacher_fsdp_gather": fsdp_gather_bytes(t, tb, t_dev),
+        "teacher_activations": inference_activation_bytes(t, tok_teacher_dev, p.seq_len, cb,
+                                                          attention=p.attention,
+                                                          kept_layers=n_streamed),
+        "send_buffer": tok_teacher_dev * p.grad_accum * n_streamed * t.d_model * sb,
+    }
+
+    # FLOPs and step times.
+    T, tok = p.seq_len, p.tokens_per_step
+    student_train = 3.0 * tok * s.forward_flops_per_token(T)
+    head_rebuild = 2.0 * tok * t.d_model * vocab
+    recompute = 2.0 * tok * (s.d_model + t.d_model) * vocab if (
+        p.loss == "fused" and p.fused_recompute) else 0.0
+    regressors = 6.0 * tok * p.hidden_layers * s.d_model * t.d_model
+    teacher_fwd = tok * t.forward_flops_per_token(T)
+    eff = p.tflops * 1e12 * p.mfu
+    flops = {"student_train": student_train, "teacher_head_rebuild": head_rebuild,
+             "fused_recompute": recompute, "regressors": regressors,
+             "teacher_forward": teacher_fwd}
+    student_side_flops = student_train + head_rebuild + recompute + regressors
+    # Colocated: the teacher body runs inside the step (its head is part of teacher_fwd).
+    colocated_time = (student_train + recompute + regressors + teacher_fwd) / (d_dev * eff)
+    disagg_time = student_side_flops / (d_dev * eff)
+    teacher_time = (teacher_fwd - head_rebuild) / (t_dev * eff)
+
+    net = network_bytes_per_step(tok, n_streamed, t.d_model, vocab, sb)
+    required = net["hidden"] / d_dev * 8 / disagg_time / 1e9
+    required_logits = net["logits"] / d_dev * 8 / disagg_time / 1e9
+
+    col_total = sum(colocated.values())
+    dis_total = sum(disagg.values())
+    tea_total = sum(teacher_side.values())
+    col_verdict = "fits" if col_total <= limit else "out of memory"
+    if dis_total > limit or tea_total > limit:
+        dis_verdict = "out of memory"
+    elif required > p.link_gbps:
+        dis_verdict = "network-bound"
+    else:
+        dis_verdict = "fits"
+
+    inputs = dataclasses.asdict(p)
+    inputs["teacher"], inputs["student"] = t.name, s.name
+    return {
+        "inputs": inputs,
+        "models": {
+            "teacher": {"name": t.name, "total_params": t.total_params(),
+                        "active_params": t.active_params(), "d_model": t.d_model,
+                        "n_layers": t.n_layers, "vocab_size": t.vocab_size},
+            "student": {"name": s.name, "total_params": s.total_params(),
+                        "active_params": s.active_params(), "d_model": s.d_model,
+                        "n_layers": s.n_layers, "vocab_size": s.vocab_size},
+        },
+        "tokens_per_device_step": tok_step_dev,
+        "tokens_per_device_micro_step": tok_micro,
+        "hbm_limit_bytes": limit,
+        "colocated": {"bytes_per_device": col_total, "breakdown": colocated,
+                      "verdict": col_verdict, "step_time_s": colocated_time},
+        "disaggregated": {"bytes_per_device": dis_total, "breakdown": disagg,
+                          "teacher_bytes_per_device": tea_total,
+                          "teacher_breakdown": teacher_side, "verdict": dis_verdict,
+                          "step_time_s": max(disagg_time, teacher_time),
+                          "student_step_time_s": disagg_time,
+                          "teacher_step_time_s": teacher_time,
+                          "teacher_bound": teacher_time > disagg_time},
+        "network_bytes_per_step": net,
+        "required_link_gbps": required,
+        "required_link_gbps_if_logits": required_logits,
+        "flops_per_step": flops,
+        "n_streamed_layers": n_streamed,
+    }
+
+
+# --------------------------------------------------------------------------- #
+# What XLA reports for a compiled step (small configs)
+# --------------------------------------------------------------------------- #
+
+
+def predict_step_memory(cfg: Config, teacher_model: ModelConfig | None = None, *,
+                        layout: str = "none", donate: bool = True,
+                        attention: str = "dense") -> dict[str, float]:
+    """Predicted `compiled.memory_analysis()` of one train step on one device.
+
+    Terms map onto XLA's report:
+      argument_bytes: the train state (params + AdamW mu, nu in the param
+        dtype + step counter), the batch (tokens, positions, segment ids,
+        targets int32 + mask bool), and the teacher's params when colocated.
+      output_bytes: the new state (+ a few scalar metrics).
+      alias_bytes: the state again when it is donated (the trainer donates).
+      temp_bytes: gradients + saved activations + the logits peak (+ the
+        teacher's forward and rebuilt logits for KD layouts).
+      total_bytes: argument + output - alias + temp (resident at the peak).
+
+    layout: "none" (baseline, no teacher), "colocated" (teacher params are an
+    argument and its forward runs in the step) or "disaggregated" (teacher
+    hidden states and head are arguments).
+    """
+    m = cfg.model
+    s = PlanModel.from_model_config(m, "student")
+    pb, cb = dtype_bytes(m.param_dtype), dtype_bytes(m.dtype)
+    b, seq = cfg.data.batch_size, cfg.data.seq_len
+    tok = b * seq
+    params = s.total_params() * pb
+    batch = tok * (4 * 4 + 1)
+    state = 3 * params + 4
+    metrics = 4 * 4
+    grads = params
+    acts = train_activation_bytes(s, tok, seq, cb, remat=m.remat, attention=attention)
+    argument, temp = state + batch, 0.0
+    with_teacher = layout != "none"
+    if cfg.distill.loss_impl == "fused" and with_teacher:
+        logits = logits_bytes_fused(tok, m.vocab_size, m.d_model, 64, 1 << 20)
+    else:
+        logits = logits_bytes_materialized(tok, m.vocab_size, with_teacher=with_teacher)
+    terms = {"params": params, "optimizer": 2 * params, "batch": batch, "grads": grads,
+             "activations": acts, "logits": logits}
+    if with_teacher:
+        if teacher_model is None:
+            raise ConfigError("teacher", f"layout {layout!r} needs the teacher's model config")
+        t = PlanModel.from_model_config(teacher_model, "teacher")
+        tpb = dtype_bytes(cfg.teacher.dtype)
+        if layout == "colocated":
+            terms["teacher_params"] = t.total_params() * tpb
+            terms["teacher_activations"] = inference_activation_bytes(
+                t, tok, seq, dtype_bytes(teacher_model.dtype), attention=attention)
+            argument += terms["teacher_params"]
+            temp += terms["teacher_activations"]
+        elif layout == "disaggregated":
+            terms["teacher_inputs"] = tok * t.d_model * tpb + t.head_params * tpb
+            argument += terms["teacher_inputs"]
+        else:
+            raise ConfigError("layout", f"{layout!r} is not one of none, colocated, disaggregated")
+    temp += grads + acts + logits
+    output = state + metrics
+    alias = state if donate else 0.0
+    return {"argument_bytes": argument, "output_bytes": output, "alias_bytes": alias,
+            "temp_bytes": temp, "total_bytes": argument + output - alias + temp, "terms": terms}
+
+
+def xla_memory(compiled) -> dict[str, float]:
+    """The same keys from XLA's `compiled.memory_analysis()`."""
+    ma = compiled.memory_analysis()
+    if isinstance(ma, (list, tuple)):
+        ma = ma[0]
+    out = {"argument_bytes": ma.argument_size_in_bytes, "output_bytes": ma.output_size_in_bytes,
+           "alias_bytes": ma.alias_size_in_bytes, "temp_bytes": ma.temp_size_in_bytes}
+    out["total_bytes"] = (out["argument_bytes"] + out["output_bytes"] - out["alias_bytes"]
+                          + out["temp_bytes"])
+    return {k: float(v) for k, v in out.items()}
+
+
+# --------------------------------------------------------------------------- #
+# CLI
+# --------------------------------------------------------------------------- #
+
+
+def _gb(x: float) -> str:
+    return f"{x / GB:.2f}"
+
+
+def format_markdown(r: dict) -> str:
+    i = r["inputs"]
+    col, dis = r["colocated"], r["disaggregated"]
+    lines = [
+        f"**{i['teacher']} -> {i['student']}**: {i['tokens_per_step']} tokens/step, "
+        f"{i['devices']} devices x {i['hbm_gb']:g} GB (usable {i['usable']:.0%}), "
+        f"link {i['link_gbps']:g} Gbps/device, T={i['seq_len']}, loss={i['loss']}, "
+        f"remat={i['remat']}, attention={i['attention']}, ring={i['ring']}, "
+        f"streamed layers={r['n_streamed_layers']}, params {i['param_bytes']} B, "
+        f"compute {i['compute_dtype']}, teacher {i['teacher_dtype']}, "
+        f"grad-accum {i['grad_accum']}, teacher devices {i['teacher_devices'] or i['devices']}",
+        "",
+        "| GB per device | colocated | disaggregated (trainer) | disaggregated (teacher) |",
+        "|---|---:|---:|---:|",
+    ]
+    keys = []
+    for d in (col["breakdown"], dis["breakdown"], dis["teacher_breakdown"]):
+        keys += [k for k in d if k not in keys]
+    for k in keys:
+        cells = [col["breakdown"].get(k), dis["breakdown"].get(k), dis["teacher_breakdown"].get(k)]
+        lines.append(f"| {k} | " + " | ".join("-" if c is None else _gb(c) for c in cells) + " |")
+    lines.append(f"| **total** | **{_gb(col['bytes_per_device'])}** | "
+                 f"**{_gb(dis['bytes_per_device'])}** | **{_gb(dis['teacher_bytes_per_device'])}** |")
+    lines.append(f"| verdict | {col['verdict']} | {dis['verdict']} | "
+                 f"{'teacher-bound' if dis['teacher_bound'] else 'keeps up'} |")
+    lines.append(f"| step time (s) | {col['step_time_s']:.3f} | {dis['student_step_time_s']:.3f} | "
+                 f"{dis['teacher_step_time_s']:.3f} |")
+    net = r["network_bytes_per_step"]
+    lines += ["",
+              f"Network per step: hidden {_gb(net['hidden'])} GB vs logits {_gb(net['logits'])} GB "
+              f"({net['logits_over_hidden']:.1f}x); required link {r['required_link_gbps']:.1f} "
+              f"Gbps/device (logits would need {r['required_link_gbps_if_logits']:.0f})."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m hldstudy.plan",
+                                 description="Memory / network planner: colocated vs "
+                                             "disaggregated teacher.")
+    ap.add_argument("--teacher", required=True, help="preset (model or planner preset)")
+    ap.add_argument("--student", required=True)
+    ap.add_argument("--tokens-per-step", type=int, required=True)
+    ap.add_argument("--devices", type=int, required=True, help="trainer devices")
+    ap.add_argument("--hbm", type=float, required=True, help="GB of memory per device")
+    ap.add_argument("--link", type=float, required=True, help="Gbps inbound per trainer device")
+    ap.add_argument("--seq-len", type=int, default=4096)
+    ap.add_argument("--loss", choices=("fused", "materialized"), default="fused")
+    ap.add_argument("--remat", action="store_true")
+    ap.add_argument("--ring", type=int, default=4)
+    ap.add_argument("--param-bytes", type=int, default=4)
+    ap.add_argument("--compute-dtype", default="bf16")
+    ap.add_argument("--teacher-dtype", default="bf16")
+    ap.add_argument("--stream-dtype", default="bf16")
+    ap.add_argument("--hidden-layers", type=int, default=0,
+                    help="teacher intermediate layers streamed besides the final hidden")
+    ap.add_argument("--teacher-devices", type=int, default=None)
+    ap.add_argument("--grad-accum", type=int, default=1)
+    ap.add_argument("--tflops", type=float, default=989.0, help="peak TFLOPS per device")
+    ap.add_argument("--mfu", type=float, default=0.4)
+    ap.add_argument("--attention", choices=("dense", "flash"), default="flash")
+    ap.add_argument("--row-block", type=int, default=256)
+    ap.add_argument("--vocab-block", type=int, default=512)
+    ap.add_argument("--usable", type=float, default=0.9, help="usable fraction of HBM")
+    ap.add_argument("--no-fused-recompute", action="store_true")
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--debug", action="store_true")
+    a = ap.parse_args(argv)
+    with user_errors(a.debug, prog="hldstudy.plan"):
+        p = PlanInputs(teacher=plan_model(a.teacher), student=plan_model(a.student),
+                       tokens_per_step=a.tokens_per_step, devices=a.devices, hbm_gb=a.hbm,
+                       link_gbps=a.link, seq_len=a.seq_len, loss=a.loss, remat=a.remat,
+                       ring=a.ring, param_bytes=a.param_bytes, compute_dtype=a.compute_dtype,
+                       teacher_dtype=a.teacher_dtype, stream_dtype=a.stream_dtype,
+                       hidden_layers=a.hidden_layers, teacher_devices=a.teacher_devices,
+                       grad_accum=a.grad_accum, tflops=a.tflops, mfu=a.mfu,
+                       attention=a.attention, row_block=a.row_block, vocab_block=a.vocab_block,
+                       usable=a.usable, fused_recompute=not a.no_fused_recompute)
+        dtype_bytes(p.compute_dtype), dtype_bytes(p.teacher_dtype), dtype_bytes(p.stream_dtype)
+        r = plan(p)
+        if a.json:
+            print(json.dumps(r, sort_keys=True))
+        else:
+            print(format_markdown(r))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

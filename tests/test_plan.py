@@ -1,0 +1,156 @@
+"""Memory / network planner: hand-computed terms, verdicts, CLI, and XLA's memory analysis."""
+
+import dataclasses
+import json
+
+import pytest
+
+from hldstudy.config import Config, DataConfig
+from hldstudy.errors import ConfigError
+from hldstudy.model import count_params, preset
+from hldstudy.plan import (GB, PLAN_PRESETS, PlanInputs, PlanModel, logits_bytes_fused,
+                           logits_bytes_materialized, main, network_bytes_per_step, plan,
+                           plan_model, predict_step_memory, ring_bytes, weights_bytes, xla_memory)
+
+
+def inputs(**kw):
+    base = dict(teacher=plan_model("gemma3-4b"), student=plan_model("gemma3-270m"),
+                tokens_per_step=65536, devices=8, hbm_gb=80, link_gbps=100, seq_len=4096)
+    base.update(kw)
+    return PlanInputs(**base)
+
+
+def test_dense_params_match_the_model_count():
+    for name in ("gemma3-270m", "gemma3-1b", "gemma3-4b", "tiny"):
+        assert plan_model(name).total_params() == count_params(preset(name))["total"]
+    m = plan_model("gemma3-270m")
+    assert weights_bytes(m, 4, 8) == count_params(preset("gemma3-270m"))["total"] * 4 / 8
+
+
+def test_moe_preset_is_35b_a3b():
+    m = PLAN_PRESETS["moe-35b-a3b"]
+    assert 33e9 < m.total_params() < 36e9
+    assert 2.5e9 < m.active_params() < 4e9
+    inactive = m.n_layers * 3 * m.d_model * m.d_expert * (m.n_experts - m.experts_per_token)
+    assert m.total_params() - m.active_params() == inactive
+    assert m.ffn_width_active == 9 * 512
+    assert 8.5e9 < PLAN_PRESETS["dense-9b"].total_params() < 9.5e9
+
+
+def test_ring_logits_network_by_hand():
+    assert ring_bytes(4, 8192, 2, 2560, 2) == 4 * 8192 * 2 * 2560 * 2
+    assert logits_bytes_materialized(8192, 262144) == 3 * 8192 * 262144 * 4
+    assert logits_bytes_materialized(8192, 262144, with_teacher=False) == 2 * 8192 * 262144 * 4
+    fused = logits_bytes_fused(8192, 262144, 640, 256, 512)
+    assert fused == 4 * 256 * 512 * 4 + 640 * 262144 * 4 + 16 * 8192
+    net = network_bytes_per_step(65536, 1, 2560, 262144)
+    assert net["hidden"] == 65536 * 2560 * 2 and net["logits"] == 65536 * 262144 * 2
+    assert net["logits_over_hidden"] == pytest.approx(262144 / 2560)  # ~102x
+    net3 = network_bytes_per_step(65536, 3, 2560, 262144)
+    assert net3["logits_over_hidden"] == pytest.approx(262144 / (3 * 2560))
+
+
+def test_plan_terms_and_verdicts():
+    r = plan(inputs())
+    col, dis = r["colocated"], r["disaggregated"]
+    s = plan_model("gemma3-270m")
+    assert col["breakdown"]["student_optimizer"] == 2 * s.total_params() * 4 / 8
+    assert dis["breakdown"]["ring"] == 4 * 8192 * 1 * 2560 * 2
+    assert dis["breakdown"]["teacher_head"] == 262208 * 2560 * 2 / 8
+    assert "teacher_weights" in col["breakdown"] and "teacher_weights" not in dis["breakdown"]
+    assert col["bytes_per_device"] == pytest.approx(sum(col["breakdown"].values()))
+    assert col["verdict"] == dis["verdict"] == "fits"
+    # Link requirement = hidden bytes per device / trainer step time.
+    t_step = dis["student_step_time_s"]
+    assert r["required_link_gbps"] == pytest.approx(
+        r["network_bytes_per_step"]["hidden"] / 8 * 8 / t_step / 1e9)
+    assert r["required_link_gbps_if_logits"] / r["required_link_gbps"] == pytest.approx(102.4, rel=0.01)
+    # A thin link stalls the ring; a huge ring or a small HBM runs out of memory.
+    assert plan(inputs(link_gbps=1))["disaggregated"]["verdict"] == "network-bound"
+    assert plan(inputs(ring=2000))["disaggregated"]["verdict"] == "out of memory"
+    assert plan(inputs(hbm_gb=4))["colocated"]["verdict"] == "out of memory"
+
+
+def test_fused_loss_and_remat_shrink_memory():
+    mat = plan(inputs(student=plan_model("gemma3-1b"), tokens_per_step=131072,
+                      loss="materialized"))
+    fused = plan(inputs(student=plan_model("gemma3-1b"), tokens_per_step=131072))
+    assert mat["colocated"]["verdict"] == "out of memory"
+    assert fused["colocated"]["verdict"] == "fits"
+    # Fused: chunk workspace + the d_s x V float32 head-gradient accumulator only.
+    assert mat["colocated"]["breakdown"]["logits_peak"] > 40 * fused["colocated"]["breakdown"]["logits_peak"]
+    remat = plan(inputs(remat=True))
+    assert (remat["colocated"]["breakdown"]["student_activations"]
+            < plan(inputs())["colocated"]["breakdown"]["student_activations"] / 5)
+
+
+def test_moe_teacher_colocated_ooms_disaggregated_fits():
+    p = inputs(teacher=plan_model("moe-35b-a3b"), student=plan_model("dense-9b"),
+               tokens_per_step=131072, devices=4, remat=True, hidden_layers=0)
+    r = plan(p)
+    assert r["colocated"]["verdict"] == "out of memory"
+    assert r["disaggregated"]["verdict"] == "fits"
+    assert r["disaggregated"]["teacher_breakdown"]["teacher_weights"] == pytest.approx(
+        PLAN_PRESETS["moe-35b-a3b"].total_params() * 2 / 4)
+
+
+def test_bad_inputs():
+    with pytest.raises(ConfigError):
+        plan(inputs(tokens_per_step=1000, devices=3))
+    with pytest.raises(ConfigError):
+        plan_model("gpt-5")
+    with pytest.raises(ConfigError):
+        plan(inputs(loss="chunked"))
+
+
+def test_cli_json(capsys):
+    assert main(["--teacher", "gemma3-4b", "--student", "gemma3-270m", "--tokens-per-step",
+                 "65536", "--devices", "8", "--hbm", "80", "--link", "100", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    for key in ("bytes_per_device", "verdict"):
+        assert key in r["colocated"] and key in r["disaggregated"]
+    assert "teacher_bytes_per_device" in r["disaggregated"]
+    assert set(r["network_bytes_per_step"]) >= {"hidden", "logits"}
+    assert r["required_link_gbps"] > 0
+    assert main(["--teacher", "moe-35b-a3b", "--student", "dense-9b", "--tokens-per-step",
+                 "65536", "--devices", "4", "--hbm", "80", "--link", "100", "--remat"]) == 0
+    assert "| verdict |" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        main(["--teacher", "nope", "--student", "tiny", "--tokens-per-step", "8",
+              "--devices", "1", "--hbm", "1", "--link", "1"])
+    assert e.value.code == 2
+
+
+# Planner vs XLA's memory_analysis() of a compiled (donated) baseline train step.
+XLA_CASES = [
+    (preset("tiny"), 4, 128),
+    (preset("tiny", sliding_window=None, global_every=1, n_kv_heads=4, qk_norm=False,
+            d_model=96, d_ff=256, vocab_size=1024), 4, 64),
+]
+
+
+@pytest.mark.parametrize("model,b,t", XLA_CASES)
+def test_predict_step_memory_matches_xla(model, b, t):
+    import jax
+
+    from hldstudy.flops import baseline_train_step
+
+    cfg = Config(model=model, data=DataConfig(batch_size=b, seq_len=t))
+    fn, state, batch = baseline_train_step(cfg)
+    xla = xla_memory(jax.jit(fn, donate_argnums=(0,)).lower(state, batch).compile())
+    pred = predict_step_memory(cfg)
+    assert pred["argument_bytes"] == pytest.approx(xla["argument_bytes"], rel=0.01)
+    assert pred["output_bytes"] == pytest.approx(xla["output_bytes"], rel=0.01)
+    assert pred["alias_bytes"] == pytest.approx(xla["alias_bytes"], rel=0.01)
+    assert pred["temp_bytes"] == pytest.approx(xla["temp_bytes"], rel=0.15)
+    assert pred["total_bytes"] == pytest.approx(xla["total_bytes"], rel=0.15)
+
+
+def test_predict_step_memory_teacher_layouts():
+    cfg = Config(model=preset("tiny"), data=DataConfig(batch_size=2, seq_len=64))
+    base = predict_step_memory(cfg)
+    col = predict_step_memory(cfg, preset("tiny-teacher"), layout="colocated")
+    dis = predict_step_memory(cfg, preset("tiny-teacher"), layout="disaggregated")
+    assert col["argument_bytes"] > dis["argument_bytes"] > base["argument_bytes"]
+    with pytest.raises(ConfigError):
+        predict_step_memory(cfg, layout="colocated")
