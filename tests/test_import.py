@@ -70,6 +70,9 @@ WORDS = ["hello", "world", "▁hello", "▁world"]
 def _tiny_vocab(size: int):
     tokens = list(SPECIALS) + [f"<0x{b:02X}>" for b in range(256)]
     types = [3, 3, 3, 2] + [6] * 256
+    # llama.cpp writes user-defined whitespace pieces with literal spaces ("▁▁" -> "  ").
+    tokens += ["  ", "\n", "<start_of_turn>"]
+    types += [4, 4, 3]
     scores = [0.0] * len(tokens)
     normal = list("abcdefghijklmnopqrstuvwxyz▁")
     for w in WORDS:  # every prefix, so BPE can build each word by merges
@@ -192,6 +195,11 @@ def test_gguf_tokenizer(tiny_gguf):
     for text in ("hello world", "abc xyz", "héllo ✓ 42"):  # byte fallback for the rest
         assert tok.decode(tok.encode(text)) == text
     assert "<0xC3>" in [tok.id_to_piece(i) for i in tok.encode("é")]
+    two_spaces = len(SPECIALS) + 256
+    assert tok.encode("a  b\n") == [tok.sp.piece_to_id("a"), two_spaces,
+                                     tok.sp.piece_to_id("b"), two_spaces + 1]
+    assert tok.decode(tok.encode("a  b\n")) == "a  b\n"
+    assert two_spaces + 2 not in tok.encode("<start_of_turn>")  # control: never from text
 
 
 def test_gguf_overrides(tiny_gguf):

@@ -3,7 +3,8 @@
 llama.cpp stores a SentencePiece ("llama") vocabulary as `tokenizer.ggml.tokens`,
 `.scores` and `.token_type` (same type numbering as SentencePiece: 1 normal,
 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte) plus the special ids and
-`add_space_prefix`. That is enough to rebuild a SentencePiece BPE ModelProto:
+`add_space_prefix`. That is enough to rebuild a SentencePiece BPE ModelProto
+(after undoing llama.cpp's space "pre-normalization" of user-defined pieces):
 BPE encoding in SentencePiece merges by piece score, exactly what llama.cpp's
 SPM tokenizer does. For the Gemma 3 GGUF the result encodes like transformers'
 GGUF tokenizer (checked in tests/test_gemma_parity.py).
@@ -65,6 +66,11 @@ def sp_proto_from_gguf(reader, source: str = "") -> bytes:
 
     m = sp_pb2.ModelProto()
     for piece, score, typ in zip(tokens, scores.tolist(), types.tolist(), strict=True):
+        if typ == 4:
+            # llama.cpp's converter "pre-normalizes" user-defined pieces ("▁▁" -> "  ")
+            # because it matches them on raw text; SentencePiece matches them after
+            # whitespace escaping, so put the "▁" back.
+            piece = piece.replace(" ", "\u2581")
         p = m.pieces.add()
         p.piece, p.score, p.type = piece, score, typ
     ts = m.trainer_spec
