@@ -224,6 +224,10 @@ def test_gguf_errors(tiny_model, tmp_path):
     with pytest.raises(InputError, match="architecture 'llama'"):
         load_gguf(llama)
 
+    no_tok = tmp_path / "no_tok.gguf"
+    write_gemma3_gguf(tiny_model, no_tok, with_tokenizer=False)
+    assert load_gguf(no_tok)[2] is None
+
     missing = tmp_path / "missing.gguf"
     write_gemma3_gguf(tiny_model, missing, skip=("blk.1.ffn_up.weight",))
     with pytest.raises(InputError, match="mlp.up_proj"):

@@ -21,7 +21,7 @@ loader:
 Loaders take local paths only; nothing is downloaded.
 
 API:
-  load_gguf(path, **overrides) -> (ModelConfig, nnx.State, Tokenizer)
+  load_gguf(path, **overrides) -> (ModelConfig, nnx.State, Tokenizer | None)
   load_hf(path, **overrides) -> (ModelConfig, nnx.State, Tokenizer | None)
   load_pretrained(path, **overrides) -> (Transformer, Tokenizer | None)
   export_hf(model, path, *, tokenizer=None, dtype="float32") -> Path
@@ -372,13 +372,16 @@ def load_gguf(path: str | Path, **overrides) -> tuple[ModelConfig, nnx.State, An
 
     Quantized tensors are dequantized to float32 (then cast to `param_dtype`).
     The tokenizer (hldstudy `Tokenizer`) is rebuilt from the file's metadata
-    (see `hldstudy.model.gguf_tokenizer`).
+    (see `hldstudy.model.gguf_tokenizer`); None when the file has no tokenizer.
     """
     path = Path(path)
     reader = _gguf_reader(path)
     cfg = _apply_overrides(_gguf_config(reader, str(path)), overrides, str(path))
     state = _to_state(cfg, _hf_to_pure(cfg, _gguf_hf_weights(reader, str(path)), str(path)))
-    return cfg, state, tokenizer_from_proto(sp_proto_from_gguf(reader, str(path)))
+    tokenizer = None
+    if "tokenizer.ggml.model" in reader.fields:
+        tokenizer = tokenizer_from_proto(sp_proto_from_gguf(reader, str(path)))
+    return cfg, state, tokenizer
 
 
 # --------------------------------------------------------------------------------------
