@@ -160,10 +160,16 @@ def elementwise_per_token(m: ModelConfig, seq_len: int, *, n_layers: int | None 
     return ew
 
 
-def param_count(m: ModelConfig) -> int:
+def trainable_params(m: ModelConfig, n_layers: int | None = None) -> int:
+    """Parameters the optimizer updates: all of them, or (HLDF stage 1) the
+    embedding and the first `n_layers` blocks (the rest and the final norm are frozen)."""
     from hldstudy.model.transformer import count_params
 
-    return count_params(m)["total"]
+    c = count_params(m)
+    if n_layers is None:
+        return c["total"]
+    per_layer = (c["non_embedding"] - m.d_model) // m.n_layers
+    return c["embedding"] + n_layers * per_layer
 
 
 # --------------------------------------------------------------------------- #
@@ -321,7 +327,8 @@ def step_flops(cfg: Config, method: str | None = None, stage: str | None = None,
                                                        train=True, loss=loss_kind)
                                  + len(pairs) * _EW["nmse"][1] * (t.d_model if t else 0)),
         "optimizer": OPTIMIZER_FLOPS_PER_PARAM * (
-            param_count(s) + len(pairs) * (s.d_model + 1) * (t.d_model if t else 0)),
+            trainable_params(s, s_layers if not s_head else None)
+            + len(pairs) * (s.d_model + 1) * (t.d_model if t else 0)),
         "recompute_remat": 0.0,
         "recompute_fused": 0.0,
         "teacher": 0.0,
@@ -371,6 +378,22 @@ def steps_for_budget(cfg: Config, budget_flops: float | None = None,
 # --------------------------------------------------------------------------- #
 
 
+# XLA's HloCostAnalysis counts the body of a while loop (scan) ONCE, not once
+# per trip. The fused KD loss scans over row windows of 64 rows (XLA path), so
+# XLA's count of a fused-loss step is only comparable when the step has at
+# most 64 tokens (one window); use loss_impl=materialized for larger checks.
+# The model itself is loop-free (blocks are unrolled), so baseline, HLDF
+# stage 1 and materialized-loss steps are counted fully at any size.
+FUSED_XLA_ROW_BLOCK = 64
+
+
+def xla_count_is_complete(cfg: Config, method: str, stage: str) -> bool:
+    """False where XLA would count the fused loss's row-window scan body only once."""
+    kd = method in KD_METHODS or (method == "hldf" and stage == "stage2")
+    tokens = cfg.data.batch_size * cfg.data.seq_len
+    return not (kd and cfg.distill.loss_impl == "fused" and tokens > FUSED_XLA_ROW_BLOCK)
+
+
 def cost_analysis(compiled) -> dict:
     """`compiled.cost_analysis()` as one dict (older jax returns a list of dicts)."""
     ca = compiled.cost_analysis()
@@ -396,73 +419,89 @@ def _abstract_batch(cfg: Config):
             "mask": jax.ShapeDtypeStruct(shape, jnp.bool_)}
 
 
-def baseline_train_step(cfg: Config):
-    """(step_fn, abstract_state, abstract_batch) for the baseline step, built from the
-    trainer's own pieces (`hldstudy.train.step.make_train_step`) when present, else a
-    local value_and_grad(NLL) + AdamW step. Nothing is allocated (abstract shapes)."""
+def train_step_probe(cfg: Config, method: str | None = None, stage: str | None = None,
+                     teacher_model: ModelConfig | None = None, *, layout: str = "colocated"):
+    """`(step, state, batch, teacher_in)` of the trainer's real step, all abstract.
+
+    Built from the trainer's public pieces (`make_strategy`,
+    `hldstudy.train.step.make_train_step`, `make_optimizer`), so XLA compiles
+    exactly what `python -m hldstudy.train` runs; nothing is allocated.
+    layout: "colocated" (the teacher's params are an argument and its forward
+    runs inside the step, as `ColocatedTeacher` does) or "disaggregated" (the
+    streamed `TeacherOutputs` are the argument).
+    """
     import jax
-    import optax
+    import jax.numpy as jnp
     from flax import nnx
 
+    from hldstudy.distill import make_strategy
+    from hldstudy.distill.base import TeacherOutputs
     from hldstudy.model.transformer import Transformer
+    from hldstudy.train.optim import make_optimizer
+    from hldstudy.train.step import make_train_step, split_params
 
-    student = nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(0)))
+    method = method or cfg.distill.method
+    stage = _resolve_stage(cfg, method, stage)
+    cfg = dataclasses.replace(cfg, distill=dataclasses.replace(cfg.distill, method=method))
+    if method != "baseline" and teacher_model is None:
+        raise ConfigError("teacher", f"method {method!r} needs the teacher's model config")
+    strategy = make_strategy(cfg, cfg.model, teacher_model if method != "baseline" else None)
+    st = next(s for s in strategy.stages() if s.name == stage)
+
+    def build():
+        return (Transformer(cfg.model, rngs=nnx.Rngs(0)), strategy.init_aux(st, nnx.Rngs(1)))
+
+    graphdefs, params = split_params(*nnx.eval_shape(build))
+    optimizer = make_optimizer(cfg.train, cfg.train.steps,
+                               trainable_layers=strategy.trainable_student_layers(st))
+    state = jax.eval_shape(lambda p: {"params": p, "opt_state": optimizer.init(p),
+                                      "step": jnp.zeros((), jnp.int32)}, params)
     batch = _abstract_batch(cfg)
-    try:
-        from hldstudy.distill import make_strategy
-        from hldstudy.distill.base import Stage
-        from hldstudy.train.optim import make_optimizer
-        from hldstudy.train.step import make_train_step, split_params
-    except ImportError:
-        make_train_step = None
-    if make_train_step is not None:
-        strategy = make_strategy(dataclasses.replace(
-            cfg, distill=dataclasses.replace(cfg.distill, method="baseline")), cfg.model, None)
-        stage = Stage("main", 1.0)
-        graphdefs, params = split_params(student, None)
-        optimizer = make_optimizer(cfg.train, cfg.train.steps)
-        step = make_train_step(strategy, stage, graphdefs, optimizer)
-        state = jax.eval_shape(lambda p: {"params": p, "opt_state": optimizer.init(p),
-                                          "step": jax.numpy.zeros((), jax.numpy.int32)}, params)
-        return (lambda state, batch: step(state, batch, None)), state, batch
+    teacher_forward = teacher_in = None
+    if strategy.needs_teacher:
+        tdt = jnp.dtype(cfg.teacher.dtype)
+        tcfg = dataclasses.replace(teacher_model, dtype=cfg.teacher.dtype, remat=False)
+        layers, needs_head = strategy.teacher_layers(st), strategy.teacher_needs_head(st)
+        shape = (cfg.data.batch_size, cfg.data.seq_len, tcfg.d_model)
+        if layout == "colocated":
+            t_gd, t_params = nnx.split(nnx.eval_shape(
+                lambda: Transformer(tcfg, rngs=nnx.Rngs(2))), nnx.Param)
+            teacher_in = jax.tree_util.tree_map(
+                lambda x: jax.ShapeDtypeStruct(x.shape, tdt), t_params)
+            max_layer = None if needs_head else max(layers)
 
-    from hldstudy.losses.kd import nll_from_logits
-
-    gdef, params = nnx.split(student, nnx.Param)
-    optimizer = optax.adamw(1e-3)
-
-    def step(state, batch):
-        def loss(p):
-            out = nnx.merge(gdef, p)(batch["tokens"], batch["positions"], batch["segment_ids"])
-            v = cfg.model.vocab_size
-            return nll_from_logits(out.logits.reshape(-1, v), batch["targets"].reshape(-1),
-                                   batch["mask"].reshape(-1))
-        value, grads = jax.value_and_grad(loss)(state["params"])
-        updates, opt = optimizer.update(grads, state["opt_state"], state["params"])
-        return {"params": optax.apply_updates(state["params"], updates), "opt_state": opt}, value
-
-    state = jax.eval_shape(lambda p: {"params": p, "opt_state": optimizer.init(p)}, params)
-    return step, state, batch
+            def teacher_forward(tparams, batch):  # as ColocatedTeacher.forward_fn
+                model = nnx.merge(t_gd, tparams)
+                out = model(batch["tokens"], batch["positions"], batch["segment_ids"],
+                            hidden_layers=layers, return_logits=False, max_layer=max_layer)
+                return TeacherOutputs(final_hidden=out.final_hidden if needs_head else None,
+                                      hidden=out.hidden,
+                                      head_weight=model.head_weight() if needs_head else None)
+        elif layout == "disaggregated":
+            teacher_in = TeacherOutputs(
+                final_hidden=jax.ShapeDtypeStruct(shape, tdt) if needs_head else None,
+                hidden={layer: jax.ShapeDtypeStruct(shape, tdt) for layer in layers},
+                head_weight=(jax.ShapeDtypeStruct((tcfg.d_model, tcfg.vocab_size), tdt)
+                             if needs_head else None))
+        else:
+            raise ConfigError("layout", f"{layout!r} is not one of colocated, disaggregated")
+    step = make_train_step(strategy, st, graphdefs, optimizer, teacher_forward)
+    return step, state, batch, teacher_in
 
 
-def xla_flops_for(cfg: Config, method: str, stage: str,
-                  teacher_model: ModelConfig | None = None) -> float:
-    """XLA's count of the compiled train step of (method, stage).
+def baseline_train_step(cfg: Config):
+    """(step_fn(state, batch), abstract_state, abstract_batch) of the baseline step."""
+    step, state, batch, _ = train_step_probe(cfg, "baseline", "main")
+    return (lambda state, batch: step(state, batch, None)), state, batch
 
-    Baseline is built here. Distillation methods call the trainer's hook
-    `hldstudy.train.step.flops_probe(cfg, method, stage, teacher_model) ->
-    (fn, *abstract_args)` when it exists.
-    """
-    if method == "baseline":
-        fn, state, batch = baseline_train_step(cfg)
-        return xla_step_flops(fn, state, batch)
-    try:
-        from hldstudy.train.step import flops_probe  # type: ignore[attr-defined]
-    except ImportError:
-        raise InputError(f"--check-xla for method {method!r} needs "
-                         "hldstudy.train.step.flops_probe (not wired yet); baseline works") from None
-    fn, *args = flops_probe(cfg, method, stage, teacher_model)
-    return xla_step_flops(fn, *args)
+
+def xla_flops_for(cfg: Config, method: str | None = None, stage: str | None = None,
+                  teacher_model: ModelConfig | None = None, *,
+                  layout: str = "colocated") -> float:
+    """XLA's count of the compiled train step of (method, stage)."""
+    step, state, batch, teacher_in = train_step_probe(cfg, method, stage, teacher_model,
+                                                      layout=layout)
+    return xla_step_flops(step, state, batch, teacher_in)
 
 
 # --------------------------------------------------------------------------- #
@@ -487,17 +526,22 @@ def _fmt(x: float) -> str:
     return f"{x:.4g}"
 
 
-def _stage_report(cfg, method, stage, share, teacher_model, budget, check_xla) -> dict:
+def _stage_report(cfg, method, stage, share, teacher_model, budget, check_xla,
+                  layout="colocated") -> dict:
     b = step_flops(cfg, method, stage, teacher_model)
     rep = {"share": share, "analytic_flops_per_step": b.total,
-           "hardware_flops_per_step": b.hardware_total, "breakdown": b.as_dict()}
+           "hardware_flops_per_step": b.hardware_flops(layout), "breakdown": b.as_dict()}
     if budget:
         rep["steps"] = int(math.floor(budget * share / b.total))
     if check_xla:
-        x = xla_flops_for(cfg, method, stage, teacher_model)
+        x = xla_flops_for(cfg, method, stage, teacher_model, layout=layout)
         rep["xla_flops_per_step"] = x
-        rep["xla_over_hardware"] = x / b.hardware_total
+        rep["xla_over_hardware"] = x / b.hardware_flops(layout)
         rep["xla_over_analytic"] = x / b.total
+        if not xla_count_is_complete(cfg, method, stage):
+            rep["xla_warning"] = (f"XLA counts the fused loss's row-window loop body once; "
+                                  f"its figure is low for more than {FUSED_XLA_ROW_BLOCK} "
+                                  f"tokens per step (use --set distill.loss_impl=materialized)")
     return rep
 
 
@@ -511,6 +555,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--count-teacher", action="store_true", default=None,
                     help="count the teacher forward in the budget (default budget.count_teacher)")
     ap.add_argument("--check-xla", action="store_true", help="compile the step, compare with XLA")
+    ap.add_argument("--layout", choices=("colocated", "disaggregated"), default="colocated",
+                    help="teacher layout of the hardware figure and of --check-xla")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--debug", action="store_true")
     args = ap.parse_args(argv)
@@ -531,9 +577,11 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError("teacher", f"method {method!r} needs the teacher's shape",
                               "pass --teacher-preset NAME, or a teacher.checkpoint run directory")
         budget = args.budget if args.budget is not None else (cfg.budget.flops or None)
-        stages = {st: _stage_report(cfg, method, st, share, teacher_model, budget, args.check_xla)
+        stages = {st: _stage_report(cfg, method, st, share, teacher_model, budget, args.check_xla,
+                                    args.layout)
                   for st, share in method_stages(cfg, method)}
-        result = {"method": method, "tokens_per_step": cfg.data.batch_size * cfg.data.seq_len,
+        result = {"method": method, "layout": args.layout,
+                  "tokens_per_step": cfg.data.batch_size * cfg.data.seq_len,
                   "count_teacher": cfg.budget.count_teacher, "budget": budget, "stages": stages}
         if len(stages) == 1:
             only = next(iter(stages.values()))
@@ -552,6 +600,11 @@ def main(argv: list[str] | None = None) -> int:
                   + f" {_fmt(rep['hardware_flops_per_step']):>11s}"
                   + f" {_fmt(rep['xla_flops_per_step']) if 'xla_flops_per_step' in rep else '-':>11s}"
                   + f" {rep.get('steps', '-')!s:>10s}")
+        for st, rep in stages.items():
+            if "xla_warning" in rep:
+                print(f"warning ({st}): {rep['xla_warning']}")
+        print("total = model FLOPs (causal attention, no recompute) = the budget figure; "
+              f"hardware = executed estimate ({args.layout} teacher), compared with XLA")
     return 0
 
 
