@@ -144,6 +144,8 @@ class DistillConfig:
     # Empty -> middle layer of each (hld*), evenly mapped layers (patient).
     layer_pairs: str = ""
     patient_pairs: int = 3
+    # Learned dense regressor d_s -> d_t per pair; False aligns raw states (needs d_s == d_t).
+    regressor: bool = True
     # Share of the FLOP budget spent in HLDF stage 1, in (0, 1).
     hldf_stage1_share: float = 0.2
     # fused | materialized

@@ -13,6 +13,7 @@ from hldstudy.config import Config, ModelConfig
 from hldstudy.distill.base import Stage, Strategy
 from hldstudy.distill.kd import LogitKD
 from hldstudy.distill.pairs import resolve_layer_pairs
+from hldstudy.errors import ConfigError
 
 
 class Regressors(nnx.Module):
@@ -30,8 +31,15 @@ class _Aligning(LogitKD):
     def __init__(self, cfg: Config, student: ModelConfig, teacher: ModelConfig | None):
         super().__init__(cfg, student, teacher)
         self.pairs = resolve_layer_pairs(cfg, teacher)
+        if not cfg.distill.regressor and student.d_model != teacher.d_model:
+            raise ConfigError("distill.regressor",
+                              f"student hidden size {student.d_model} differs from the teacher's "
+                              f"{teacher.d_model} and no regressor maps between them",
+                              "set distill.regressor=true")
 
     def init_aux(self, stage: Stage, rngs: nnx.Rngs):
+        if not self.cfg.distill.regressor:
+            return None
         return Regressors(self.student_cfg.d_model, self.teacher_cfg.d_model, len(self.pairs), rngs)
 
     def teacher_layers(self, stage: Stage) -> tuple[int, ...]:
@@ -40,9 +48,10 @@ class _Aligning(LogitKD):
     def alignment(self, out, aux, batch, teacher):
         from hldstudy.losses import hidden_alignment_loss
 
+        regressors = list(aux.items) if aux is not None else [lambda h: h] * len(self.pairs)
         return hidden_alignment_loss([out.hidden[s] for s, _ in self.pairs],
                                      [teacher.hidden[t] for _, t in self.pairs],
-                                     list(aux.items), batch["mask"] > 0)
+                                     regressors, batch["mask"] > 0)
 
     def joint_loss(self, student, aux, batch, teacher):
         out = student(batch["tokens"], batch["positions"], batch["segment_ids"],
