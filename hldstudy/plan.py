@@ -44,12 +44,12 @@ Network bytes per step: hidden = `tokens * n_streamed * d_t * stream_bytes`
 logits = `tokens * V * stream_bytes`; the ratio is `V / (n_streamed * d_t)`.
 
 Step time: student-side FLOPs per step (3x forward, teacher-head rebuild,
-regressors, fused-loss recompute when chunked) over `D * tflops * mfu`
+regressors, fused-loss recompute when chunked, block recompute under remat) over `D * tflops * mfu`
 (defaults: 989 TFLOPS peak bf16, H100 SXM, at 40% MFU ~ 400 TFLOPS
 effective per device). `required_link_gbps` is the per-trainer-device
 inbound bandwidth that keeps the ring from emptying: hidden bytes per step
 / D / step time. The teacher side must also keep up: its forward over
-`teacher_devices` at the same MFU (`teacher_bound`).
+`teacher_devices` at the same MFU (`teacher_bound`, `teacher_devices_needed`).
 
 Verdicts: colocated "fits" / "out of memory"; disaggregated "out of memory"
 (either side over `hbm * usable`), else "network-bound" (link below the
@@ -402,10 +402,12 @@ def plan(p: PlanInputs) -> dict:
     recompute = 2.0 * tok * (s.d_model + t.d_model) * vocab if (
         p.loss == "fused" and p.fused_recompute) else 0.0
     regressors = 6.0 * tok * p.hidden_layers * s.d_model * t.d_model
+    remat_recompute = tok * (s.forward_flops_per_token(T, head=False)) if p.remat else 0.0
+    recompute += remat_recompute
     teacher_fwd = tok * t.forward_flops_per_token(T)
     eff = p.tflops * 1e12 * p.mfu
     flops = {"student_train": student_train, "teacher_head_rebuild": head_rebuild,
-             "fused_recompute": recompute, "regressors": regressors,
+             "recompute": recompute, "regressors": regressors,
              "teacher_forward": teacher_fwd}
     student_side_flops = student_train + head_rebuild + recompute + regressors
     # Colocated: the teacher body runs inside the step (its head is part of teacher_fwd).
@@ -451,7 +453,9 @@ def plan(p: PlanInputs) -> dict:
                           "step_time_s": max(disagg_time, teacher_time),
                           "student_step_time_s": disagg_time,
                           "teacher_step_time_s": teacher_time,
-                          "teacher_bound": teacher_time > disagg_time},
+                          "teacher_bound": teacher_time > disagg_time,
+                          "teacher_devices_needed": math.ceil(
+                              teacher_time * t_dev / disagg_time - 1e-9)},
         "network_bytes_per_step": net,
         "required_link_gbps": required,
         "required_link_gbps_if_logits": required_logits,
@@ -571,7 +575,8 @@ def format_markdown(r: dict) -> str:
     lines.append(f"| **total** | **{_gb(col['bytes_per_device'])}** | "
                  f"**{_gb(dis['bytes_per_device'])}** | **{_gb(dis['teacher_bytes_per_device'])}** |")
     lines.append(f"| verdict | {col['verdict']} | {dis['verdict']} | "
-                 f"{'teacher-bound' if dis['teacher_bound'] else 'keeps up'} |")
+                 f"{'teacher-bound' if dis['teacher_bound'] else 'keeps up'} "
+                 f"(needs {dis['teacher_devices_needed']} devices) |")
     lines.append(f"| step time (s) | {col['step_time_s']:.3f} | {dis['student_step_time_s']:.3f} | "
                  f"{dis['teacher_step_time_s']:.3f} |")
     net = r["network_bytes_per_step"]

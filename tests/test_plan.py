@@ -154,3 +154,13 @@ def test_predict_step_memory_teacher_layouts():
     assert col["argument_bytes"] > dis["argument_bytes"] > base["argument_bytes"]
     with pytest.raises(ConfigError):
         predict_step_memory(cfg, layout="colocated")
+
+
+def test_teacher_throughput():
+    r = plan(inputs())  # a 4B teacher forward costs more than training a 270M student
+    dis = r["disaggregated"]
+    assert dis["teacher_bound"] and dis["teacher_devices_needed"] > 8
+    assert dis["step_time_s"] == dis["teacher_step_time_s"]
+    more = plan(inputs(teacher_devices=dis["teacher_devices_needed"]))["disaggregated"]
+    assert not more["teacher_bound"]
+    assert more["teacher_step_time_s"] <= more["student_step_time_s"]
