@@ -49,7 +49,8 @@ regressors, fused-loss recompute when chunked, block recompute under remat) over
 effective per device). `required_link_gbps` is the per-trainer-device
 inbound bandwidth that keeps the ring from emptying: hidden bytes per step
 / D / step time. The teacher side must also keep up: its forward over
-`teacher_devices` at the same MFU (`teacher_bound`, `teacher_devices_needed`).
+`teacher_devices` at the same MFU (`teacher_bound`); `teacher_devices_needed`
+is the fewest teacher devices that both keep up and fit in memory.
 
 Verdicts: colocated "fits" / "out of memory"; disaggregated "out of memory"
 (either side over `hbm * usable`), else "network-bound" (link below the
@@ -385,15 +386,21 @@ def plan(p: PlanInputs) -> dict:
         "ring": ring_bytes(p.ring, tok_step_dev, n_streamed, t.d_model, sb),
         "logits_peak": logits,
     })
-    tok_teacher_dev = p.tokens_per_step / t_dev / p.grad_accum  # one forward's share
-    teacher_side = {
-        "teacher_weights": weights_bytes(t, tb, t_dev),
-        "teacher_fsdp_gather": fsdp_gather_bytes(t, tb, t_dev),
-        "teacher_activations": inference_activation_bytes(t, tok_teacher_dev, p.seq_len, cb,
-                                                          attention=p.attention,
-                                                          kept_layers=n_streamed),
-        "send_buffer": tok_teacher_dev * p.grad_accum * n_streamed * t.d_model * sb,
-    }
+    def teacher_side_terms(n_dev: int) -> dict[str, float]:
+        tok_t = p.tokens_per_step / n_dev / p.grad_accum  # one forward's share
+        return {
+            "teacher_weights": weights_bytes(t, tb, n_dev),
+            "teacher_fsdp_gather": fsdp_gather_bytes(t, tb, n_dev),
+            "teacher_activations": inference_activation_bytes(t, tok_t, p.seq_len, cb,
+                                                              attention=p.attention,
+                                                              kept_layers=n_streamed),
+            "send_buffer": tok_t * p.grad_accum * n_streamed * t.d_model * sb,
+        }
+
+    teacher_side = teacher_side_terms(t_dev)
+    # Fewest teacher devices whose memory fits (None if even 4096 do not).
+    teacher_devices_for_memory = next(
+        (n for n in range(1, 4097) if sum(teacher_side_terms(n).values()) <= limit), None)
 
     # FLOPs and step times.
     T, tok = p.seq_len, p.tokens_per_step
@@ -454,8 +461,12 @@ def plan(p: PlanInputs) -> dict:
                           "student_step_time_s": disagg_time,
                           "teacher_step_time_s": teacher_time,
                           "teacher_bound": teacher_time > disagg_time,
-                          "teacher_devices_needed": math.ceil(
-                              teacher_time * t_dev / disagg_time - 1e-9)},
+                          "teacher_devices_for_throughput": math.ceil(
+                              teacher_time * t_dev / disagg_time - 1e-9),
+                          "teacher_devices_for_memory": teacher_devices_for_memory,
+                          "teacher_devices_needed": max(
+                              math.ceil(teacher_time * t_dev / disagg_time - 1e-9),
+                              teacher_devices_for_memory or 10**9)},
         "network_bytes_per_step": net,
         "required_link_gbps": required,
         "required_link_gbps_if_logits": required_logits,

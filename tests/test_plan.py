@@ -164,3 +164,16 @@ def test_teacher_throughput():
     more = plan(inputs(teacher_devices=dis["teacher_devices_needed"]))["disaggregated"]
     assert not more["teacher_bound"]
     assert more["teacher_step_time_s"] <= more["student_step_time_s"]
+
+
+def test_teacher_devices_for_memory():
+    r = plan(inputs(teacher=plan_model("moe-35b-a3b"), student=plan_model("dense-9b"),
+                    tokens_per_step=131072, devices=4, remat=True))["disaggregated"]
+    # 34.5B bf16 weights (69 GB) do not fit one 80 GB device with its activations.
+    assert r["teacher_devices_for_memory"] >= 2
+    assert r["teacher_devices_needed"] == max(r["teacher_devices_for_memory"],
+                                              r["teacher_devices_for_throughput"])
+    n = r["teacher_devices_for_memory"]
+    side = plan(inputs(teacher=plan_model("moe-35b-a3b"), student=plan_model("dense-9b"),
+                       tokens_per_step=131072, devices=4, remat=True, teacher_devices=n))
+    assert side["disaggregated"]["teacher_bytes_per_device"] <= side["hbm_limit_bytes"]
