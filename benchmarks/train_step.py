@@ -12,7 +12,6 @@ benchmarks/results/train_step.json and .md.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import time
 from pathlib import Path

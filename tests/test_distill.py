@@ -8,7 +8,6 @@ import jax
 import pytest
 
 from hldstudy.config import Config, DataConfig, DistillConfig, TrainConfig
-from hldstudy.data import prepare_data
 from hldstudy.distill import make_strategy
 from hldstudy.errors import ConfigError
 from hldstudy.model import preset
@@ -45,9 +44,8 @@ def _student(method, teacher_dir, steps=6, **distill):
 
 
 def _losses(workdir):
-    return {json.loads(l)["step"]: json.loads(l)["loss"]
-            for l in (Path(workdir) / "metrics.jsonl").read_text().splitlines()
-            if "loss" in json.loads(l)}
+    records = [json.loads(line) for line in (Path(workdir) / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in records if "loss" in r}
 
 
 @pytest.mark.parametrize("method", ["kd", "hldc", "patient"])
@@ -75,7 +73,7 @@ def test_hldf_stage_boundary_is_resumable_bitwise(tmp_path, teacher_dir):
     Trainer(cfg, tmp_path / "split", devices=jax.devices()[:1]).run()
     a, b = _losses(tmp_path / "full"), _losses(tmp_path / "split")
     assert sorted(a) == list(range(1, 11)) and a == b
-    stages = [json.loads(l).get("stage") for l in
+    stages = [json.loads(line).get("stage") for line in
               (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()]
     assert stages[:4] == ["stage1"] * 4 and stages[4] == "stage2"
 
@@ -120,8 +118,8 @@ def test_vocabulary_mismatch_is_refused(teacher_dir):
 
 
 def test_tokenizer_mismatch_is_refused(tmp_path, teacher_dir):
-    from hldstudy.data.tokenizer import train_tokenizer
     from hldstudy.data.synthetic import generate_documents
+    from hldstudy.data.tokenizer import train_tokenizer
 
     other = train_tokenizer(generate_documents(300, seed=7)[::-1], VOCAB, tmp_path / "other")
     cfg = _student("kd", teacher_dir)

@@ -146,5 +146,5 @@ def test_remat_gives_same_gradients():
         return nnx.grad(lambda m: jnp.mean(m(tokens).logits ** 2))(model)
 
     a, b = grads(False), grads(True)
-    for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
+    for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b), strict=True):
         np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)

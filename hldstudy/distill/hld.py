@@ -10,7 +10,7 @@ from __future__ import annotations
 from flax import nnx
 
 from hldstudy.config import Config, ModelConfig
-from hldstudy.distill.base import Stage, Strategy
+from hldstudy.distill.base import Stage
 from hldstudy.distill.kd import LogitKD
 from hldstudy.distill.pairs import resolve_layer_pairs
 from hldstudy.errors import ConfigError

@@ -10,7 +10,7 @@ The head is tied: `logits = final_hidden @ head_weight()` with
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp

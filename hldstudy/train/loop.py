@@ -22,7 +22,7 @@ from flax import nnx
 
 from hldstudy.config import Config, config_to_dict, read_config, save_config, validate
 from hldstudy.distill import Stage, make_strategy
-from hldstudy.errors import ConfigError, InputError
+from hldstudy.errors import ConfigError
 from hldstudy.model import Transformer
 from hldstudy.train import mesh as mesh_lib
 from hldstudy.train.checkpoint import Checkpointer, abstract_like
@@ -126,7 +126,6 @@ class Trainer:
     def __init__(self, cfg: Config, workdir: str | Path, *, teacher=None, data=None,
                  devices=None):
         from hldstudy.flops import step_flops
-
         from hldstudy.teacher import with_teacher_tokenizer
 
         cfg = validate(with_teacher_tokenizer(cfg))

@@ -13,7 +13,8 @@ import os
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from hldstudy.config import TrainConfig
 from hldstudy.errors import ConfigError

@@ -10,8 +10,9 @@ compiled step; remote, the streamed `TeacherOutputs` are passed straight in
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
