@@ -541,6 +541,8 @@ def load_hf(path: str | Path, **overrides) -> tuple[ModelConfig, nnx.State, Any]
     tensors: dict[str, np.ndarray] = {}
     for f in _hf_files(path):
         for name, arr in read_safetensors(f).items():
+            if name == "language_model.lm_head.weight":  # older multimodal checkpoints
+                name = "lm_head.weight"
             for prefix in _HF_PREFIXES:
                 if name.startswith(prefix):
                     name = "model." + name[len(prefix):]
