@@ -240,6 +240,8 @@ class Trainer:
         finally:
             logger.close()
             self.ckpt.close()
+            if hasattr(self.teacher, "close"):  # a remote teacher's streams
+                self.teacher.close()
         return result
 
     def _run_stage(self, plan, graphdefs, optimizer, state, shardings, logger, stop, flops_spent):
@@ -247,6 +249,8 @@ class Trainer:
         end = plan.start + plan.steps
         step = int(state["step"])
         teacher_forward, teacher_in = self._teacher_args(plan)
+        if hasattr(teacher_in, "begin"):  # a remote teacher streams steps [step, end)
+            teacher_in.begin(step, end, self.workdir)
         train_step = jax.jit(
             make_train_step(self.strategy, plan.stage, graphdefs, optimizer, teacher_forward),
             out_shardings=(shardings, None), donate_argnums=(0,))
@@ -270,7 +274,8 @@ class Trainer:
                 dt = time.perf_counter() - t_last
                 record = {"step": step, "stage": plan.stage.name, **metrics,
                           "tokens_per_s": steps_since * tokens_per_step / max(dt, 1e-9),
-                          "flops_spent": flops_spent}
+                          "flops_spent": flops_spent,
+                          **(teacher_in.metrics() if hasattr(teacher_in, "metrics") else {})}
                 if not math.isfinite(metrics["loss"]):
                     raise FloatingPointError(f"loss became {metrics['loss']} at step {step}; "
                                              "lower train.lr or check the data")

@@ -1,0 +1,456 @@
+"""The trainer side of a disaggregated teacher: `teacher.checkpoint=remote://h:p[,h:p...]`.
+
+`RemoteTeacher.connect(cfg)` handshakes with every replica (`Info`): all must
+serve the same checkpoint (parameter fingerprint; optionally pinned with
+`remote://...?fingerprint=<hex>`), in `teacher.dtype`, for the student's data
+(sequence length, batch size, seed, stream fingerprint), with the student's
+tokenizer and every layer the method needs; anything else is refused with a
+ConfigError naming teacher.checkpoint. Only the teacher's embedding (its tied
+head) is fetched, and only for stages that need the head: the trainer never
+holds the teacher's blocks.
+
+Per stage, `step_inputs` returns `(teacher_forward, feeder)`: the loop calls
+`feeder(step, batch)` every step and gets the step's streamed hidden states
+from a `PrefetchRing`; `teacher_forward` turns them plus the embedding into
+`TeacherOutputs` inside the student's jitted step (the head is `E^T`, built
+the same way the colocated teacher builds it, so the losses match bitwise
+when the dtypes match). Each consumed step is appended to
+`<workdir>/teacher_steps.log` (`{"step", "replica", "stall_s"}`), truncated
+to the resume step when a run resumes, so the log holds each trained step once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import queue
+import threading
+import time
+from pathlib import Path
+from urllib.parse import parse_qs
+
+import numpy as np
+
+from hldstudy.config import Config, ModelConfig, config_from_dict
+from hldstudy.distill.base import Stage, Strategy, TeacherOutputs
+from hldstudy.errors import ConfigError
+from hldstudy.teacher import protocol as proto
+from hldstudy.teacher.ring import PrefetchRing
+
+log = logging.getLogger(__name__)
+FIELD = "teacher.checkpoint"
+STEPS_LOG = "teacher_steps.log"
+
+
+def parse_spec(spec: str) -> tuple[list[str], dict]:
+    """`remote://h:p,h:p?fingerprint=abc` -> (["h:p", "h:p"], {"fingerprint": "abc"})."""
+    if not spec.startswith("remote://"):
+        raise ConfigError(FIELD, f"{spec!r} is not a remote:// address")
+    rest = spec[len("remote://"):]
+    rest, _, query = rest.partition("?")
+    addrs = [a.strip() for a in rest.split(",") if a.strip()]
+    if not addrs or any(":" not in a for a in addrs):
+        raise ConfigError(FIELD, f"{spec!r} has no host:port list",
+                          "write remote://host:port[,host:port...]")
+    opts = {k: v[-1] for k, v in parse_qs(query).items()}
+    return addrs, opts
+
+
+class ReplicaDown(ConnectionError):
+    pass
+
+
+class GrpcSession:
+    """One bidirectional `Stream` call: requests are credits, answers are step frames."""
+
+    def __init__(self, channel, open_spec: dict, on_result, on_error):
+        self._q: queue.Queue = queue.Queue()
+        self._q.put(proto.encode({"open": open_spec}))
+        self._closed = False
+        self._on_result, self._on_error = on_result, on_error
+
+        def requests():
+            while True:
+                item = self._q.get()
+                if item is None:
+                    return
+                yield item
+
+        self._call = channel.stream_stream(proto.method(proto.STREAM))(requests())
+        self._thread = threading.Thread(target=self._receive, daemon=True, name="teacher-recv")
+        self._thread.start()
+
+    def _receive(self):
+        import grpc
+
+        assembler = proto.StepAssembler()
+        try:
+            for frame in self._call:
+                header, payload = proto.decode(frame)
+                done = assembler.add(header, payload)
+                if done is not None:
+                    self._on_result(*done)
+            if not self._closed:
+                self._on_error(ReplicaDown("the replica ended its stream"))
+        except grpc.RpcError as e:
+            if self._closed:
+                return
+            if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                self._on_error(ConfigError(FIELD, e.details()))
+            else:
+                self._on_error(ReplicaDown(f"{e.code().name}: {e.details()}"))
+        except Exception as e:  # noqa: BLE001
+            if not self._closed:
+                self._on_error(e)
+
+    def request(self, step: int) -> None:
+        self._q.put(proto.encode({"step": int(step)}))
+
+    def close(self) -> None:
+        self._closed = True
+        self._q.put(None)
+        self._call.cancel()
+
+
+class GrpcLink:
+    """One replica address: handshake (`Info`), head, stream sessions, stats."""
+
+    def __init__(self, address: str, *, check=None, open_spec: dict | None = None,
+                 timeout_s: float = 10.0):
+        self.name = address
+        self.address = address
+        self.check = check  # info -> None, raises ConfigError on a mismatch
+        self.open_spec = open_spec or {}
+        self.timeout_s = timeout_s
+        self._channel = None
+
+    def _new_channel(self):
+        import grpc
+
+        if self._channel is not None:
+            self._channel.close()
+        self._channel = grpc.insecure_channel(self.address, options=proto.CHANNEL_OPTIONS + [
+            ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 500)])
+        return self._channel
+
+    def info(self) -> dict:
+        import grpc
+
+        channel = self._new_channel()
+        try:
+            reply = channel.unary_unary(proto.method(proto.INFO))(b"", timeout=self.timeout_s)
+        except grpc.RpcError as e:
+            raise ReplicaDown(f"{self.address}: {e.code().name}") from None
+        return proto.decode(reply)[0]
+
+    def connect(self) -> None:
+        info = self.info()
+        if self.check is not None:
+            self.check(self.address, info)
+
+    def open(self, on_result, on_error) -> GrpcSession:
+        if self._channel is None:
+            self._new_channel()
+        return GrpcSession(self._channel, self.open_spec, on_result, on_error)
+
+    def head(self) -> np.ndarray:
+        chunks, header = [], None
+        for frame in self._channel.unary_stream(proto.method(proto.HEAD))(b""):
+            header, payload = proto.decode(frame)
+            chunks.append(bytes(payload))
+        arr = np.frombuffer(b"".join(chunks), dtype=proto.np_dtype(header["dtype"]))
+        return arr.reshape(header["shape"])
+
+    def stats(self) -> dict:
+        import grpc
+
+        channel = grpc.insecure_channel(self.address)
+        try:
+            return proto.decode(channel.unary_unary(proto.method(proto.STATS))(
+                b"", timeout=self.timeout_s))[0]
+        finally:
+            channel.close()
+
+
+class RemoteFeeder:
+    """`feeder(step, batch) -> dict` for the trainer loop, over one stage's ring."""
+
+    def __init__(self, teacher: "RemoteTeacher", final: bool, layers: tuple[int, ...], mesh,
+                 embedding):
+        self.teacher, self.final, self.layers, self.mesh = teacher, final, layers, mesh
+        self.embedding = embedding
+        self.ring: PrefetchRing | None = None
+        self.workdir: Path | None = None
+        self._log = None
+        self.stall_s = 0.0
+        self._stall_since_metrics = 0.0
+        self.consumed: list[int] = []
+
+    def begin(self, start: int, end: int, workdir: str | Path | None = None) -> None:
+        """Opens the streams for steps [start, end) (the loop calls it when a stage starts)."""
+        self.close()
+        t = self.teacher
+        if workdir is not None:
+            self.workdir = Path(workdir)
+            t.check_run_record(self.workdir)
+            path = self.workdir / STEPS_LOG
+            kept = []
+            if path.exists():  # a resumed run retrains from `start`: keep each step once
+                kept = [l for l in path.read_text().splitlines()
+                        if l.strip() and json.loads(l)["step"] < start]
+            path.write_text("".join(l + "\n" for l in kept))
+            self._log = open(path, "a")
+        open_spec = {"final": self.final, "layers": list(self.layers), "dtype": t.dtype,
+                     "fingerprint": t.fingerprint}
+        links = [GrpcLink(a, check=t.check_info, open_spec=open_spec,
+                          timeout_s=min(t.timeout_s, 10.0)) for a in t.addresses]
+        connected = []
+        for link in links:
+            try:
+                link.connect()
+                connected.append(True)
+            except ConnectionError:
+                connected.append(False)
+        if not any(connected):
+            raise ConfigError(FIELD, f"no teacher replica answers at {', '.join(t.addresses)}",
+                              "start them with python -m hldstudy.teacher.serve")
+        self.ring = PrefetchRing(links, start=start, end=end, ring_size=t.ring_size,
+                                 timeout_s=t.timeout_s, transform=self._place,
+                                 connected=connected, rejoin_s=t.rejoin_s)
+
+    def _place(self, tensors: dict):
+        """Host arrays -> device arrays sharded like the batch (runs on the receiver thread)."""
+        import jax
+
+        from hldstudy.train import mesh as mesh_lib
+
+        sharding = mesh_lib.batch_sharding(self.mesh) if self.mesh is not None else None
+
+        def put(a):
+            return jax.device_put(a, sharding) if sharding is not None else jax.device_put(a)
+
+        return {"final": put(tensors["final"]) if self.final else None,
+                "hidden": {i: put(tensors[f"layer:{i}"]) for i in self.layers}}
+
+    def __call__(self, step: int, batch: dict):
+        if self.ring is None:
+            raise RuntimeError("RemoteFeeder.begin(start, end) was not called")
+        got = self.ring.get(step)
+        tokens = batch.get("tokens") if isinstance(batch, dict) else None
+        if tokens is not None and getattr(tokens, "is_fully_addressable", True):
+            digest = proto.batch_digest(np.asarray(tokens), np.asarray(batch["segment_ids"]))
+            if digest != got.digest:
+                raise ConfigError(
+                    FIELD, f"replica {self.teacher.addresses[got.replica]} computed step {step} "
+                    "on a different batch than the trainer's",
+                    "start the replicas with the student's config (--config) and data")
+        self.stall_s += got.stall_s
+        self._stall_since_metrics += got.stall_s
+        self.consumed.append(step)
+        if self._log is not None:
+            self._log.write(json.dumps({"step": step, "replica": got.replica,
+                                        "stall_s": round(got.stall_s, 6)}) + "\n")
+            self._log.flush()
+        return {**got.payload, "embedding": self.embedding}
+
+    def metrics(self) -> dict:
+        """Stall since the last call (for the trainer's metrics record)."""
+        out = {"teacher_stall_s": self._stall_since_metrics}
+        self._stall_since_metrics = 0.0
+        return out
+
+    def close(self) -> None:
+        if self.ring is not None:
+            self.ring.close()
+            self.ring = None
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+
+class RemoteTeacher:
+    """Same interface as ColocatedTeacher (model_cfg, check_tokenizer, step_inputs)."""
+
+    rejoin_s = 0.5
+
+    def __init__(self, cfg: Config, addresses: list[str], infos: dict[str, dict],
+                 expected_fingerprint: str | None = None):
+        self.cfg = cfg
+        self.addresses = addresses
+        self.source = cfg.teacher.checkpoint
+        self.dtype = cfg.teacher.dtype
+        self.ring_size = cfg.teacher.ring_size
+        self.timeout_s = cfg.teacher.timeout_s
+        first = next(iter(infos.values()))
+        self.reference = first
+        self.fingerprint = first["fingerprint"]
+        self.expected_fingerprint = expected_fingerprint
+        self.model_cfg: ModelConfig = config_from_dict(first["model"], ModelConfig)
+        self.tokenizer_info = first["tokenizer"]
+        self._embedding = None
+        self._feeders: list[RemoteFeeder] = []
+        for addr, info in infos.items():
+            self.check_info(addr, info)
+
+    # ------------------------------------------------------------ handshake
+
+    @classmethod
+    def connect(cls, cfg: Config) -> "RemoteTeacher":
+        addresses, opts = parse_spec(cfg.teacher.checkpoint)
+        infos, down = {}, []
+        for addr in addresses:
+            try:
+                infos[addr] = GrpcLink(addr, timeout_s=min(cfg.teacher.timeout_s, 10.0)).info()
+            except ReplicaDown:
+                down.append(addr)
+        if not infos:
+            raise ConfigError(FIELD, f"no teacher replica answers at {', '.join(addresses)}",
+                              "start them with python -m hldstudy.teacher.serve")
+        if down:
+            log.warning("teacher replicas %s are down; they join when they answer", down)
+        teacher = cls(cfg, addresses, infos, opts.get("fingerprint"))
+        teacher._check_layers()
+        return teacher
+
+    def check_info(self, address: str, info: dict) -> None:
+        """Raises ConfigError(teacher.checkpoint) when a replica serves something else."""
+        cfg, ref = self.cfg, self.reference
+        if info.get("protocol") != proto.PROTOCOL_VERSION:
+            raise ConfigError(FIELD, f"{address} speaks protocol {info.get('protocol')}, "
+                              f"this trainer {proto.PROTOCOL_VERSION}")
+        if self.expected_fingerprint and not info["fingerprint"].startswith(
+                self.expected_fingerprint):
+            raise ConfigError(FIELD, f"{address} serves checkpoint {info['fingerprint']} "
+                              f"({info['checkpoint']}), not {self.expected_fingerprint}",
+                              "start the replica with the right --checkpoint")
+        if info["fingerprint"] != ref["fingerprint"] or info["model"] != ref["model"]:
+            raise ConfigError(FIELD, f"{address} serves checkpoint {info['fingerprint']} "
+                              f"({info['checkpoint']}), other replicas serve {ref['fingerprint']} "
+                              f"({ref['checkpoint']})", "every replica must serve one checkpoint")
+        if info["dtype"] != cfg.teacher.dtype:
+            raise ConfigError(FIELD, f"{address} computes in {info['dtype']}, the run asks for "
+                              f"teacher.dtype={cfg.teacher.dtype}",
+                              "restart the replica with --dtype or change teacher.dtype")
+        if info["tokenizer"] != ref["tokenizer"]:
+            raise ConfigError(FIELD, f"{address} uses tokenizer {info['tokenizer']}, other "
+                              f"replicas {ref['tokenizer']}")
+        data = info["data"]
+        for key in ("seq_len", "batch_size", "seed"):
+            mine = getattr(cfg.data, key)
+            if data.get(key) != mine:
+                raise ConfigError(FIELD, f"{address} serves data.{key}={data.get(key)}, the run "
+                                  f"has data.{key}={mine}",
+                                  "start the replica with the student's --config")
+        mine = {k: v for k, v in data.items() if k != "stream_fingerprint"}
+        from hldstudy.teacher.serve import data_identity
+
+        expected = data_identity(cfg.data, None)
+        if mine != expected:
+            diff = sorted(k for k in expected if expected[k] != mine.get(k))
+            raise ConfigError(FIELD, f"{address} reproduces a different batch sequence "
+                              f"(data.{', data.'.join(diff)} differ)",
+                              "start the replica with the student's --config")
+        if data.get("stream_fingerprint") != ref["data"].get("stream_fingerprint"):
+            raise ConfigError(FIELD, f"{address} packs a different corpus than other replicas")
+        if (info["final"], info["layers"]) != (ref["final"], ref["layers"]):
+            raise ConfigError(FIELD, f"{address} serves layers "
+                              f"{_fmt(info['final'], info['layers'])}, other replicas "
+                              f"{_fmt(ref['final'], ref['layers'])}")
+
+    def _check_layers(self) -> None:
+        from hldstudy.teacher.serve import needed_layers
+
+        final, layers = needed_layers(self.cfg, self.model_cfg)
+        ref = self.reference
+        if (final and not ref["final"]) or not set(layers) <= set(ref["layers"]):
+            raise ConfigError(FIELD, f"the replicas serve layers {_fmt(ref['final'], ref['layers'])}"
+                              f", {self.cfg.distill.method} needs {_fmt(final, layers)}",
+                              f"restart them with --layers {_fmt(final, layers)}")
+
+    def check_tokenizer(self, student_tokenizer) -> None:
+        tok = self.tokenizer_info
+        if tok["vocab_size"] != student_tokenizer.vocab_size or \
+                tok["fingerprint"] != student_tokenizer.fingerprint():
+            raise ConfigError(
+                FIELD, f"the teacher replicas tokenize with a different tokenizer "
+                f"({tok['vocab_size']} pieces) than the student ({student_tokenizer.vocab_size})",
+                "set data.tokenizer to the teacher's tokenizer file")
+
+    def check_run_record(self, workdir: Path) -> None:
+        """A resumed run must keep its teacher: records the fingerprint, refuses another."""
+        path = workdir / "teacher_remote.json"
+        if path.exists():
+            old = json.loads(path.read_text())
+            if old.get("fingerprint") != self.fingerprint:
+                raise ConfigError(FIELD, f"{workdir} was trained with teacher "
+                                  f"{old.get('fingerprint')} ({old.get('checkpoint')}), the "
+                                  f"replicas serve {self.fingerprint}",
+                                  "serve the original checkpoint or use a new --workdir")
+            return
+        path.write_text(json.dumps({"fingerprint": self.fingerprint,
+                                    "checkpoint": self.reference["checkpoint"],
+                                    "model": self.reference["model"]}, indent=2) + "\n")
+
+    # --------------------------------------------------------------- stages
+
+    def embedding(self):
+        """The teacher's tied embedding `[V, D]` in the stream dtype (fetched once)."""
+        if self._embedding is None:
+            for addr in self.addresses:
+                link = GrpcLink(addr, timeout_s=min(self.timeout_s, 10.0))
+                try:
+                    info = link.info()
+                    self.check_info(addr, info)
+                    self._embedding = link.head()
+                    break
+                except ConnectionError:
+                    continue
+            else:
+                raise ConfigError(FIELD, "no replica answers to send the teacher's head")
+        return self._embedding
+
+    def step_inputs(self, strategy: Strategy, stage: Stage, mesh):
+        import jax
+
+        from hldstudy.train import mesh as mesh_lib
+
+        layers = tuple(sorted(strategy.teacher_layers(stage)))
+        needs_head = bool(strategy.teacher_needs_head(stage))
+        for layer in layers:
+            if not 1 <= layer <= self.model_cfg.n_layers:
+                raise ConfigError("distill.layer_pairs",
+                                  f"teacher layer {layer} is out of range 1..{self.model_cfg.n_layers}")
+        embedding = None
+        if needs_head:
+            emb = self.embedding()
+            embedding = jax.device_put(emb, mesh_lib.tree_shardings(mesh, emb)) \
+                if mesh is not None else jax.device_put(emb)
+        self.close()
+        feeder = RemoteFeeder(self, needs_head, layers, mesh, embedding)
+        self._feeders.append(feeder)
+
+        def teacher_forward(t_in, batch) -> TeacherOutputs:
+            # Same head as ColocatedTeacher (`model.head_weight()` = E^T, in the teacher dtype).
+            return TeacherOutputs(final_hidden=t_in["final"], hidden=t_in["hidden"],
+                                  head_weight=t_in["embedding"].T if needs_head else None)
+
+        return teacher_forward, feeder
+
+    def close(self) -> None:
+        for f in self._feeders:
+            f.close()
+        self._feeders = []
+
+    def replica_stats(self) -> dict[str, dict]:
+        out = {}
+        for addr in self.addresses:
+            try:
+                out[addr] = GrpcLink(addr, timeout_s=5.0).stats()
+            except Exception:  # noqa: BLE001
+                out[addr] = None
+        return out
+
+
+def _fmt(final: bool, layers) -> str:
+    return ",".join((["final"] if final else []) + [str(i) for i in sorted(layers)]) or "(none)"
