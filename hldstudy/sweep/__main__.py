@@ -1,0 +1,190 @@
+"""`python -m hldstudy.sweep SWEEP.py [--executor local|slurm|wandb] [--parallel N] [--dry-run]
+[--json] [--workdir DIR] [--set key=value ...] [--force]`.
+
+Expands the sweep file's grid into runs (one directory each under WORKDIR,
+default runs/<sweep name>), writes WORKDIR/sweep.json listing every expected
+run, trains the runs that are not finished (resuming interrupted ones from
+their checkpoints), evaluates each (`eval` in its results.json), and prints
+the analysis command. `--dry-run` lists the runs with the steps and FLOPs
+each gets (`--json`: one JSON object per run). A run directory whose
+config.json no longer matches what the grid asks for is refused (the message
+names the field) unless --force, which moves it to WORKDIR/.sweep/stale/ and
+reruns it.
+
+    python -m hldstudy.sweep sweeps/cpu.py --dry-run
+    python -m hldstudy.sweep sweeps/cpu.py --parallel 2 --set teacher.checkpoint=runs/quickstart/teacher
+    python -m hldstudy.sweep sweeps/c4_123m.py --executor slurm --parallel 16 \
+        --slurm slurm_partition=gpu --slurm gpus_per_node=8 --set data.path=/data/tfds
+    python -m hldstudy.sweep sweeps/cpu.py --executor wandb
+    python -m hldstudy.analysis runs/cpu --out runs/cpu/report
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from hldstudy.errors import InputError, user_errors
+
+PROG = "python -m hldstudy.sweep"
+log = logging.getLogger("hldstudy.sweep")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    from hldstudy.sweep.executors import EXECUTORS
+
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n\n", 1)[1])
+    p.add_argument("sweep", metavar="SWEEP", help="sweep file (sweeps/<name>.py) with get_sweep()")
+    p.add_argument("--executor", default="local", choices=EXECUTORS)
+    p.add_argument("--parallel", type=int, default=1,
+                   help="local: worker processes; slurm: jobs; wandb: agent processes")
+    p.add_argument("--dry-run", action="store_true", help="list the runs, train nothing")
+    p.add_argument("--json", action="store_true", help="with --dry-run: print a JSON list")
+    p.add_argument("--workdir", default=None, help="runs directory (default runs/<sweep name>)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a field of every run's config (e.g. teacher.checkpoint=DIR)")
+    p.add_argument("--force", action="store_true",
+                   help="move run directories whose config no longer matches the grid aside "
+                        "(WORKDIR/.sweep/stale/) and rerun them")
+    p.add_argument("--run-id", "--run_id", dest="run_id", default=None,
+                   help="run only this run of the grid (what a W&B agent calls)")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--cluster", default=None, choices=("slurm", "local", "debug"),
+                   help="slurm executor: submitit cluster (default: slurm when available)")
+    p.add_argument("--slurm", dest="slurm_params", action="append", default=[],
+                   metavar="KEY=VALUE",
+                   help="submitit parameter, e.g. slurm_partition=gpu, gpus_per_node=8, "
+                        "timeout_min=1440")
+    p.add_argument("--wait", action=argparse.BooleanOptionalAction, default=None,
+                   help="slurm: wait for the jobs (default: only for --cluster local/debug)")
+    p.add_argument("--sweep-id", default=None, help="wandb: join this existing W&B sweep")
+    p.add_argument("--count", type=int, default=None, help="wandb: runs this agent executes")
+    p.add_argument("--debug", action="store_true", help="show tracebacks")
+    args = p.parse_args(argv)
+    if args.parallel < 1:
+        p.error(f"--parallel must be >= 1, got {args.parallel}")
+    if args.json and not args.dry_run:
+        p.error("--json goes with --dry-run")
+    return args
+
+
+def _parse_params(items: list[str]) -> dict:
+    out = {}
+    for item in items:
+        if "=" not in item:
+            raise InputError(f"--slurm {item!r}: expected KEY=VALUE")
+        k, v = item.split("=", 1)
+        try:
+            out[k.strip()] = json.loads(v)
+        except json.JSONDecodeError:
+            out[k.strip()] = v
+    return out
+
+
+def _fmt_table(runs, statuses) -> str:
+    rows = [("run_id", "method", "steps", "FLOPs", "status")]
+    for r in runs:
+        steps = r.steps if len(r.stage_steps) == 1 else \
+            f"{r.steps} ({'+'.join(str(v) for v in r.stage_steps.values())})"
+        rows.append((r.run_id, r.method, str(steps), f"{r.flops:.4e}", statuses[r.run_id]))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
+                     for row in rows)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.debug else logging.WARNING,
+                        format="%(name)s: %(levelname)s: %(message)s", stream=sys.stderr)
+    from hldstudy.cli_common import quiet_libraries
+
+    quiet_libraries()
+    with user_errors(debug=args.debug, prog=PROG):
+        return _main(args)
+
+
+def _main(args) -> int:
+    from hldstudy.sweep import executors
+    from hldstudy.sweep.launch import prepare_workdir
+    from hldstudy.sweep.spec import config_drift, expand, load_sweep, run_status
+
+    sweep_file = Path(args.sweep)
+    sweep = load_sweep(sweep_file)
+    warnings: list[str] = []
+    runs = expand(sweep, args.overrides, check_paths=not args.dry_run, warnings=warnings)
+    for w in warnings:
+        print(f"{PROG}: warning: {w}", file=sys.stderr)
+    workdir = Path(args.workdir or Path("runs") / sweep.name)
+    selected = runs
+    if args.run_id is not None:
+        selected = [r for r in runs if r.run_id == args.run_id]
+        if not selected:
+            raise InputError(f"--run-id {args.run_id!r} is not a run of {sweep.name} "
+                             f"(e.g. {', '.join(r.run_id for r in runs[:3])})")
+
+    if args.dry_run:
+        statuses = {}
+        for r in selected:
+            drift = config_drift(r, workdir / r.run_id)
+            statuses[r.run_id] = (f"stale ({drift[0][0]})" if drift else
+                                  run_status(r, workdir / r.run_id, sweep.eval_tasks))
+        if args.json:
+            print(json.dumps([{**r.entry(), "status": statuses[r.run_id]} for r in selected],
+                             indent=1))
+        else:
+            budget = runs[0].config.budget
+            print(f"sweep {sweep.name}: {len(selected)} run(s), budget {budget.flops:.4e} FLOPs "
+                  f"each (teacher forward {'counted' if budget.count_teacher else 'not counted'})"
+                  f", workdir {workdir}")
+            if sweep.launch:
+                print(f"launch: {sweep.launch}")
+            print(_fmt_table(selected, statuses))
+        return 0
+
+    prepare_workdir(sweep, runs, selected, workdir, sweep_file=sweep_file,
+                    overrides=args.overrides, force=args.force)
+
+    progress = not args.no_progress
+    if args.executor == "local":
+        out = executors.run_local(selected, sweep, workdir, parallel=args.parallel,
+                                  progress=progress)
+    elif args.executor == "slurm":
+        out = executors.run_slurm(selected, sweep, workdir, parallel=args.parallel,
+                                  cluster=args.cluster, params=_parse_params(args.slurm_params),
+                                  wait=args.wait, progress=progress)
+    else:
+        out = executors.run_wandb(selected, sweep, workdir, sweep_file=sweep_file,
+                                  overrides=args.overrides, sweep_id=args.sweep_id,
+                                  count=args.count)
+    (workdir / ".sweep").mkdir(exist_ok=True)
+    (workdir / ".sweep" / "last_launch.json").write_text(json.dumps(out.as_dict(), indent=2) + "\n")
+    print_summary(out, workdir, len(selected))
+    return out.exit_code
+
+
+def print_summary(out, workdir: Path, n: int) -> None:
+    parts = [f"{len(out.done)} trained", f"{len(out.skipped)} already done"]
+    if out.failed:
+        parts.append(f"{len(out.failed)} failed")
+    if out.interrupted:
+        parts.append(f"{len(out.interrupted)} interrupted (checkpointed)")
+    print(f"sweep: {n} run(s): " + ", ".join(parts), file=sys.stderr)
+    for rid, msg in out.failed.items():
+        print(f"  failed {rid}: {msg}", file=sys.stderr)
+    if out.no_eval:
+        print(f"  {len(out.no_eval)} run(s) trained but not evaluated (hldstudy.eval missing); "
+              "rerun the sweep to evaluate them", file=sys.stderr)
+    if out.signum is not None:
+        print("  stopped by a signal; rerun the same command to resume", file=sys.stderr)
+    elif not out.failed:
+        print(f"next: python -m hldstudy.analysis {workdir} --out {workdir}/report",
+              file=sys.stderr)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,543 @@
+"""Executors: where the runs of a sweep execute.
+
+- ``local``: N worker processes on this machine (``--parallel N``; N = 1 runs in
+  this process). Each worker keeps its teacher and data between runs. Finished
+  runs are skipped, interrupted ones resume from their checkpoint; one overall
+  progress bar counts the steps of every run. SIGINT / SIGTERM stop every
+  worker at its next step (each saves a checkpoint) and exit 130 / 143.
+- ``slurm``: submitit jobs (``--parallel N`` jobs, each a worker running its
+  share of the runs one after another); ``--cluster local|debug`` runs them
+  through submitit's local / debug executors (tests). Preempted or timed-out
+  jobs are requeued (``checkpoint()``) and resume where their checkpoints are.
+- ``wandb``: a W&B grid sweep over the run ids (so W&B never creates a run the
+  grid does not have) and an in-process agent (``wandb.agent(function=...)``:
+  runs execute in this process, one teacher load). Writes
+  ``WORKDIR/wandb_sweep.yaml`` always; starting the sweep and the agent needs a
+  W&B server (online mode) - offline, it says how to start them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hldstudy.errors import InputError
+from hldstudy.sweep.spec import Run, Sweep, run_status, steps_done
+
+log = logging.getLogger("hldstudy.sweep")
+
+EXECUTORS = ("local", "slurm", "wandb")
+INTERNAL = ".sweep"
+
+
+@dataclass
+class Outcome:
+    done: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+    failed: dict[str, str] = field(default_factory=dict)
+    interrupted: list[str] = field(default_factory=list)
+    no_eval: list[str] = field(default_factory=list)
+    signum: int | None = None
+    teacher_loads: int = 0
+
+    @property
+    def exit_code(self) -> int:
+        if self.signum is not None:
+            return 128 + self.signum
+        return 1 if self.failed else 0
+
+    def as_dict(self) -> dict:
+        return {"done": self.done, "skipped": self.skipped, "failed": self.failed,
+                "interrupted": self.interrupted, "no_eval": self.no_eval,
+                "signal": self.signum, "teacher_loads": self.teacher_loads}
+
+
+def worker_kwargs(sweep: Sweep, workdir: Path) -> dict:
+    return {"workdir": str(workdir), "sweep_name": sweep.name, "eval_tasks": sweep.eval_tasks,
+            "eval_limit": sweep.eval_limit, "eval_batch_size": sweep.eval_batch_size,
+            "eval_offline_data": sweep.eval_offline_data}
+
+
+# --------------------------------------------------------------------------- #
+# Progress
+# --------------------------------------------------------------------------- #
+
+
+class Progress:
+    """One overall display: steps of every run (read from their metrics.jsonl)."""
+
+    def __init__(self, runs: list[Run], workdir: Path, enabled: bool = True):
+        self.runs = {r.run_id: r for r in runs}
+        self.workdir = workdir
+        self.total = sum(r.steps for r in runs)
+        self.finished: set[str] = set()
+        self.running: set[str] = set()
+        self.failed: set[str] = set()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._bar = None
+        self.enabled = enabled
+        self.tty = enabled and sys.stderr.isatty()
+        if self.tty:
+            from tqdm.auto import tqdm
+
+            self._bar = tqdm(total=self.total, unit="step", desc="sweep", dynamic_ncols=True)
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+
+    def __enter__(self):
+        self._refresh()
+        if self._bar is not None:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+        self._refresh()
+        if self._bar is not None:
+            self._bar.close()
+
+    def _steps(self) -> int:
+        n = 0
+        for rid, r in self.runs.items():
+            if rid in self.finished:
+                n += r.steps
+            else:
+                n += min(r.steps, steps_done(self.workdir / rid))
+        return n
+
+    def _refresh(self) -> None:
+        if self._bar is None:
+            return
+        with self._lock:
+            self._bar.n = self._steps()
+            self._bar.set_postfix_str(
+                f"runs {len(self.finished)}/{len(self.runs)} done, {len(self.running)} running"
+                + (f", {len(self.failed)} failed" if self.failed else ""), refresh=False)
+            self._bar.refresh()
+
+    def _poll(self) -> None:
+        while not self._stop.wait(1.0):
+            self._refresh()
+
+    def event(self, kind: str, run_id: str, detail: str = "") -> None:
+        with self._lock:
+            if kind == "start":
+                self.running.add(run_id)
+            else:
+                self.running.discard(run_id)
+            if kind in ("done", "skipped"):
+                self.finished.add(run_id)
+            if kind == "failed":
+                self.failed.add(run_id)
+        if self.enabled and kind != "start":
+            msg = f"[{len(self.finished)}/{len(self.runs)}] {run_id}: {kind}" + (
+                f" ({detail})" if detail else "")
+            if self._bar is not None:
+                self._bar.write(msg, file=sys.stderr)
+            else:
+                print(msg, file=sys.stderr, flush=True)
+        self._refresh()
+
+
+def _detail(res: dict) -> str:
+    parts = []
+    if res.get("valid_ppl") is not None:
+        parts.append(f"ppl {res['valid_ppl']:.3f}")
+    for task, m in (res.get("eval") or {}).items():
+        k = "acc" if "acc" in m else next((k for k in m if not k.endswith("_stderr")), None)
+        if k is not None:
+            parts.append(f"{task}/{k} {m[k]:.3g}")
+    return ", ".join(parts)
+
+
+# --------------------------------------------------------------------------- #
+# Running a list of runs in one worker (this process, a subprocess, a SLURM job)
+# --------------------------------------------------------------------------- #
+
+
+class _Stop:
+    """SIGINT / SIGTERM between runs: finish the current step of work, start nothing new.
+    (During training the Trainer's own handler takes over and checkpoints.)"""
+
+    def __init__(self):
+        self.signum = None
+        self._old = {}
+
+    def __enter__(self):
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                self._old[sig] = signal.signal(sig, self._handle)
+            except ValueError:
+                pass
+        return self
+
+    def _handle(self, signum, frame):
+        self.signum = signum
+
+    def __exit__(self, *exc):
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+
+def run_many(runs: list[Run], kwargs: dict, report=None, stop: _Stop | None = None,
+             worker=None) -> Outcome:
+    """Runs `runs` one after another in this process with one Worker."""
+    from hldstudy.sweep.worker import EvalUnavailable, Worker, record_failure
+    from hldstudy.train.loop import Interrupted
+
+    worker = worker or Worker(**kwargs)
+    out = Outcome()
+    report = report or (lambda *a: None)
+    workdir = Path(kwargs["workdir"])
+    stop_at = _test_stop_hook()
+    for run in runs:
+        if stop is not None and stop.signum is not None:
+            out.signum = stop.signum
+            break
+        if run_status(run, workdir / run.run_id, worker.eval_tasks) == "done":
+            out.skipped.append(run.run_id)
+            report("skipped", run.run_id, "already done")
+            continue
+        report("start", run.run_id, "")
+        try:
+            res = worker.run(run, stop_at_step=stop_at.get(run.run_id))
+        except Interrupted as e:
+            out.interrupted.append(run.run_id)
+            out.signum = e.signum
+            report("interrupted", run.run_id, f"checkpoint at step {e.step}")
+            break
+        except EvalUnavailable as e:
+            out.no_eval.append(run.run_id)
+            out.done.append(run.run_id)
+            report("done", run.run_id, f"trained; not evaluated: {e}")
+            continue
+        except Exception as e:  # noqa: BLE001 - one failed run must not stop the sweep
+            msg = record_failure(workdir / run.run_id, e)
+            out.failed[run.run_id] = msg
+            report("failed", run.run_id, f"{msg}; see {workdir / run.run_id / 'error.txt'}")
+            continue
+        out.done.append(run.run_id)
+        report("done", run.run_id, _detail(res))
+    out.teacher_loads = worker.teacher_loads
+    return out
+
+
+def _test_stop_hook() -> dict[str, int]:
+    """HLDSTUDY_SWEEP_STOP_AT=run_id:step[,run_id:step]: stop that run at that step exactly as a
+    SIGTERM would (checkpoint, then exit 143). For tests of interruption and resume."""
+    spec = os.environ.get("HLDSTUDY_SWEEP_STOP_AT", "")
+    out = {}
+    for part in filter(None, spec.split(",")):
+        rid, _, step = part.rpartition(":")
+        out[rid] = int(step)
+    return out
+
+
+# --------------------------------------------------------------------------- #
+# local
+# --------------------------------------------------------------------------- #
+
+
+def _worker_main(index: int, kwargs: dict, tasks, events, log_path: str) -> None:
+    """Entry point of a spawned local worker: take runs from `tasks` until None."""
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    sys.stdout = os.fdopen(1, "w", buffering=1)
+    sys.stderr = os.fdopen(2, "w", buffering=1)
+    from hldstudy.cli_common import quiet_libraries
+    from hldstudy.sweep.worker import Worker
+
+    quiet_libraries()
+    worker = Worker(**kwargs)
+
+    def report(kind, run_id, detail):
+        events.put((kind, run_id, detail))
+
+    with _Stop() as stop:
+        while stop.signum is None:
+            run = tasks.get()
+            if run is None:
+                break
+            out = run_many([run], kwargs, report, stop, worker=worker)
+            if out.signum is not None:
+                stop.signum = out.signum
+    events.put(("exit", f"worker{index}", json.dumps({"teacher_loads": worker.teacher_loads,
+                                                      "signal": stop.signum})))
+
+
+def run_local(runs: list[Run], sweep: Sweep, workdir: Path, *, parallel: int = 1,
+              progress: bool = True) -> Outcome:
+    kwargs = worker_kwargs(sweep, workdir)
+    pending = [r for r in runs]
+    with Progress(runs, workdir, enabled=progress) as prog, _Stop() as stop:
+        if parallel <= 1:
+            out = run_many(pending, kwargs, prog.event, stop)
+            if stop.signum is not None and out.signum is None:
+                out.signum = stop.signum
+            return out
+        return _run_pool(pending, kwargs, parallel, prog, stop, workdir)
+
+
+def _run_pool(runs, kwargs, parallel, prog: Progress, stop: _Stop, workdir: Path) -> Outcome:
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")  # JAX is not fork-safe
+    tasks, events = ctx.Queue(), ctx.Queue()
+    for r in runs:
+        tasks.put(r)
+    n = max(1, min(parallel, len(runs)))
+    for _ in range(n):
+        tasks.put(None)
+    logs = workdir / INTERNAL / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    procs = []
+    for i in range(n):
+        p = ctx.Process(target=_worker_main, name=f"hldstudy-sweep-{i}",
+                        args=(i, kwargs, tasks, events, str(logs / f"worker{i}.log")))
+        p.start()
+        procs.append(p)
+    out = Outcome()
+    forwarded = False
+    alive = n
+    while alive:
+        if stop.signum is not None and not forwarded:
+            forwarded = True
+            out.signum = stop.signum
+            for p in procs:  # workers checkpoint and exit; queued runs stay pending
+                if p.is_alive():
+                    os.kill(p.pid, signal.SIGTERM)
+        try:
+            kind, rid, detail = events.get(timeout=0.5)
+        except Exception:  # queue.Empty
+            if not any(p.is_alive() for p in procs):
+                break
+            continue
+        if kind == "exit":
+            alive -= 1
+            info = json.loads(detail)
+            out.teacher_loads += info["teacher_loads"]
+            if info["signal"] is not None and out.signum is None:
+                out.signum = info["signal"]
+            continue
+        prog.event(kind, rid, detail)
+        if kind == "done":
+            out.done.append(rid)
+            if "not evaluated" in detail:
+                out.no_eval.append(rid)
+        elif kind == "skipped":
+            out.skipped.append(rid)
+        elif kind == "failed":
+            out.failed[rid] = detail
+        elif kind == "interrupted":
+            out.interrupted.append(rid)
+    for p in procs:
+        p.join(timeout=120)
+        if p.is_alive():
+            p.terminate()
+    for i, p in enumerate(procs):
+        if p.exitcode not in (0, None) and out.signum is None:
+            out.failed[f"worker{i}"] = (f"worker exited with code {p.exitcode}; "
+                                        f"see {logs / f'worker{i}.log'}")
+    return out
+
+
+# --------------------------------------------------------------------------- #
+# slurm (submitit)
+# --------------------------------------------------------------------------- #
+
+
+class SweepJob:
+    """A submitit job: one worker running its share of the runs; requeued on preemption."""
+
+    def __init__(self, kwargs: dict):
+        self.kwargs = kwargs
+
+    def __call__(self, runs: list[Run]) -> dict:
+        from hldstudy.cli_common import quiet_libraries
+
+        quiet_libraries()
+        with _Stop() as stop:
+            out = run_many(runs, self.kwargs, stop=stop)
+        return out.as_dict()
+
+    def checkpoint(self, runs: list[Run]):
+        import submitit
+
+        # The Trainer checkpoints on SIGTERM; a requeued job skips finished runs and
+        # resumes the interrupted one from its checkpoint.
+        return submitit.helpers.DelayedSubmission(SweepJob(self.kwargs), runs)
+
+
+def run_slurm(runs: list[Run], sweep: Sweep, workdir: Path, *, parallel: int = 1,
+              cluster: str | None = None, params: dict | None = None, wait: bool | None = None,
+              progress: bool = True) -> Outcome:
+    try:
+        import submitit
+    except ImportError as e:
+        raise InputError("--executor slurm needs submitit (pip install submitit)") from e
+    pending = [r for r in runs if run_status(r, workdir / r.run_id, sweep.eval_tasks) != "done"]
+    out = Outcome(skipped=[r.run_id for r in runs if r not in pending])
+    if not pending:
+        return out
+    folder = workdir / INTERNAL / "submitit"
+    executor = submitit.AutoExecutor(folder=folder, cluster=cluster)
+    defaults = {"name": f"hldstudy-{sweep.name}", "timeout_min": 24 * 60}
+    if executor.cluster == "slurm":
+        defaults["slurm_signal_delay_s"] = 120
+    try:
+        executor.update_parameters(**{**defaults, **(params or {})})
+    except (ValueError, TypeError) as e:
+        raise InputError(f"--slurm: {e}") from None
+    n = max(1, min(parallel, len(pending)))
+    chunks = [pending[i::n] for i in range(n)]
+    job_fn = SweepJob(worker_kwargs(sweep, workdir))
+    jobs = [executor.submit(job_fn, chunk) for chunk in chunks]
+    (workdir / INTERNAL / "jobs.json").write_text(json.dumps(
+        [{"job_id": str(j.job_id), "runs": [r.run_id for r in c]}
+         for j, c in zip(jobs, chunks, strict=True)], indent=2) + "\n")
+    if wait is None:
+        wait = executor.cluster in ("local", "debug")
+    if not wait:
+        print(f"submitted {len(jobs)} job(s) for {len(pending)} run(s) to {executor.cluster}: "
+              + ", ".join(str(j.job_id) for j in jobs)
+              + f" (logs: {folder}; rerun this command to resubmit unfinished runs)")
+        return out
+    with Progress(runs, workdir, enabled=progress) as prog:
+        for rid in out.skipped:
+            prog.event("skipped", rid, "already done")
+        for job, chunk in zip(jobs, chunks, strict=True):
+            try:
+                res = job.result()
+            except Exception as e:  # noqa: BLE001 - submitit wraps the job's exception
+                for r in chunk:
+                    if run_status(r, workdir / r.run_id, sweep.eval_tasks) != "done":
+                        out.failed[r.run_id] = f"job {job.job_id}: {str(e).splitlines()[-1][:200]}"
+                        prog.event("failed", r.run_id, out.failed[r.run_id])
+                continue
+            for rid in res["done"]:
+                out.done.append(rid)
+                prog.event("done", rid, "")
+            out.skipped += res["skipped"]
+            out.failed.update(res["failed"])
+            out.interrupted += res["interrupted"]
+            out.no_eval += res["no_eval"]
+            out.teacher_loads += res["teacher_loads"]
+    return out
+
+
+# --------------------------------------------------------------------------- #
+# wandb
+# --------------------------------------------------------------------------- #
+
+
+def wandb_sweep_config(sweep: Sweep, runs: list[Run], sweep_file: Path, workdir: Path,
+                       overrides: list[str]) -> dict:
+    """A W&B grid sweep over the run ids; each agent run executes exactly one grid run."""
+    command = ["${env}", "${interpreter}", "-m", "hldstudy.sweep", str(Path(sweep_file).absolute()),
+               "--workdir", str(Path(workdir).absolute())]
+    for o in overrides:
+        command += ["--set", o]
+    command.append("${args}")
+    return {
+        "name": sweep.name,
+        "description": f"hldstudy sweep {sweep.name}: {len(runs)} runs at "
+                       f"{runs[0].config.budget.flops:.4g} FLOPs each",
+        "program": str(Path(sweep_file).absolute()),
+        "method": "grid",
+        "metric": {"name": "valid_ppl", "goal": "minimize"},
+        "parameters": {"run_id": {"values": [r.run_id for r in runs]}},
+        "command": command,
+    }
+
+
+def write_wandb_config(cfg: dict, workdir: Path) -> Path:
+    import yaml
+
+    path = workdir / "wandb_sweep.yaml"
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return path
+
+
+def _wandb_online() -> tuple[bool, str]:
+    mode = os.environ.get("WANDB_MODE", "")
+    if mode in ("offline", "disabled", "dryrun"):
+        return False, f"WANDB_MODE={mode}"
+    try:
+        import wandb
+
+        key = wandb.api.api_key if hasattr(wandb, "api") else None
+    except Exception as e:  # noqa: BLE001
+        return False, f"wandb unavailable ({e})"
+    if not (key or os.environ.get("WANDB_API_KEY")):
+        return False, "no W&B API key (wandb login)"
+    return True, ""
+
+
+def run_wandb(runs: list[Run], sweep: Sweep, workdir: Path, *, sweep_file: Path,
+              overrides: list[str], sweep_id: str | None = None, count: int | None = None,
+              project: str | None = None, entity: str | None = None) -> Outcome:
+    cfg = wandb_sweep_config(sweep, runs, sweep_file, workdir, overrides)
+    path = write_wandb_config(cfg, workdir)
+    online, why = _wandb_online()
+    base = runs[0].config.wandb
+    project = project or base.project
+    entity = entity or base.entity
+    if not online:
+        print(f"wrote {path} (a W&B grid over the {len(runs)} run ids). No agent started: "
+              f"{why}. With a W&B server: `wandb sweep --project {project} {path}`, then "
+              f"`python -m hldstudy.sweep {sweep_file} --executor wandb --sweep-id "
+              f"ENTITY/{project}/SWEEP_ID` (one teacher load per agent process) or "
+              f"`wandb agent ENTITY/{project}/SWEEP_ID` (one process per run).")
+        return Outcome()
+    import wandb
+
+    if sweep_id is None:
+        sweep_id = wandb.sweep(cfg, project=project, entity=entity)
+        print(f"created W&B sweep {sweep_id} ({path})")
+    by_id = {r.run_id: r for r in runs}
+    from hldstudy.sweep.worker import Worker
+
+    worker = Worker(**worker_kwargs(sweep, workdir))
+    out = Outcome()
+
+    def agent_fn():
+        with wandb.init() as wrun:
+            rid = wrun.config["run_id"]
+            if rid not in by_id:
+                raise InputError(f"W&B asked for run {rid!r}, which this grid does not have")
+            res = run_many([by_id[rid]], worker_kwargs(sweep, workdir), worker=worker)
+            for k in ("done", "skipped", "interrupted", "no_eval"):
+                getattr(out, k).extend(getattr(res, k))
+            out.failed.update(res.failed)
+            _replay_metrics(wrun, workdir / rid)
+
+    wandb.agent(sweep_id, function=agent_fn, project=project, entity=entity, count=count)
+    out.teacher_loads = worker.teacher_loads
+    return out
+
+
+def _replay_metrics(wrun, run_dir: Path) -> None:
+    """Logs the run's metrics.jsonl and results.json to the agent's W&B run."""
+    mpath, rpath = run_dir / "metrics.jsonl", run_dir / "results.json"
+    if mpath.exists():
+        for line in mpath.read_text().splitlines():
+            rec = json.loads(line)
+            step = rec.pop("step", None)
+            rec = {k: v for k, v in rec.items() if isinstance(v, (int, float))}
+            wrun.log(rec, step=step)
+    if rpath.exists():
+        res = json.loads(rpath.read_text())
+        flat = {k: v for k, v in res.items() if isinstance(v, (int, float, str))}
+        for task, m in (res.get("eval") or {}).items():
+            for k, v in m.items():
+                flat[f"eval/{task}/{k}"] = v
+        wrun.summary.update(flat)

@@ -1,0 +1,494 @@
+"""Sweep definitions and their expansion into runs.
+
+A sweep file (``sweeps/<name>.py``) exposes ``get_sweep() -> Sweep``: one
+student configuration, one FLOP budget, one teacher, a grid of methods x
+learning rate x temperature x NLL weight x HLD weight x seeds (plus any
+other config field as an extra axis), and the evaluation tasks.
+
+``expand(sweep)`` turns it into ``Run``s. An axis only multiplies the runs of
+the methods it applies to (``APPLIES``): the baseline has no temperature,
+NLL weight or HLD weight; HLDF's stage 1 is NMSE alone, so the HLD weight is
+not swept for it; only HLDC and Patient KD weigh the alignment term. So no
+two runs train the same thing. Each run gets its own directory
+``WORKDIR/<run_id>`` where the run id encodes the method and the swept
+values in the folder-name format ``hldstudy.analysis`` checks
+(``kd_lr3e-3_T2_a0.5_s0``, ``hldc_lr1e-2_T1_a0.5_hw1_s0``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import itertools
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hldstudy.config import Config, apply_overrides, config_to_dict, read_config, validate
+from hldstudy.errors import ConfigError, InputError
+
+METHODS = ("baseline", "kd", "hldf", "hldc", "patient")
+DISTILL_METHODS = ("kd", "hldf", "hldc", "patient")
+
+# Which methods a swept field changes. Fields not listed: train.*, data.*, model.*,
+# budget.* -> every method; other distill.* / teacher.* -> every method but the baseline.
+APPLIES: dict[str, tuple[str, ...]] = {
+    "distill.temperature": DISTILL_METHODS,
+    "distill.alpha": DISTILL_METHODS,
+    "distill.divergence": DISTILL_METHODS,
+    "distill.jsd_beta": DISTILL_METHODS,
+    "distill.hidden_weight": ("hldc", "patient"),
+    "distill.layer_pairs": ("hldf", "hldc", "patient"),
+    "distill.regressor": ("hldf", "hldc", "patient"),
+    "distill.hldf_stage1_share": ("hldf",),
+    "distill.patient_pairs": ("patient",),
+}
+# Short names in run ids; the first five are the ones hldstudy.analysis reads back.
+SHORT = {
+    "train.lr": "lr",
+    "distill.temperature": "T",
+    "distill.alpha": "a",
+    "distill.hidden_weight": "hw",
+    "train.seed": "s",
+}
+# The standard axes, in run-id order.
+STANDARD_AXES = ("train.lr", "distill.temperature", "distill.alpha", "distill.hidden_weight")
+
+# Config leaves that may differ between a run directory and the grid without it being
+# a different run (display, logging, checkpoint cadence, transport knobs).
+IGNORED_DRIFT = {"train.progress", "train.log_every", "train.checkpoint_every",
+                 "train.keep_checkpoints", "train.eval_every", "teacher.ring_size",
+                 "teacher.timeout_s", "train.mesh_data", "train.mesh_fsdp"}
+IGNORED_DRIFT_PREFIXES = ("wandb.",)
+PATH_FIELDS = ("teacher.checkpoint", "data.tokenizer", "data.path", "data.valid_path")
+
+
+def applies(key: str, method: str) -> bool:
+    if key in APPLIES:
+        return method in APPLIES[key]
+    if key.startswith(("distill.", "teacher.")):
+        return method != "baseline"
+    return True
+
+
+@dataclass(frozen=True)
+class Sweep:
+    """One student, one FLOP budget, one teacher, one grid.
+
+    base: the student config every run starts from (its distill.method is replaced).
+    methods: the methods compared.
+    lr / temperature / alpha / hidden_weight / seeds: the grid axes (train.lr,
+        distill.temperature, distill.alpha, distill.hidden_weight, train.seed).
+        An empty tuple leaves that field at the base config's value (not swept).
+    extra_axes: ((dotted config field, (values...)), ...) further axes; they apply
+        to the methods `APPLIES` says.
+    budget_flops: the FLOP budget of every run; or
+    budget_baseline_steps: budget = this many steps of the baseline (exactly one is set).
+    teacher: teacher.checkpoint for every distillation run (hldstudy run dir, GGUF file,
+        HF directory); `--set teacher.checkpoint=...` overrides it.
+    teacher_preset: model preset used to count the teacher's FLOPs when the teacher's
+        config cannot be read from its checkpoint (e.g. not yet trained / downloaded).
+    overrides: `key=value` strings applied to the base config of every run.
+    eval_tasks / eval_limit / eval_batch_size / eval_offline_data: passed to
+        `hldstudy.eval.evaluate` after each run; the metrics land under `eval` in
+        its results.json.
+    shared_tokenizer: give every run (the baseline too) the teacher's tokenizer when
+        the teacher is an hldstudy run directory and data.tokenizer is unset.
+    launch: the command that launches this sweep (documentation; shown by --dry-run).
+    """
+
+    name: str
+    base: Config
+    methods: tuple[str, ...] = ("baseline", "kd", "hldf", "hldc")
+    lr: tuple[float, ...] = ()
+    temperature: tuple[float, ...] = ()
+    alpha: tuple[float, ...] = ()
+    hidden_weight: tuple[float, ...] = ()
+    seeds: tuple[int, ...] = (0,)
+    extra_axes: tuple[tuple[str, tuple], ...] = ()
+    budget_flops: float = 0.0
+    budget_baseline_steps: int = 0
+    teacher: str | None = None
+    teacher_preset: str | None = None
+    overrides: tuple[str, ...] = ()
+    eval_tasks: tuple[str, ...] = ()
+    eval_limit: int | None = None
+    eval_batch_size: int = 8
+    eval_offline_data: str | None = None
+    shared_tokenizer: bool = True
+    launch: str = ""
+
+    def axes(self) -> list[tuple[str, tuple]]:
+        out = []
+        for key, values in (("train.lr", self.lr), ("distill.temperature", self.temperature),
+                            ("distill.alpha", self.alpha),
+                            ("distill.hidden_weight", self.hidden_weight)):
+            if values is not None and len(values):
+                out.append((key, tuple(values)))
+        for key, values in self.extra_axes:
+            out.append((key, tuple(values)))
+        out.append(("train.seed", tuple(self.seeds)))
+        return out
+
+
+@dataclass
+class Run:
+    """One point of the grid: a method, the swept values, its config and its compute."""
+
+    run_id: str
+    method: str
+    params: dict[str, Any]            # dotted field -> swept value
+    overrides: list[str]              # "field=value" for the method and every swept value
+    config: Config
+    stage_steps: dict[str, int]
+    flops_per_step: dict[str, float]
+    steps: int = 0
+    flops: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    def entry(self) -> dict:
+        """The run's line in sweep.json and in --dry-run --json."""
+        short = {"train.lr": "lr", "distill.temperature": "temperature",
+                 "distill.alpha": "alpha", "distill.hidden_weight": "hidden_weight",
+                 "train.seed": "seed"}
+        d = {"run_id": self.run_id, "dir": self.run_id, "method": self.method}
+        for k, v in self.params.items():
+            d[short.get(k, k)] = v
+        d.update({"params": dict(self.params), "overrides": list(self.overrides),
+                  "steps": self.steps, "stage_steps": dict(self.stage_steps),
+                  "flops": self.flops, "flops_per_step": dict(self.flops_per_step),
+                  "flops_budget": self.config.budget.flops,
+                  "count_teacher": self.config.budget.count_teacher})
+        return d
+
+
+# --------------------------------------------------------------------------- #
+# Loading
+# --------------------------------------------------------------------------- #
+
+
+def load_sweep(path: str | Path, **kwargs) -> Sweep:
+    """Imports a sweep file and calls its `get_sweep(**kwargs)`."""
+    path = Path(path)
+    if not path.exists():
+        raise InputError(f"sweep file {path} does not exist")
+    spec = importlib.util.spec_from_file_location(f"hldstudy_sweep_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:  # a broken sweep file is a user error
+        raise InputError(f"sweep file {path} failed to import: {type(e).__name__}: {e}") from e
+    if not hasattr(module, "get_sweep"):
+        raise InputError(f"sweep file {path} has no get_sweep() function")
+    sweep = module.get_sweep(**kwargs)
+    if not isinstance(sweep, Sweep):
+        raise InputError(f"{path}: get_sweep() must return hldstudy.sweep.Sweep, "
+                         f"got {type(sweep).__name__}")
+    if not sweep.launch and module.__doc__:
+        sweep = dataclasses.replace(sweep, launch=_launch_line(module.__doc__))
+    return sweep
+
+
+def _launch_line(doc: str) -> str:
+    for line in doc.splitlines():
+        s = line.strip()
+        if s.startswith("python -m hldstudy.sweep") or s.startswith("hldstudy "):
+            return s
+    return ""
+
+
+# --------------------------------------------------------------------------- #
+# Naming
+# --------------------------------------------------------------------------- #
+
+
+def fmt_value(v: Any) -> str:
+    """Shortest exact text of a value for a run id: 0.003 -> 3e-3, 0.01 -> 1e-2, 2.0 -> 2,
+    0.5 -> 0.5."""
+    if isinstance(v, bool):
+        return str(v).lower()
+    if isinstance(v, int):
+        return str(v)
+    if isinstance(v, float):
+        if v == 0:
+            return "0"
+        if v.is_integer() and abs(v) < 1e6:
+            return str(int(v))
+        for p in range(1, 18):
+            s = f"{v:.{p}g}"
+            if float(s) == v:
+                break
+        if "e" in s or abs(v) < 0.1:
+            m, e = f"{v:.{p - 1}e}".split("e")
+            m = m.rstrip("0").rstrip(".") if "." in m else m
+            return f"{m}e{int(e)}"
+        return s
+    s = str(v)
+    return "".join(c if c.isalnum() or c in ".-" else "-" for c in s) or "none"
+
+
+def _short(key: str) -> str:
+    if key in SHORT:
+        return SHORT[key]
+    return key.rsplit(".", 1)[-1].replace("_", "") + "="
+
+
+def run_id_for(method: str, params: dict[str, Any]) -> str:
+    parts = [method]
+    for key, value in params.items():
+        parts.append(f"{_short(key)}{fmt_value(value)}")
+    return "_".join(parts)
+
+
+# --------------------------------------------------------------------------- #
+# Expansion
+# --------------------------------------------------------------------------- #
+
+
+def _abs_path(value: str | None) -> str | None:
+    if not value or value.startswith("remote://") or "://" in value:
+        return value
+    return str(Path(value).expanduser().absolute())
+
+
+def teacher_model_config(checkpoint: str | None, preset_name: str | None):
+    """The teacher's ModelConfig: from an hldstudy run dir, an HF dir's config.json,
+    a GGUF header, else the named preset; None when nothing says."""
+    if checkpoint and not checkpoint.startswith("remote://"):
+        p = Path(checkpoint)
+        if (p / "config.json").is_file() and (p / "checkpoints").is_dir():
+            return read_config(p / "config.json").model
+        try:
+            if p.is_dir() and (p / "config.json").is_file():
+                from hldstudy.model import importers
+
+                return importers._hf_config(json.loads((p / "config.json").read_text()), str(p))
+            if p.is_file() and p.suffix == ".gguf":
+                from hldstudy.model import importers
+
+                return importers._gguf_config(importers._gguf_reader(p), str(p))
+        except Exception:  # noqa: BLE001 - fall back to the preset
+            pass
+    if preset_name:
+        from hldstudy.model.presets import preset
+
+        return preset(preset_name)
+    return None
+
+
+def _stage_plan(cfg: Config, method: str, teacher_model) -> tuple[dict, dict]:
+    """(steps per stage, FLOPs per step per stage) exactly as the Trainer plans them."""
+    from hldstudy.flops import method_stages, step_flops
+
+    stages = method_stages(cfg, method)
+    steps, fps = {}, {}
+    start = 0
+    for i, (stage, share) in enumerate(stages):
+        per = step_flops(cfg, method, stage, teacher_model).total
+        if cfg.budget.flops > 0:
+            n = int(math.floor(cfg.budget.flops * share / per))
+        elif i == len(stages) - 1:
+            n = cfg.train.steps - start
+        else:
+            n = int(round(cfg.train.steps * share))
+        if n <= 0:
+            raise ConfigError("budget.flops" if cfg.budget.flops > 0 else "train.steps",
+                              f"stage {stage!r} of {method} gets no steps "
+                              f"({per:.3e} FLOPs per step)", "raise the budget")
+        steps[stage], fps[stage] = n, per
+        start += n
+    return steps, fps
+
+
+def base_config(sweep: Sweep, overrides: tuple[str, ...] | list[str] = ()) -> Config:
+    """The sweep's base config: sweep.teacher, sweep.overrides, the budget, then CLI --set."""
+    cfg = sweep.base
+    if sweep.teacher:
+        cfg = apply_overrides(cfg, [f"teacher.checkpoint={sweep.teacher}"])
+    cfg = apply_overrides(cfg, list(sweep.overrides))
+    cfg = apply_overrides(cfg, ["train.progress=false"])
+    if (sweep.budget_flops > 0) == (sweep.budget_baseline_steps > 0):
+        raise ConfigError(f"sweep {sweep.name}: budget",
+                          "set exactly one of budget_flops and budget_baseline_steps")
+    if sweep.budget_flops > 0:
+        budget = float(sweep.budget_flops)
+    else:
+        from hldstudy.flops import step_flops
+
+        b = dataclasses.replace(cfg, distill=dataclasses.replace(cfg.distill, method="baseline"))
+        budget = sweep.budget_baseline_steps * step_flops(b, "baseline").total
+    cfg = dataclasses.replace(cfg, budget=dataclasses.replace(cfg.budget, flops=budget))
+    cfg = apply_overrides(cfg, list(overrides))
+    # Absolute paths: a run directory must not depend on the launch directory.
+    cfg = dataclasses.replace(
+        cfg,
+        teacher=dataclasses.replace(cfg.teacher, checkpoint=_abs_path(cfg.teacher.checkpoint)),
+        data=dataclasses.replace(cfg.data, tokenizer=_abs_path(cfg.data.tokenizer)))
+    if sweep.shared_tokenizer and not cfg.data.tokenizer and cfg.teacher.checkpoint:
+        from hldstudy.teacher.colocated import teacher_tokenizer_path
+
+        tok = teacher_tokenizer_path(cfg.teacher.checkpoint)
+        if tok is not None:
+            cfg = dataclasses.replace(cfg, data=dataclasses.replace(
+                cfg.data, tokenizer=str(Path(tok).absolute())))
+    return cfg
+
+
+def expand(sweep: Sweep, overrides: tuple[str, ...] | list[str] = (), *,
+           check_paths: bool = False, warnings: list[str] | None = None) -> list[Run]:
+    """Every run of the grid, with its steps and FLOPs. Raises InputError on an empty grid."""
+    warnings = [] if warnings is None else warnings
+    if not sweep.methods:
+        raise InputError(f"sweep {sweep.name!r}: the grid is empty (no methods)")
+    for m in sweep.methods:
+        if m not in METHODS:
+            raise ConfigError(f"sweep {sweep.name}: methods",
+                              f"{m!r} is not one of {', '.join(METHODS)}")
+    axes = sweep.axes()
+    for key, values in axes:
+        if not values:
+            raise InputError(f"sweep {sweep.name!r}: the grid is empty (axis {key} has no "
+                             f"values{'; give at least one seed' if key == 'train.seed' else ''})")
+    base = base_config(sweep, overrides)
+    teacher_model = teacher_model_config(base.teacher.checkpoint, sweep.teacher_preset)
+    runs: dict[str, Run] = {}
+    for method in dict.fromkeys(sweep.methods):
+        mine = [(k, v) for k, v in axes if applies(k, method)]
+        for combo in itertools.product(*[v for _, v in mine]):
+            params = {k: val for (k, _), val in zip(mine, combo, strict=True)}
+            ovr = [f"distill.method={method}"] + [f"{k}={_literal(v)}" for k, v in params.items()]
+            cfg = apply_overrides(base, ovr)
+            run_id = run_id_for(method, params)
+            if run_id in runs:
+                warnings.append(f"duplicate grid point {run_id} (an axis repeats a value); "
+                                "kept once")
+                continue
+            cfg = dataclasses.replace(cfg, name=f"{sweep.name}-{run_id}")
+            if method != "baseline" and teacher_model is None:
+                raise ConfigError("teacher.checkpoint",
+                                  f"run {run_id} needs a teacher and the sweep names none "
+                                  "(or its config cannot be read)",
+                                  "pass --set teacher.checkpoint=RUN_DIR|GGUF|HF_DIR, or set "
+                                  "teacher_preset in the sweep file for a dry run")
+            steps, fps = _stage_plan(cfg, method, teacher_model)
+            total = sum(steps.values())
+            cfg = apply_overrides(cfg, [f"train.steps={total}"])
+            try:
+                validate(cfg, check_paths=check_paths)
+            except ConfigError as e:
+                if check_paths or e.field not in ("teacher.checkpoint", "data.path",
+                                                  "data.tokenizer"):
+                    raise ConfigError(e.field, f"run {run_id}: {str(e)[len(e.field) + 2:]}") \
+                        from None
+                warnings.append(f"{run_id}: {e} (needed at launch, not for a dry run)")
+            runs[run_id] = Run(run_id=run_id, method=method, params=params, overrides=ovr,
+                               config=cfg, stage_steps=steps, flops_per_step=fps, steps=total,
+                               flops=float(sum(steps[s] * fps[s] for s in steps)))
+    if not runs:
+        raise InputError(f"sweep {sweep.name!r}: the grid is empty")
+    return list(runs.values())
+
+
+def _literal(v: Any) -> str:
+    if isinstance(v, bool):
+        return str(v).lower()
+    if v is None:
+        return "none"
+    if isinstance(v, str):
+        return v
+    return json.dumps(v)
+
+
+# --------------------------------------------------------------------------- #
+# Run directories
+# --------------------------------------------------------------------------- #
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def _norm(key: str, v: Any) -> Any:
+    if key in PATH_FIELDS and isinstance(v, str) and "://" not in v:
+        return os.path.realpath(v)
+    if isinstance(v, int) and not isinstance(v, bool):
+        return float(v)
+    return v
+
+
+def config_drift(run: Run, run_dir: Path) -> list[tuple[str, Any, Any]]:
+    """[(field, value in run_dir/config.json, value the grid asks for)]; [] when it matches."""
+    path = Path(run_dir) / "config.json"
+    if not path.exists():
+        return []
+    try:
+        old = _flat(json.loads(path.read_text()))
+    except json.JSONDecodeError:
+        return [("config.json", "unreadable JSON", "a config")]
+    new = _flat(config_to_dict(run.config))
+    out = []
+    for key in sorted(set(old) | set(new)):
+        if key in IGNORED_DRIFT or key.startswith(IGNORED_DRIFT_PREFIXES):
+            continue
+        if key == "train.steps" and run.config.budget.flops > 0:
+            continue  # follows from the budget
+        a, b = old.get(key), new.get(key)
+        if _norm(key, a) != _norm(key, b):
+            if isinstance(a, float) and isinstance(b, float) and math.isclose(a, b, rel_tol=1e-9):
+                continue
+            out.append((key, a, b))
+    return out
+
+
+def run_status(run: Run, run_dir: Path, eval_tasks: tuple[str, ...] = ()) -> str:
+    """done | trained (eval missing) | partial (has a checkpoint) | failed | new."""
+    run_dir = Path(run_dir)
+    res_path = run_dir / "results.json"
+    if res_path.exists():
+        try:
+            res = json.loads(res_path.read_text())
+        except json.JSONDecodeError:
+            res = {}
+        if res.get("status") == "done":
+            ev = res.get("eval") or {}
+            if all(t in ev for t in eval_tasks):
+                return "done"
+            return "trained"
+    ck = run_dir / "checkpoints"
+    if ck.is_dir() and any(p.name.isdigit() for p in ck.iterdir()):
+        return "partial"
+    if (run_dir / "error.txt").exists():
+        return "failed"
+    return "new"
+
+
+def steps_done(run_dir: Path) -> int:
+    """The last step a run logged (metrics.jsonl), for progress display."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.exists():
+        return 0
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            size = fh.tell()
+            fh.seek(max(0, size - 4096))
+            tail = fh.read().decode(errors="ignore").splitlines()
+    except OSError:
+        return 0
+    for line in reversed(tail):
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if "step" in rec:
+            return int(rec["step"])
+    return 0

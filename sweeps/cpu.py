@@ -1,0 +1,43 @@
+"""CPU-scale grid on the synthetic corpus: the quickstart's comparison.
+
+baseline / kd / hldf / hldc students (experiments/tiny_distill.py, 4 layers,
+d 64) distilled from the quickstart teacher (experiments/tiny_teacher.py,
+6 layers, d 128) at one FLOP budget, over learning rate x temperature with
+the NLL weight and HLD weight fixed; evaluated on the synthetic HellaSwag-
+and LAMBADA-style tasks. `hldstudy quickstart` trains the teacher and runs
+this sweep; to run it by hand once a teacher exists:
+
+    python -m hldstudy.sweep sweeps/cpu.py --set teacher.checkpoint=runs/quickstart/teacher --workdir runs/cpu
+    python -m hldstudy.analysis runs/cpu --out runs/cpu/report
+"""
+
+from pathlib import Path
+
+from hldstudy.config import load_experiment
+from hldstudy.sweep import Sweep
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# size -> (student budget in baseline steps, eval items per task); "tiny" is for tests.
+SIZES = {"tiny": (6, 8), "small": (120, 200), "medium": (400, 500), "large": (1500, 1000)}
+
+
+def get_sweep(size: str = "small", teacher: str = "runs/quickstart/teacher") -> Sweep:
+    steps, eval_items = SIZES[size]
+    return Sweep(
+        name="cpu",
+        base=load_experiment(ROOT / "experiments" / "tiny_distill.py"),
+        methods=("baseline", "kd", "hldf", "hldc"),
+        lr=(3e-3, 1e-2),
+        temperature=(1.0, 2.0),
+        alpha=(0.5,),
+        hidden_weight=(1.0,),
+        seeds=(0,),
+        budget_baseline_steps=steps,
+        teacher=teacher,
+        teacher_preset="tiny-teacher",
+        overrides=("train.log_every=10", f"train.checkpoint_every={max(25, steps // 4)}"),
+        eval_tasks=("synth_mc", "synth_cloze"),
+        eval_limit=eval_items,
+        eval_batch_size=16,
+    )
