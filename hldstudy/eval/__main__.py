@@ -1,0 +1,72 @@
+"""python -m hldstudy.eval --checkpoint DIR --tasks hellaswag,piqa,... --out results.json
+
+Evaluates an hldstudy run directory (or an imported Gemma GGUF file / HF
+directory) on lm-eval tasks by name (offline from local JSONL with
+--offline-data DIR or $HLDSTUDY_EVAL_DATA; file names in eval/README.md),
+on the synthetic downstream tasks synth_mc / synth_cloze, and on corpus
+perplexity (synthetic_ppl, valid_ppl, c4_ppl). Writes the results JSON, a
+markdown table next to it, and logs to W&B with --wandb (offline unless
+$WANDB_MODE says otherwise).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from hldstudy.cli_common import quiet_libraries
+from hldstudy.errors import user_errors
+
+PROG = "python -m hldstudy.eval"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[1],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--checkpoint", required=True,
+                   help="hldstudy run directory, GGUF file or Hugging Face checkpoint directory")
+    p.add_argument("--tasks", required=True,
+                   help="comma-separated: hellaswag,piqa,winogrande,lambada_openai,arc_easy,"
+                        "wikitext (or any lm-eval task), synth_mc, synth_cloze, synthetic_ppl, "
+                        "valid_ppl, c4_ppl")
+    p.add_argument("--limit", type=int, default=None,
+                   help="at most N documents per task (N rows for corpus perplexity)")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--offline-data", default=None,
+                   help="folder of <task>.jsonl files (default: $HLDSTUDY_EVAL_DATA); "
+                        "without it, lm-eval tasks read the Hugging Face hub")
+    p.add_argument("--out", default=None, help="results JSON (a .md table is written next to it)")
+    p.add_argument("--rolling-context", type=int, default=None,
+                   help="tokens of context kept between loglikelihood_rolling windows "
+                        "(default: half the model length; 1 = lm-eval's disjoint chunks)")
+    p.add_argument("--bootstrap-iters", type=int, default=1000,
+                   help="lm-eval bootstrap iterations for stderr of non-mean metrics")
+    p.add_argument("--wandb", action=argparse.BooleanOptionalAction, default=None,
+                   help="log to W&B (default: the run config's wandb.enabled)")
+    p.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    p.add_argument("--debug", action="store_true", help="show tracebacks")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.no_progress:
+        os.environ.setdefault("TQDM_DISABLE", "1")  # read when tqdm is first imported
+    quiet_libraries()
+    with user_errors(args.debug, prog=PROG):
+        from hldstudy.eval.runner import evaluate, markdown_table
+
+        results = evaluate(args.checkpoint, args.tasks, limit=args.limit,
+                           batch_size=args.batch_size, offline_data=args.offline_data,
+                           out=args.out, bootstrap_iters=args.bootstrap_iters,
+                           rolling_context=args.rolling_context, wandb=args.wandb,
+                           progress=not args.no_progress)
+        sys.stdout.write(markdown_table(results))
+        if args.out:
+            print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

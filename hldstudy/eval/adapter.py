@@ -1,0 +1,486 @@
+"""lm-eval adapter: `HLDStudyLM`, registered with lm-eval as model type `hldstudy`.
+
+Loads an hldstudy run directory (`config.json` + `checkpoints/` + tokenizer)
+or an imported Gemma checkpoint (GGUF file / Hugging Face directory, through
+`hldstudy.model.importers.load_pretrained`) and answers lm-eval's three
+request types:
+
+* `loglikelihood(context, continuation)` -> (log p(continuation | context),
+  is_greedy). Requests become token rows (context + continuation, the
+  context truncated from the left to the model's length); rows are sorted by
+  length, padded on the right to a small fixed set of lengths ("buckets":
+  powers of two from 32 up to the model length, plus the model length) and
+  to a fixed batch size, so the jitted scorer compiles once per bucket, never
+  per request. `is_greedy` is True when every continuation token is the
+  argmax of its position.
+* `loglikelihood_rolling(text)` -> log p(text | prefix token), for documents
+  of any length: lm-eval's rolling windows (`lm_eval.utils.
+  get_rolling_token_windows`) with `context_len = rolling_context`. The first
+  window scores its whole length from the prefix token; every later window is
+  a full model-length input that scores only the tokens not scored yet, so
+  each token is predicted exactly once and, after the first window, with at
+  least `rolling_context - 1` tokens of context. The default is half the model
+  length (`rolling_context=1` gives lm-eval's disjoint chunks, as the
+  Hugging Face backend does).
+* `generate_until(context, {"until": [...], "max_gen_toks": N})`: greedy
+  decoding. There is no KV cache in the model, so every new token re-runs the
+  padded forward over the whole (bucketed) prefix: O(n_new * prefix) work,
+  fine for the short generations of the study's tasks. Generation stops at
+  EOS, at the first stop sequence (the text is cut before it) or after
+  `max_gen_toks` tokens.
+
+Tokenization follows lm-eval's Hugging Face backend: trailing spaces of the
+context move to the continuation; the continuation's tokens are the tail of
+`encode(context + continuation)` after `encode(context)` when that is a
+prefix of it, otherwise `encode(continuation)` on its own. hldstudy packing
+appends EOS to documents and does not add BOS unless `data.add_bos`, so the
+prefix token (what an empty context becomes, and what rolling windows start
+from) is EOS, or BOS for models trained with BOS (and for imported Gemma
+checkpoints, whose documents start with BOS; with `add_bos` every context
+starts with BOS). The model length is `data.seq_len` (the trained context)
+capped by `model.max_seq_len`; `max_length=` overrides it.
+
+Logits are never materialized for a whole batch: the scorer runs the model
+without its head and computes each position's log-softmax at the target,
+and the argmax, in row chunks whose `[rows, vocab]` block stays under ~256 MB
+(Gemma's 262k vocabulary on CPU).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from lm_eval.api.model import LM
+from lm_eval.api.registry import register_model
+from tqdm.auto import tqdm
+
+from hldstudy.errors import InputError
+
+MIN_BUCKET = 32
+# Largest [rows, vocab] float32 block the scorer builds at once (elements).
+CHUNK_ELEMENTS = 1 << 26
+
+
+# --------------------------------------------------------------------------- #
+# Loading
+# --------------------------------------------------------------------------- #
+
+
+def _run_tokenizer(run_dir: Path, cfg):
+    from hldstudy.data.tokenizer import Tokenizer
+
+    candidates = [run_dir / "tokenizer.model"]
+    if cfg.data.tokenizer:
+        candidates.append(Path(cfg.data.tokenizer))
+    for path in candidates:
+        if path.is_file():
+            return Tokenizer.load(path)
+    raise InputError(f"{run_dir}: checkpoint has no tokenizer (looked for "
+                     f"{' and '.join(str(p) for p in candidates)}); copy the run's "
+                     "SentencePiece model there")
+
+
+def is_run_dir(path: str | Path) -> bool:
+    path = Path(path)
+    return path.is_dir() and (path / "config.json").is_file() and (
+        (path / "checkpoints").is_dir() or not (path / "model.safetensors").exists()
+        and not any(path.glob("*.safetensors")))
+
+
+def load_checkpoint(path: str | Path) -> dict[str, Any]:
+    """{model, tokenizer, max_length, add_bos, config, kind} for a run dir or an import."""
+    path = Path(path)
+    if not path.exists():
+        raise InputError(f"--checkpoint {path} does not exist")
+    if is_run_dir(path):
+        from hldstudy.config import read_config
+        from hldstudy.train.checkpoint import load_run_model
+
+        tokenizer = _run_tokenizer(path, read_config(path / "config.json"))
+        cfg, model = load_run_model(path)
+        return {"model": model, "tokenizer": tokenizer, "config": cfg, "kind": "run",
+                "max_length": min(cfg.data.seq_len, cfg.model.max_seq_len),
+                "add_bos": bool(cfg.data.add_bos)}
+    from hldstudy.model.importers import load_pretrained
+
+    model, tokenizer = load_pretrained(path)
+    if tokenizer is None:
+        raise InputError(f"{path}: checkpoint has no tokenizer (no tokenizer.model next to the "
+                         "weights / no tokenizer metadata in the GGUF file)")
+    return {"model": model, "tokenizer": tokenizer, "config": None, "kind": "import",
+            "max_length": int(model.cfg.max_seq_len), "add_bos": True}
+
+
+# --------------------------------------------------------------------------- #
+# Jitted scoring
+# --------------------------------------------------------------------------- #
+
+
+def length_buckets(max_length: int, min_bucket: int = MIN_BUCKET) -> list[int]:
+    """Padded lengths the scorer compiles for: powers of two >= min_bucket below
+    max_length, and max_length itself."""
+    out, b = [], min_bucket
+    while b < max_length:
+        out.append(b)
+        b *= 2
+    out.append(max_length)
+    return out
+
+
+class Scorer:
+    """Per-token target log-probs and greedy flags for padded [B, L] batches."""
+
+    def __init__(self, model, *, batch_size: int, max_length: int, pad_id: int = 0):
+        if batch_size <= 0:
+            raise InputError(f"--batch-size must be > 0, got {batch_size}")
+        self.batch_size = int(batch_size)
+        self.max_length = int(max_length)
+        self.pad_id = int(pad_id)
+        self.vocab_size = int(model.cfg.vocab_size)
+        self.buckets = length_buckets(self.max_length)
+        graphdef, state = nnx.split(model)
+        self._state = state
+        cap = model.cfg.final_softcap
+
+        def head_chunks(m, h_NxD, fn):
+            """Applies fn(logits [c, V]) over row chunks of h without building [N, V]."""
+            n, d = h_NxD.shape
+            c = max(1, min(n, CHUNK_ELEMENTS // self.vocab_size))
+            n_pad = -n % c
+            h = jnp.pad(h_NxD, ((0, n_pad), (0, 0))).reshape(-1, c, d)
+            w = m.head_weight()
+
+            def one(hc):
+                z = jnp.einsum("nd,dv->nv", hc, w.astype(hc.dtype),
+                               preferred_element_type=jnp.float32)
+                if cap is not None:
+                    z = jnp.tanh(z / cap) * cap
+                return fn(z)
+
+            out = jax.lax.map(one, h)
+            return jax.tree_util.tree_map(lambda x: x.reshape(-1, *x.shape[2:])[:n], out)
+
+        def score(state, tokens, targets, positions, segment_ids):
+            m = nnx.merge(graphdef, state)
+            h = m(tokens, positions, segment_ids, return_logits=False).final_hidden
+            b, t, d = h.shape
+            tgt = targets.reshape(-1)
+            h = h.reshape(b * t, d)
+
+            # Row chunks of [c, V] logits; the targets travel with their rows.
+            n = b * t
+            c = max(1, min(n, CHUNK_ELEMENTS // self.vocab_size))
+            n_pad = -n % c
+            hh = jnp.pad(h, ((0, n_pad), (0, 0))).reshape(-1, c, d)
+            tt = jnp.pad(tgt, (0, n_pad)).reshape(-1, c)
+            w = m.head_weight()
+
+            def one(xs):
+                hc, tc = xs
+                z = jnp.einsum("nd,dv->nv", hc, w.astype(hc.dtype),
+                               preferred_element_type=jnp.float32)
+                if cap is not None:
+                    z = jnp.tanh(z / cap) * cap
+                lse = jax.nn.logsumexp(z, axis=-1)
+                zt = jnp.take_along_axis(z, tc[:, None], axis=-1)[:, 0]
+                return zt - lse, jnp.argmax(z, axis=-1) == tc
+
+            logp, greedy = jax.lax.map(one, (hh, tt))
+            return logp.reshape(-1)[:n].reshape(b, t), greedy.reshape(-1)[:n].reshape(b, t)
+
+        def next_token(state, tokens, last):
+            m = nnx.merge(graphdef, state)
+            h = m(tokens, return_logits=False).final_hidden
+            h_last = h[jnp.arange(h.shape[0]), last]
+            ids = head_chunks(m, h_last, lambda z: jnp.argmax(z, axis=-1))
+            return ids
+
+        self._score = jax.jit(score)
+        self._next = jax.jit(next_token)
+
+    def bucket(self, length: int) -> int:
+        for b in self.buckets:
+            if length <= b:
+                return b
+        raise InputError(f"a sequence of {length} tokens exceeds the model length "
+                         f"{self.max_length}")
+
+    def score_batch(self, tokens: np.ndarray, targets: np.ndarray,
+                    positions: np.ndarray | None = None,
+                    segment_ids: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        b, t = tokens.shape
+        if positions is None:
+            positions = np.broadcast_to(np.arange(t, dtype=np.int32), (b, t))
+        if segment_ids is None:
+            segment_ids = np.ones((b, t), np.int32)
+        logp, greedy = self._score(self._state, jnp.asarray(tokens, jnp.int32),
+                                   jnp.asarray(targets, jnp.int32),
+                                   jnp.asarray(positions, jnp.int32),
+                                   jnp.asarray(segment_ids, jnp.int32))
+        return np.asarray(logp), np.asarray(greedy)
+
+    def score_rows(self, rows: list[tuple[list[int], int]], *, progress: bool = False,
+                   desc: str = "loglikelihood") -> list[tuple[float, bool]]:
+        """rows: (tokens, n) — score the last n tokens of `tokens` given the ones before.
+
+        Returns (sum of log-probs, all greedy) per row, in input order.
+        """
+        for toks, n in rows:
+            if not 1 <= n < len(toks) or len(toks) - 1 > self.max_length:
+                raise ValueError(f"bad row: {len(toks)} tokens, score {n}")
+        order = sorted(range(len(rows)), key=lambda i: -len(rows[i][0]))
+        out: list[tuple[float, bool] | None] = [None] * len(rows)
+        B = self.batch_size
+        bar = tqdm(total=len(rows), desc=desc, disable=not progress, leave=False)
+        i = 0
+        while i < len(order):
+            L = self.bucket(len(rows[order[i]][0]) - 1)
+            batch = order[i:i + B]
+            # Only rows of this bucket share the batch (rows are sorted by length).
+            batch = [j for j in batch if self.bucket(len(rows[j][0]) - 1) == L]
+            tokens = np.full((B, L), self.pad_id, np.int32)
+            targets = np.zeros((B, L), np.int32)
+            for r, j in enumerate(batch):
+                seq = rows[j][0]
+                tokens[r, :len(seq) - 1] = seq[:-1]
+                targets[r, :len(seq) - 1] = seq[1:]
+            logp, greedy = self.score_batch(tokens, targets)
+            for r, j in enumerate(batch):
+                seq, n = rows[j]
+                end = len(seq) - 1
+                out[j] = (float(logp[r, end - n:end].astype(np.float64).sum()),
+                          bool(greedy[r, end - n:end].all()))
+            i += len(batch)
+            bar.update(len(batch))
+        bar.close()
+        return out  # type: ignore[return-value]
+
+    def next_tokens(self, tokens: np.ndarray, last: np.ndarray) -> np.ndarray:
+        return np.asarray(self._next(self._state, jnp.asarray(tokens, jnp.int32),
+                                     jnp.asarray(last, jnp.int32)))
+
+
+# --------------------------------------------------------------------------- #
+# The lm-eval model
+# --------------------------------------------------------------------------- #
+
+
+@register_model("hldstudy")
+class HLDStudyLM(LM):
+    """lm-eval model over an hldstudy Transformer.
+
+    Build from a checkpoint (`HLDStudyLM(checkpoint=DIR)`, or lm-eval's
+    `--model hldstudy --model_args checkpoint=DIR,batch_size=8`) or from
+    objects (`HLDStudyLM(model=..., tokenizer=..., max_length=...)`).
+    """
+
+    def __init__(self, checkpoint: str | Path | None = None, *, model=None, tokenizer=None,
+                 max_length: int | None = None, batch_size: int | str = 8,
+                 add_bos: bool | None = None, rolling_context: int | None = None,
+                 max_gen_toks: int = 256, progress: bool = True, **unused):
+        super().__init__()
+        info: dict[str, Any] = {"config": None, "kind": "objects", "add_bos": False,
+                                "max_length": None}
+        if checkpoint is not None:
+            info = load_checkpoint(checkpoint)
+            model, tokenizer = info["model"], info["tokenizer"]
+        if model is None or tokenizer is None:
+            raise InputError("HLDStudyLM needs checkpoint=DIR, or model= and tokenizer=")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = info["config"]
+        self.kind = info["kind"]
+        limit = int(model.cfg.max_seq_len)
+        self.max_length = int(max_length or info["max_length"] or limit)
+        if self.max_length > limit:
+            raise InputError(f"max_length={self.max_length} exceeds model.max_seq_len={limit}")
+        self.add_bos = bool(info["add_bos"] if add_bos is None else add_bos)
+        self.rolling_context = int(rolling_context or max(1, self.max_length // 2))
+        if not 1 <= self.rolling_context <= self.max_length:
+            raise InputError(f"rolling_context={self.rolling_context} must be in "
+                             f"1..max_length={self.max_length}")
+        self.max_gen_toks = int(max_gen_toks)
+        self.progress = bool(progress)
+        self.batch_size = int(batch_size) if str(batch_size).isdigit() else 8
+        self.scorer = Scorer(model, batch_size=self.batch_size, max_length=self.max_length,
+                             pad_id=tokenizer.pad_id)
+        self._warned_sampling = False
+
+    # -- tokenization ------------------------------------------------------ #
+    @property
+    def prefix_token_id(self) -> int:
+        return self.tokenizer.bos_id if self.add_bos else self.tokenizer.eos_id
+
+    @property
+    def eot_token_id(self) -> int:
+        return self.tokenizer.eos_id
+
+    def encode_context(self, context: str) -> list[int]:
+        ids = list(self.tokenizer.encode(context)) if context else []
+        if self.add_bos or not ids:
+            ids = [self.prefix_token_id] + ids
+        return ids
+
+    def encode_pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
+        """(context ids, continuation ids) the lm-eval way (see the module docstring)."""
+        n_spaces = len(context) - len(context.rstrip())
+        if n_spaces:
+            continuation = context[-n_spaces:] + continuation
+            context = context[:-n_spaces]
+        ctx_ids = self.encode_context(context)
+        cont_ids: list[int] | None = None
+        if context:
+            raw_ctx = list(self.tokenizer.encode(context))
+            whole = list(self.tokenizer.encode(context + continuation))
+            if len(whole) > len(raw_ctx) and whole[:len(raw_ctx)] == raw_ctx:
+                cont_ids = whole[len(raw_ctx):]
+        if cont_ids is None:
+            cont_ids = list(self.tokenizer.encode(continuation))
+        return ctx_ids, cont_ids
+
+    def _row(self, ctx_ids: list[int], cont_ids: list[int]) -> tuple[list[int], int]:
+        if not cont_ids:
+            raise InputError("loglikelihood: the continuation encodes to zero tokens")
+        if len(cont_ids) > self.max_length:
+            raise InputError(f"loglikelihood: a continuation of {len(cont_ids)} tokens does not "
+                             f"fit the model length {self.max_length}; score long texts with "
+                             "loglikelihood_rolling")
+        # Left-truncate the context: at most max_length inputs.
+        full = (ctx_ids + cont_ids)[-(self.max_length + 1):]
+        return full, len(cont_ids)
+
+    # -- lm-eval API ------------------------------------------------------- #
+    def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        rows = [self._row(*self.encode_pair(*req.args)) for req in requests]
+        out = self.scorer.score_rows(rows, progress=self.progress and not disable_tqdm)
+        for req, res in zip(requests, out, strict=True):
+            self.cache_hook.add_partial("loglikelihood", req.args, res)
+        return out
+
+    def loglikelihood_tokens(self, pairs: list[tuple[list[int], list[int]]]) -> list[tuple[float, bool]]:
+        return self.scorer.score_rows([self._row(c, x) for c, x in pairs], progress=False)
+
+    def rolling_windows(self, ids: list[int]) -> list[tuple[list[int], list[int]]]:
+        """(context, continuation) token windows covering `ids` once (see module docstring)."""
+        from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
+        if not ids:
+            return []
+        return [make_disjoint_window(w) for w in get_rolling_token_windows(
+            token_list=list(ids), prefix_token=self.prefix_token_id,
+            max_seq_len=self.max_length, context_len=self.rolling_context)]
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        rows, owner = [], []
+        for k, req in enumerate(requests):
+            (text,) = req.args[:1]
+            ids = list(self.tokenizer.encode(text))
+            if self.add_bos and ids[:1] == [self.tokenizer.bos_id]:
+                ids = ids[1:]
+            for ctx, cont in self.rolling_windows(ids):
+                rows.append((list(ctx) + list(cont), len(cont)))
+                owner.append(k)
+        scores = self.scorer.score_rows(rows, progress=self.progress and not disable_tqdm,
+                                        desc="loglikelihood_rolling")
+        out = [0.0] * len(requests)
+        for k, (lp, _) in zip(owner, scores, strict=True):
+            out[k] += lp
+        for req, res in zip(requests, out, strict=True):
+            self.cache_hook.add_partial("loglikelihood_rolling", req.args, res)
+        return out
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        out: list[str | None] = [None] * len(requests)
+        groups: dict[tuple, list[int]] = {}
+        parsed = []
+        for i, req in enumerate(requests):
+            context, kwargs = req.args[0], dict(req.args[1] if len(req.args) > 1 else {})
+            until = kwargs.pop("until", None) or []
+            if isinstance(until, str):
+                until = [until]
+            max_gen = int(kwargs.pop("max_gen_toks", self.max_gen_toks))
+            if (kwargs.get("do_sample") or float(kwargs.get("temperature", 0) or 0) > 0) \
+                    and not self._warned_sampling:
+                warnings.warn("hldstudy generate_until decodes greedily; sampling arguments "
+                              "are ignored", stacklevel=2)
+                self._warned_sampling = True
+            max_gen = max(1, min(max_gen, self.max_length - 1))
+            ids = self.encode_context(context)[-(self.max_length - max_gen):]
+            parsed.append((ids, tuple(until), max_gen))
+            groups.setdefault((tuple(until), max_gen), []).append(i)
+        bar = tqdm(total=len(requests), desc="generate_until",
+                   disable=not self.progress or disable_tqdm, leave=False)
+        for (until, max_gen), idx in groups.items():
+            idx = sorted(idx, key=lambda i: -len(parsed[i][0]))
+            for s in range(0, len(idx), self.batch_size):
+                chunk = idx[s:s + self.batch_size]
+                texts = self._generate([parsed[i][0] for i in chunk], list(until), max_gen)
+                for i, t in zip(chunk, texts, strict=True):
+                    out[i] = t
+                    self.cache_hook.add_partial("generate_until", requests[i].args, t)
+                bar.update(len(chunk))
+        bar.close()
+        return out  # type: ignore[return-value]
+
+    def _generate(self, contexts: list[list[int]], until: list[str], max_gen: int) -> list[str]:
+        """Greedy decoding of a batch: re-runs the padded forward per new token (no KV cache)."""
+        B = self.batch_size
+        n = len(contexts)
+        seqs = [list(c) for c in contexts]
+        gen: list[list[int]] = [[] for _ in range(n)]
+        done = [False] * n
+        texts = [""] * n
+        eos = self.tokenizer.eos_id
+        for _ in range(max_gen):
+            active = [j for j in range(n) if not done[j]]
+            if not active:
+                break
+            L = self.scorer.bucket(max(len(seqs[j]) for j in active))
+            tokens = np.full((B, L), self.tokenizer.pad_id, np.int32)
+            last = np.zeros(B, np.int32)
+            for r, j in enumerate(active):
+                tokens[r, :len(seqs[j])] = seqs[j]
+                last[r] = len(seqs[j]) - 1
+            nxt = self.scorer.next_tokens(tokens, last)
+            for r, j in enumerate(active):
+                t = int(nxt[r])
+                if t == eos:
+                    done[j] = True
+                    continue
+                seqs[j].append(t)
+                gen[j].append(t)
+                texts[j] = self.tokenizer.decode(gen[j])
+                if any(u and u in texts[j] for u in until) or len(seqs[j]) >= self.max_length:
+                    done[j] = True
+        out = []
+        for text in texts:
+            cut = len(text)
+            for u in until:
+                if u:
+                    k = text.find(u)
+                    if k != -1:
+                        cut = min(cut, k)
+            out.append(text[:cut])
+        return out
+
+    # lm-eval calls these on some code paths.
+    @property
+    def tokenizer_name(self) -> str:
+        return "hldstudy-sentencepiece"
+
+    def tok_encode(self, string: str, **kwargs) -> list[int]:
+        return list(self.tokenizer.encode(string))
+
+    def tok_decode(self, tokens, **kwargs) -> str:
+        return self.tokenizer.decode(tokens)
+
+
+def token_perplexity(total_logprob: float, n_tokens: int) -> float:
+    return math.exp(-total_logprob / max(n_tokens, 1))

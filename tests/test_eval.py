@@ -1,0 +1,168 @@
+"""lm-eval adapter math: loglikelihood, rolling windows, uniform perplexity, greedy decoding."""
+
+import math
+from types import SimpleNamespace
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from hldstudy.errors import InputError
+from hldstudy.eval.adapter import HLDStudyLM, length_buckets
+from hldstudy.eval.perplexity import corpus_perplexity
+from hldstudy.eval.testing import tiny_config, tiny_tokenizer
+from hldstudy.model import Transformer
+
+MAXLEN = 64
+
+
+def _req(*args):
+    return SimpleNamespace(args=tuple(args))
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    return tiny_tokenizer(tmp_path_factory.mktemp("tok"))
+
+
+@pytest.fixture(scope="module")
+def lm(tokenizer):
+    model = Transformer(tiny_config().model, rngs=nnx.Rngs(1))
+    return HLDStudyLM(model=model, tokenizer=tokenizer, max_length=MAXLEN, batch_size=4,
+                      progress=False)
+
+
+@nnx.jit
+def _logits(model, tokens):
+    return model(tokens).logits
+
+
+def _model_logits(model, ids):
+    """The model's own logits for ids, run right-padded to MAXLEN (causal: padding after
+    the last token changes nothing) so the reference compiles once."""
+    assert len(ids) <= MAXLEN
+    x = np.zeros((1, MAXLEN), np.int32)
+    x[0, :len(ids)] = ids
+    return _logits(model, jnp.asarray(x))[0, :len(ids)]
+
+
+def _direct_logprobs(model, seq):
+    """Per-token log p(seq[t+1] | seq[:t+1]) and greedy flags from the model's own logits."""
+    logits = _model_logits(model, seq[:-1])
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    tgt = np.asarray(seq[1:])
+    lp = np.asarray(logp)[np.arange(len(tgt)), tgt].astype(np.float64)
+    greedy = np.asarray(jnp.argmax(logits, -1)) == tgt
+    return lp, greedy
+
+
+def test_loglikelihood_matches_the_model(lm):
+    long_ctx = " ".join(["Mara lives in Oslo and has two cats."] * 12)  # > 64 tokens
+    reqs = [("Mara lives in", " Oslo."), ("", "Tom has three dogs."),
+            ("What is Tom's favorite color? His favorite color is ", "blue."),
+            (long_ctx, " She likes soup."), ("The dogs near the old bridge", " are happy.")]
+    got = lm.loglikelihood([_req(c, x) for c, x in reqs])
+    for (ctx, cont), (lp, greedy) in zip(reqs, got, strict=True):
+        ctx_ids, cont_ids = lm.encode_pair(ctx, cont)
+        if not ctx:
+            assert ctx_ids == [lm.tokenizer.eos_id]  # empty context -> EOS prefix
+        full = (ctx_ids + cont_ids)[-(MAXLEN + 1):]  # context truncated from the left
+        want, want_greedy = _direct_logprobs(lm.model, full)
+        n = len(cont_ids)
+        np.testing.assert_allclose(lp, want[-n:].sum(), rtol=1e-5, atol=1e-4)
+        assert greedy == bool(want_greedy[-n:].all())
+    # Trailing context spaces move to the continuation (lm-eval's convention).
+    assert lm.encode_pair("Mara lives in ", "Oslo.") == lm.encode_pair("Mara lives in", " Oslo.")
+
+
+def test_is_greedy_and_token_level(lm):
+    ctx = lm.encode_context("Where does Mara live? Mara lives in")
+    seq = list(ctx)
+    for _ in range(3):  # the model's own greedy continuation
+        logits = _model_logits(lm.model, seq)[-1]
+        seq.append(int(jnp.argmax(logits)))
+    cont = seq[len(ctx):]
+    (lp_g, g), (lp_ng, ng) = lm.loglikelihood_tokens(
+        [(ctx, cont), (ctx, cont[:2] + [(cont[2] + 1) % lm.scorer.vocab_size])])
+    assert g is True and ng is False
+    want, _ = _direct_logprobs(lm.model, seq)
+    np.testing.assert_allclose(lp_g, want[-3:].sum(), rtol=1e-5, atol=1e-4)
+
+
+def test_fixed_padded_shapes_no_recompile_per_request(lm):
+    assert length_buckets(64) == [32, 64] and length_buckets(2048)[-1] == 2048
+    assert length_buckets(1000) == [32, 64, 128, 256, 512, 1000]
+    words = "a b c d e f g h i j k l m n o p q r s t u v w x y z".split()
+    reqs = [_req(" ".join(words[:k]), " " + words[k % 26]) for k in range(1, 26)]
+    lm.loglikelihood(reqs)
+    lm.loglikelihood(reqs[::-1][:7])
+    assert lm.scorer._score._cache_size() <= len(lm.scorer.buckets)
+
+
+def test_rolling_equals_sum_over_windows(lm):
+    text = " ".join(f"Mara has {w} apples and Tom has {w} cats." for w in
+                    ("two", "three", "four", "five", "six", "seven", "eight", "nine", "ten"))
+    ids = lm.tokenizer.encode(text)
+    assert len(ids) > 2 * MAXLEN
+    (got,) = lm.loglikelihood_rolling([_req(text)])
+    windows = lm.rolling_windows(ids)
+    assert len(windows) >= 3
+    # Every token is predicted exactly once, the first from the prefix token.
+    assert [t for _, cont in windows for t in cont] == list(ids)
+    assert windows[0][0] == [lm.prefix_token_id]
+    total = 0.0
+    for ctx, cont in windows:
+        seq = list(ctx) + list(cont)
+        assert len(seq) - 1 <= MAXLEN
+        if ctx is not windows[0][0]:
+            assert len(ctx) >= lm.rolling_context - 1  # documented context per window
+        lp, _ = _direct_logprobs(lm.model, seq)
+        total += lp[-len(cont):].sum()
+    np.testing.assert_allclose(got, total, rtol=1e-5)
+    # lm-eval's disjoint chunks are rolling_context=1.
+    lm1 = HLDStudyLM(model=lm.model, tokenizer=lm.tokenizer, max_length=MAXLEN, batch_size=4,
+                     rolling_context=1, progress=False)
+    assert len(lm1.rolling_windows(ids)) == math.ceil(len(ids) / MAXLEN)
+
+
+def test_uniform_model_has_perplexity_vocab_size(tokenizer):
+    cfg = tiny_config()
+    model = Transformer(cfg.model, rngs=nnx.Rngs(0))
+    model.embedding[...] = jnp.zeros_like(model.embedding[...])  # tied head -> logits all 0
+    lm = HLDStudyLM(model=model, tokenizer=tokenizer, max_length=MAXLEN, batch_size=4,
+                    progress=False)
+    V = cfg.model.vocab_size
+    text = "Mara lives in Oslo. " * 20
+    n = len(tokenizer.encode(text))
+    (ll,) = lm.loglikelihood_rolling([_req(text)])
+    np.testing.assert_allclose(math.exp(-ll / n), V, rtol=1e-4)
+    ppl = corpus_perplexity(lm, "synthetic_ppl", limit=8, progress=False)
+    np.testing.assert_allclose(ppl["perplexity"], V, rtol=1e-4)
+    assert ppl["tokens"] > 100
+
+
+def test_generate_until_greedy_with_stop_sequences(lm):
+    ctx = "Where does Mara live? Mara lives in"
+    (free,) = lm.generate_until([_req(ctx, {"until": [], "max_gen_toks": 8})])
+    ids = lm.encode_context(ctx)
+    seq = list(ids)
+    for _ in range(8):
+        t = int(jnp.argmax(_model_logits(lm.model, seq)[-1]))
+        if t == lm.tokenizer.eos_id:
+            break
+        seq.append(t)
+    assert free == lm.tokenizer.decode(seq[len(ids):])
+    if len(free.strip()) >= 2:
+        stop = free.strip()[1]
+        cut, also = lm.generate_until([_req(ctx, {"until": [stop], "max_gen_toks": 8}),
+                                      _req(ctx, {"until": "\n\n", "max_gen_toks": 8})])
+        assert cut == free[:free.index(stop)]
+        assert also == free.split("\n\n")[0]
+
+
+def test_too_long_continuation_is_a_clear_error(lm):
+    cont = " " + " ".join(["apples"] * 200)
+    with pytest.raises(InputError, match="loglikelihood_rolling"):
+        lm.loglikelihood([_req("Mara has", cont)])
