@@ -164,3 +164,26 @@ def test_property_matches_materialized(T, V, row_block, vocab_block, temperature
         inputs, rtol=2e-5, temperature=temperature, alpha=alpha, divergence=divergence,
         softcap=softcap, row_block=row_block, vocab_block=vocab_block,
     )
+
+
+def test_never_materializes_logits():
+    """XLA's own memory analysis: the chunked schedule's scratch is far below one [T, V] array."""
+    T, d, V = 256, 16, 8192
+    h_s, w_s, h_t, w_t, labels, mask = make_inputs(11, T, d, d, V)
+
+    def temp_bytes(**kw):
+        f = jax.jit(jax.value_and_grad(
+            lambda hs, ws: fused_kd_loss(hs, ws, h_t, w_t, labels, mask, backend="xla", **kw)[0],
+            argnums=(0, 1)))
+        return f.lower(h_s, w_s).compile().memory_analysis().temp_size_in_bytes
+
+    one_logits_array = T * V * 4
+    assert temp_bytes(row_block=32, vocab_block=512) < one_logits_array / 4
+    # Single-chunk schedule: O(row_block x V) plus the saved dW (d x V).
+    assert temp_bytes(row_block=16) < one_logits_array / 2
+
+
+def test_auto_backend_is_xla_on_cpu():
+    from hldstudy.losses.fused import resolve_backend
+
+    assert jax.default_backend() != "cpu" or resolve_backend("auto") == "xla"
