@@ -12,7 +12,10 @@ Conventions checked against llama.cpp's converter and transformers' GGUF
 loader:
   * llama.cpp adds 1 to every Gemma norm weight; we subtract it again.
   * llama.cpp does not permute Q/K for Gemma (it uses NEOX / half-split rope,
-    the layout hldstudy and HF use), so Q/K are taken as they are.
+    the layout hldstudy and HF use), so Q/K are taken as they are (confirmed:
+    logits match transformers' GGUF loader to ~1e-4, scripts/gemma_parity.py).
+  * transformers' Gemma 3 never applies `attn_logit_softcapping`; load_hf
+    ignores it too and export_hf refuses models with `attn_softcap`.
   * gemma3 GGUF metadata has no local rope base nor sliding-window pattern:
     llama.cpp hardcodes 10000 and "every 6th layer global"; we do the same
     unless the newer `rope.freq_base_swa` / `attention.sliding_window_pattern`
@@ -38,6 +41,7 @@ import dataclasses
 import json
 import re
 import struct
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -340,7 +344,7 @@ def _gguf_config(reader, source: str) -> ModelConfig:
     )
 
 
-def _gguf_hf_weights(reader, source: str) -> dict:
+def _gguf_hf_weights(reader, source: str) -> Callable[[str], np.ndarray | None]:
     """GGUF tensors renamed to HF names, lazily dequantized, norms un-folded (-1)."""
     from gguf.quants import dequantize
 
