@@ -1,0 +1,483 @@
+"""Disaggregated teacher: gRPC replicas, the prefetch ring, faults, equality with colocated.
+
+The ring tests drive `PrefetchRing` with in-process fake replicas (no JAX).
+The end-to-end tests start real replicas (`python -m hldstudy.teacher.serve`
+subprocesses on loopback) for a tiny teacher trained in the module fixture,
+and compare a remote run with the colocated one bitwise (float32 on CPU).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from hldstudy.config import Config, DataConfig, DistillConfig, TrainConfig, save_config
+from hldstudy.errors import ConfigError
+from hldstudy.model import preset
+from hldstudy.teacher import protocol as proto
+from hldstudy.teacher.remote import RemoteTeacher, parse_spec
+from hldstudy.teacher.ring import PrefetchRing, TeacherUnavailable
+
+VOCAB = 384
+
+# --------------------------------------------------------------------------- #
+# Fake replicas for the ring
+# --------------------------------------------------------------------------- #
+
+
+class FakeLink:
+    """A replica in-process: answers requested steps in order on a worker thread."""
+
+    def __init__(self, name, *, fail_after=None, hang_after=None, delay=0.0, up=True):
+        self.name, self.fail_after, self.hang_after, self.delay = name, fail_after, hang_after, delay
+        self.up = up
+        self.requests: list[int] = []
+        self.answered: list[int] = []
+        self.max_outstanding = 0
+        self.lock = threading.Lock()
+        self.sessions = []
+
+    def connect(self):
+        if not self.up:
+            raise ConnectionError(f"{self.name} is down")
+
+    def open(self, on_result, on_error):
+        s = FakeSession(self, on_result, on_error)
+        self.sessions.append(s)
+        return s
+
+
+class FakeSession:
+    def __init__(self, link, on_result, on_error):
+        import queue
+
+        self.link, self.on_result, self.on_error = link, on_result, on_error
+        self.q = queue.Queue()
+        self.closed = False
+        threading.Thread(target=self._work, daemon=True).start()
+
+    def request(self, step):
+        with self.link.lock:
+            self.link.requests.append(step)
+            out = len(self.link.requests) - len(self.link.answered)
+            self.link.max_outstanding = max(self.link.max_outstanding, out)
+        self.q.put(step)
+
+    def _work(self):
+        link = self.link
+        while True:
+            step = self.q.get()
+            if step is None or self.closed:
+                return
+            if link.fail_after is not None and len(link.answered) >= link.fail_after:
+                link.up = False
+                self.on_error(ConnectionError("killed"))
+                return
+            if link.hang_after is not None and len(link.answered) >= link.hang_after:
+                while not self.closed:
+                    time.sleep(0.01)
+                return
+            time.sleep(link.delay)
+            with link.lock:
+                link.answered.append(step)
+            self.on_result(step, f"d{step}", {"step": step, "by": link.name})
+
+    def close(self):
+        self.closed = True
+        self.q.put(None)
+
+
+def _drain(ring, start, end, pause=0.0):
+    got = []
+    for s in range(start, end):
+        d = ring.get(s)
+        assert d.payload["step"] == s
+        got.append((s, d.payload["by"]))
+        time.sleep(pause)
+    return got
+
+
+def test_ring_interleaves_steps_and_bounds_prefetch():
+    links = [FakeLink("a"), FakeLink("b")]
+    ring = PrefetchRing(links, start=10, end=30, ring_size=3, timeout_s=5)
+    try:
+        got = _drain(ring, 10, 30, pause=0.002)
+    finally:
+        ring.close()
+    assert [by for _, by in got] == ["a", "b"] * 10  # replica r owns steps start+r, start+r+n, ...
+    assert sorted(links[0].requests + links[1].requests) == list(range(10, 30))
+    assert max(l.max_outstanding for l in links) <= 3  # backpressure: never past the ring
+
+
+def test_ring_of_size_zero_is_synchronous():
+    link = FakeLink("a")
+    ring = PrefetchRing([link], start=0, end=5, ring_size=0, timeout_s=5)
+    try:
+        time.sleep(0.05)
+        assert link.requests == []  # nothing asked before the trainer wants it
+        ring.get(0)
+        time.sleep(0.05)
+        assert link.requests == [0]
+        _drain(ring, 1, 5)
+    finally:
+        ring.close()
+    assert link.max_outstanding == 1
+
+
+def test_dead_replica_steps_are_reassigned_and_it_rejoins():
+    a, b = FakeLink("a", delay=0.002), FakeLink("b", fail_after=2, delay=0.002)
+    ring = PrefetchRing([a, b], start=0, end=60, ring_size=4, timeout_s=5, rejoin_s=0.05)
+    try:
+        got = _drain(ring, 0, 20)
+        assert ring.status()["live"] == [True, False]
+        b.fail_after, b.up = None, True  # restarted: the next handshake succeeds
+        deadline = time.time() + 5
+        while not ring.status()["live"][1] and time.time() < deadline:
+            time.sleep(0.01)
+        got += _drain(ring, 20, 60)
+        status = ring.status()
+    finally:
+        ring.close()
+    assert [s for s, _ in got] == list(range(60))  # every step once, in order
+    assert status["live"] == [True, True] and status["failures"] == [0, 1]
+    assert status["reassigned"] >= 1
+    assert any(by == "b" for s, by in got if s >= 24)  # took its share again after rejoining
+
+
+def test_stalled_replica_times_out_and_late_answers_are_dropped():
+    a, b = FakeLink("a"), FakeLink("b", hang_after=1)
+    ring = PrefetchRing([a, b], start=0, end=12, ring_size=2, timeout_s=0.2, rejoin_s=60)
+    try:
+        t0 = time.perf_counter()
+        got = _drain(ring, 0, 12)
+        elapsed = time.perf_counter() - t0
+    finally:
+        ring.close()
+    assert [s for s, _ in got] == list(range(12))
+    assert [by for s, by in got if s >= 3] == ["a"] * 9
+    assert 0.2 <= elapsed < 3
+    assert ring.stall_s >= 0.2  # the trainer waited out the timeout once
+
+
+def test_no_replica_left_raises_after_the_timeout():
+    ring = PrefetchRing([FakeLink("a", fail_after=0)], start=0, end=3, ring_size=1,
+                        timeout_s=0.2, rejoin_s=0.05)
+    try:
+        with pytest.raises(TeacherUnavailable, match="teacher.timeout_s"):
+            ring.get(0)
+    finally:
+        ring.close()
+
+
+def test_out_of_order_consumption_is_refused():
+    ring = PrefetchRing([FakeLink("a")], start=0, end=3, ring_size=1, timeout_s=1)
+    try:
+        ring.get(0)
+        with pytest.raises(RuntimeError, match="consumed once"):
+            ring.get(0)
+    finally:
+        ring.close()
+
+
+def test_frames_roundtrip_in_chunks():
+    import jax.numpy as jnp
+
+    a = np.arange(3 * 5 * 7, dtype=np.float32).reshape(3, 5, 7)
+    b = np.asarray(jnp.linspace(-3, 3, 2 * 5 * 7).reshape(2, 5, 7).astype(jnp.bfloat16))
+    frames = list(proto.step_frames(9, "dd", [("final", a), ("layer:2", b)], chunk_bytes=64))
+    assert len(frames) > 3 and sum(n for _, n in frames) == a.nbytes + b.nbytes
+    asm = proto.StepAssembler()
+    outs = [asm.add(*proto.decode(f)) for f, _ in frames]
+    assert all(o is None for o in outs[:-1])
+    step, digest, tensors = outs[-1]
+    assert step == 9 and digest == "dd"
+    np.testing.assert_array_equal(tensors["final"], a)
+    assert tensors["layer:2"].dtype == b.dtype and (tensors["layer:2"] == b).all()
+
+
+def test_remote_spec_parsing():
+    assert parse_spec("remote://h:1,127.0.0.1:2?fingerprint=ab") == (
+        ["h:1", "127.0.0.1:2"], {"fingerprint": "ab"})
+    with pytest.raises(ConfigError, match="teacher.checkpoint"):
+        parse_spec("remote://")
+
+
+# --------------------------------------------------------------------------- #
+# End to end: real replicas on loopback
+# --------------------------------------------------------------------------- #
+
+
+def _data(tokenizer=None):
+    return DataConfig(seq_len=64, batch_size=8, tokenizer_vocab_size=VOCAB, synthetic_docs=600,
+                      synthetic_valid_docs=50, tokenizer=tokenizer)
+
+
+def _train(steps):
+    return TrainConfig(steps=steps, lr=3e-3, warmup_steps=2, log_every=1, checkpoint_every=4,
+                       eval_batches=1, progress=False)
+
+
+def _student(method, checkpoint, tokenizer, steps=5, **teacher):
+    return Config(name=method, model=preset("tiny", vocab_size=VOCAB), data=_data(tokenizer),
+                  train=_train(steps), distill=DistillConfig(method=method),
+                  teacher=dataclasses.replace(Config().teacher, checkpoint=checkpoint, **teacher))
+
+
+def _losses(workdir):
+    recs = [json.loads(l) for l in (Path(workdir) / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in recs if "loss" in r}
+
+
+def _steps_log(workdir):
+    return [json.loads(l)["step"] for l in
+            (Path(workdir) / "teacher_steps.log").read_text().splitlines()]
+
+
+class Replica:
+    """`python -m hldstudy.teacher.serve` in a subprocess."""
+
+    def __init__(self, config, workdir, *args, port=0):
+        self.args = [sys.executable, "-m", "hldstudy.teacher.serve", "--config", str(config),
+                     "--workdir", str(workdir), *map(str, args)]
+        self.log = Path(workdir).with_suffix(".log")
+        self.port = port
+        self.proc = None
+
+    def start(self):
+        Path(self.log).parent.mkdir(parents=True, exist_ok=True)
+        err = open(self.log, "a")
+        self.proc = subprocess.Popen(self.args + ["--port", str(self.port)],
+                                     stdout=subprocess.PIPE, stderr=err, text=True)
+        return self
+
+    def ready(self):
+        line = self.proc.stdout.readline()
+        m = re.search(r"on \S+:(\d+)$", line.strip())
+        if not m:
+            self.proc.kill()
+            raise RuntimeError(f"replica failed to start: {line!r}\n{self.log.read_text()[-3000:]}")
+        self.port = int(m.group(1))
+        return self
+
+    @property
+    def address(self):
+        return f"127.0.0.1:{self.port}"
+
+    def kill(self):
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait()
+
+    def stats(self):
+        from hldstudy.teacher.remote import GrpcLink
+
+        return GrpcLink(self.address).stats()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _compile_cache(tmp_path_factory):
+    """Colocated and remote runs share most programs (init, eval): compile them once."""
+    from jax._src import compilation_cache
+
+    old = (jax.config.jax_compilation_cache_dir,
+           jax.config.jax_persistent_cache_min_compile_time_secs)
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path_factory.mktemp("jax_cache")))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    compilation_cache.reset_cache()
+    yield
+    jax.config.update("jax_compilation_cache_dir", old[0])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", old[1])
+    compilation_cache.reset_cache()
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    """A tiny teacher (trained a few steps), the student config and two replicas."""
+    from hldstudy.train.loop import Trainer
+
+    root = tmp_path_factory.mktemp("disagg")
+    teacher = root / "teacher"
+    tcfg = Config(name="teacher", model=preset("tiny-teacher", vocab_size=VOCAB), data=_data(),
+                  train=_train(6))
+    Trainer(tcfg, teacher, devices=jax.devices()[:1]).run()
+    tok = str(teacher / "tokenizer.model")
+    config = root / "student.json"
+    save_config(_student("kd", str(teacher), tok), config)
+    # hldc aligns the student's middle layer with the teacher's layer 3.
+    replicas = [Replica(config, root / f"replica{i}", "--layers", "final,3").start()
+                for i in range(2)]
+    try:
+        for r in replicas:
+            r.ready()
+        yield {"root": root, "teacher": str(teacher), "tokenizer": tok, "config": config,
+               "replicas": replicas}
+    finally:
+        for r in replicas:
+            r.kill()
+
+
+def _remote(env, replicas=None):
+    return "remote://" + ",".join(r.address for r in (replicas or env["replicas"]))
+
+
+_runs: dict = {}
+
+
+def _run_pair(env, method):
+    """(colocated losses, remote losses, remote workdir, bytes the replicas sent)."""
+    from hldstudy.train.loop import Trainer
+
+    if method in _runs:
+        return _runs[method]
+    root = env["root"] / method
+    col = _student(method, env["teacher"], env["tokenizer"])
+    Trainer(col, root / "colocated", devices=jax.devices()[:1]).run()
+    before = [r.stats()["payload_bytes"] for r in env["replicas"]]
+    rem = dataclasses.replace(col, teacher=dataclasses.replace(col.teacher,
+                                                               checkpoint=_remote(env)))
+    Trainer(rem, root / "remote", devices=jax.devices()[:1]).run()
+    sent = sum(r.stats()["payload_bytes"] - b for r, b in zip(env["replicas"], before))
+    _runs[method] = (_losses(root / "colocated"), _losses(root / "remote"), root / "remote", sent)
+    return _runs[method]
+
+
+@pytest.mark.parametrize("method", ["kd", pytest.param("hldc", marks=pytest.mark.slow)])
+def test_remote_teacher_matches_colocated_bitwise(env, method):
+    col, rem, workdir, _ = _run_pair(env, method)
+    assert sorted(rem) == [1, 2, 3, 4, 5]
+    assert rem == col  # float32 on CPU: the same bits
+    assert _steps_log(workdir) == [0, 1, 2, 3, 4]
+    records = [json.loads(l) for l in (workdir / "metrics.jsonl").read_text().splitlines()]
+    assert all("teacher_stall_s" in r for r in records if "loss" in r)
+
+
+@pytest.mark.parametrize("method", ["kd", pytest.param("hldc", marks=pytest.mark.slow)])
+def test_planner_network_bytes_equal_bytes_sent(env, method):
+    from hldstudy.plan import network_bytes_per_step
+
+    _, _, _, sent = _run_pair(env, method)
+    tmodel = preset("tiny-teacher", vocab_size=VOCAB)
+    cfg = _student(method, env["teacher"], env["tokenizer"])
+    n_streamed = 1 + (1 if method == "hldc" else 0)  # final hidden (+ the aligned layer)
+    per_step = network_bytes_per_step(cfg.data.batch_size * cfg.data.seq_len, n_streamed,
+                                      tmodel.d_model, tmodel.vocab_size, stream_bytes=4)
+    assert sent == cfg.train.steps * per_step["hidden"]
+    assert per_step["logits"] / per_step["hidden"] == VOCAB / (n_streamed * tmodel.d_model)
+
+
+def test_handshake_refuses_mismatches(env, tmp_path):
+    tok, teacher = env["tokenizer"], env["teacher"]
+    remote = _remote(env)
+
+    def connect(cfg):
+        return RemoteTeacher.connect(cfg)
+
+    connect(_student("kd", remote, tok))  # the matching config is accepted
+    with pytest.raises(ConfigError, match=r"teacher.checkpoint: .*data.seq_len=64.*seq_len=32"):
+        connect(dataclasses.replace(_student("kd", remote, tok),
+                                    data=dataclasses.replace(_data(tok), seq_len=32)))
+    with pytest.raises(ConfigError, match=r"teacher.checkpoint: .*computes in float32"):
+        connect(_student("kd", remote, tok, dtype="bfloat16"))
+    with pytest.raises(ConfigError, match=r"teacher.checkpoint: .*serve layers final,3.*needs"):
+        connect(dataclasses.replace(_student("hldc", remote, tok), distill=DistillConfig(
+            method="hldc", layer_pairs="2:5")))
+    with pytest.raises(ConfigError, match=r"teacher.checkpoint: .*not 0000"):
+        connect(_student("kd", remote + "?fingerprint=0000", tok))
+    from hldstudy.data.synthetic import generate_documents
+    from hldstudy.data.tokenizer import train_tokenizer
+
+    other = train_tokenizer(generate_documents(300, seed=7)[::-1], VOCAB, tmp_path / "other")
+    with pytest.raises(ConfigError, match=r"teacher.checkpoint: .*different tokenizer"):
+        connect(_student("kd", remote, tok)).check_tokenizer(other)
+
+
+def test_replicas_serving_different_checkpoints_are_refused(env):
+    from hldstudy.teacher.serve import TeacherServer, load_student_config
+
+    cfg = load_student_config(str(env["config"]), [])
+    older = TeacherServer(cfg, env["teacher"], step=4, layers="final,3",
+                          workdir=env["root"] / "older")
+    port = older.start(0)
+    try:
+        with pytest.raises(ConfigError, match=r"teacher.checkpoint: .* serves checkpoint"):
+            RemoteTeacher.connect(_student(
+                "kd", _remote(env) + f",127.0.0.1:{port}", env["tokenizer"]))
+    finally:
+        older.stop(0)
+
+
+def test_killed_replica_mid_run(env):
+    """SIGKILL one replica after step 1: its steps move to the other, every step trains once,
+    the losses still equal the colocated run's; restarted, the replica rejoins a live stream."""
+    from hldstudy.distill import make_strategy
+    from hldstudy.distill.base import Stage
+    from hldstudy.teacher import remote as remote_mod
+    from hldstudy.train.loop import Trainer
+
+    col, _, _, _ = _run_pair(env, "kd")
+    a, b = env["replicas"]
+    workdir = env["root"] / "killed"
+    # ring_size=1: step 3 (b's) is requested only after b is dead.
+    cfg = _student("kd", _remote(env), env["tokenizer"], ring_size=1, timeout_s=5.0)
+    original = remote_mod.RemoteFeeder.__call__
+    restarted = []
+
+    def feed(self, step, batch):
+        out = original(self, step, batch)
+        if step == 1 and not restarted:
+            b.kill()
+            restarted.append(Replica(env["config"], env["root"] / "replica1b",
+                                     "--layers", "final,3", port=b.port).start())
+        return out
+
+    remote_mod.RemoteFeeder.__call__ = feed
+    try:
+        Trainer(cfg, workdir, devices=jax.devices()[:1]).run()
+    finally:
+        remote_mod.RemoteFeeder.__call__ = original
+    assert _losses(workdir) == col
+    log = [json.loads(l) for l in (workdir / "teacher_steps.log").read_text().splitlines()]
+    assert [r["step"] for r in log] == [0, 1, 2, 3, 4]
+    assert [r["replica"] for r in log] == [0, 1, 0, 0, 0]  # b's step 3 went to a
+
+    # While b restarts, a stream runs on a alone; b rejoins it once it answers.
+    teacher = RemoteTeacher.connect(cfg)
+    teacher.rejoin_s = 0.1
+    strategy = make_strategy(cfg, cfg.model, teacher.model_cfg)
+    _, feeder = teacher.step_inputs(strategy, Stage("main", 1.0), None)
+    feeder.begin(0, 10_000)
+    served, deadline = [], time.time() + 90
+    try:
+        while time.time() < deadline and 1 not in served[-4:]:
+            served.append(feeder.ring.get(len(served)).replica)
+            time.sleep(0.05)
+    finally:
+        feeder.close()
+        env["replicas"][1] = restarted[0].ready()
+    assert served[-2:] in ([0, 1], [1, 0]) and served.count(1) >= 1
+    assert served.index(1) > 1  # down when the stream started: a served its step 1
+
+
+def test_resumed_run_restarts_the_stream_at_its_checkpoint(env):
+    from hldstudy.train.loop import Interrupted, Trainer
+
+    col, _, _, _ = _run_pair(env, "kd")
+    workdir = env["root"] / "resumed"
+    cfg = _student("kd", _remote(env), env["tokenizer"])
+    with pytest.raises(Interrupted):
+        Trainer(cfg, workdir, devices=jax.devices()[:1]).run(stop_at_step=3)
+    Trainer(cfg, workdir, devices=jax.devices()[:1]).run()
+    assert _losses(workdir) == col
+    assert _steps_log(workdir) == [0, 1, 2, 3, 4]
