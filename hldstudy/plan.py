@@ -84,6 +84,11 @@ DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, 
 # XLA's memory_analysis() of the compiled baseline step (12 CPU shapes:
 # temp bytes within -19%..+14%, total within 17%).
 ACT_COPIES = {"d": 4, "ffn": 4, "qkv": 4}
+# A colocated teacher's forward is scheduled alongside the student's: XLA keeps
+# about this many residual-stream-sized teacher buffers per token live at the
+# peak (measured: 5.6-6.6 x d_t over teacher widths 128/256 and 256-512 tokens),
+# its outputs included.
+TEACHER_LIVE_COPIES = 6
 LOGIT_COPIES_TRAIN = 2  # student logits + their gradient (float32)
 
 
@@ -375,9 +380,12 @@ def plan(p: PlanInputs) -> dict:
     colocated.update({
         "teacher_weights": weights_bytes(t, tb, d_dev),
         "teacher_fsdp_gather": fsdp_gather_bytes(t, tb, d_dev),
-        "teacher_activations": inference_activation_bytes(t, tok_micro, p.seq_len, cb,
-                                                          attention=p.attention,
-                                                          kept_layers=n_streamed),
+        # The teacher's forward runs before the student's: its working set is
+        # transient and only counts where it exceeds the student's own peak;
+        # its outputs (final hidden + streamed layers) stay live.
+        "teacher_outputs": tok_micro * max(n_streamed, TEACHER_LIVE_COPIES) * t.d_model * cb,
+        "teacher_activations": max(0.0, tok_micro * layer_activation_bytes_per_token(
+            t, p.seq_len, cb, p.attention) - student_state["student_activations"] - logits),
         "logits_peak": logits,
     })
     disagg = dict(student_state)
@@ -481,61 +489,78 @@ def plan(p: PlanInputs) -> dict:
 
 
 def predict_step_memory(cfg: Config, teacher_model: ModelConfig | None = None, *,
-                        layout: str = "none", donate: bool = True,
-                        attention: str = "dense") -> dict[str, float]:
+                        method: str | None = None, stage: str | None = None,
+                        layout: str = "colocated", donate: bool = True,
+                        attention: str = "dense") -> dict:
     """Predicted `compiled.memory_analysis()` of one train step on one device.
 
     Terms map onto XLA's report:
-      argument_bytes: the train state (params + AdamW mu, nu in the param
-        dtype + step counter), the batch (tokens, positions, segment ids,
-        targets int32 + mask bool), and the teacher's params when colocated.
+      argument_bytes: the train state (student params + regressors, AdamW mu
+        and nu of the *trainable* ones in the param dtype, step counter), the
+        batch (tokens, positions, segment ids, targets int32 + mask bool), and
+        the teacher's input: its params (colocated) or the streamed hidden
+        states and head (disaggregated).
       output_bytes: the new state (+ a few scalar metrics).
       alias_bytes: the state again when it is donated (the trainer donates).
-      temp_bytes: gradients + saved activations + the logits peak (+ the
-        teacher's forward and rebuilt logits for KD layouts).
+      temp_bytes: gradients + saved activations of the layers run + the logits
+        peak + the teacher's kept outputs (colocated; its forward's working
+        set only where it exceeds the student's peak, as it runs first).
       total_bytes: argument + output - alias + temp (resident at the peak).
 
-    layout: "none" (baseline, no teacher), "colocated" (teacher params are an
-    argument and its forward runs in the step) or "disaggregated" (teacher
-    hidden states and head are arguments).
+    method / stage default to the config's; layout: "colocated" or
+    "disaggregated" (ignored for baseline).
     """
+    from hldstudy.flops import step_flops, trainable_params
+
+    method = method or cfg.distill.method
     m = cfg.model
     s = PlanModel.from_model_config(m, "student")
     pb, cb = dtype_bytes(m.param_dtype), dtype_bytes(m.dtype)
     b, seq = cfg.data.batch_size, cfg.data.seq_len
     tok = b * seq
-    params = s.total_params() * pb
+    bd = step_flops(cfg, method, stage, teacher_model if method != "baseline" else None)
+    d_t = teacher_model.d_model if teacher_model is not None else 0
+    n_pairs = len(bd.layer_pairs)
+    aux = n_pairs * (m.d_model * d_t + d_t) * 4  # float32 regressors
+    trainable = trainable_params(m, None if bd.student_head else bd.student_layers) * pb + aux
+    params = s.total_params() * pb + aux
+    state = params + 2 * trainable + 4
     batch = tok * (4 * 4 + 1)
-    state = 3 * params + 4
-    metrics = 4 * 4
-    grads = params
-    acts = train_activation_bytes(s, tok, seq, cb, remat=m.remat, attention=attention)
-    argument, temp = state + batch, 0.0
-    with_teacher = layout != "none"
-    if cfg.distill.loss_impl == "fused" and with_teacher:
+    acts = train_activation_bytes(s, tok, seq, cb, remat=m.remat, attention=attention,
+                                  n_layers=bd.student_layers)
+    acts += n_pairs * 2 * tok * d_t * 4  # regressor outputs and their error
+    if not bd.student_head:
+        logits = 0.0
+    elif method == "baseline":
+        logits = logits_bytes_materialized(tok, m.vocab_size, with_teacher=False)
+    elif cfg.distill.loss_impl == "fused":
         logits = logits_bytes_fused(tok, m.vocab_size, m.d_model, 64, 1 << 20)
     else:
-        logits = logits_bytes_materialized(tok, m.vocab_size, with_teacher=with_teacher)
-    terms = {"params": params, "optimizer": 2 * params, "batch": batch, "grads": grads,
+        logits = logits_bytes_materialized(tok, m.vocab_size, with_teacher=True)
+    terms = {"params": params, "optimizer": 2 * trainable, "batch": batch, "grads": trainable,
              "activations": acts, "logits": logits}
-    if with_teacher:
-        if teacher_model is None:
-            raise ConfigError("teacher", f"layout {layout!r} needs the teacher's model config")
+    argument = state + batch
+    temp = trainable + acts + logits
+    if method != "baseline":
         t = PlanModel.from_model_config(teacher_model, "teacher")
         tpb = dtype_bytes(cfg.teacher.dtype)
+        kept = tok * d_t * tpb * (len({tt for _, tt in bd.layer_pairs}) + int(bd.teacher_head))
+        head = t.head_params * tpb if bd.teacher_head else 0.0
         if layout == "colocated":
-            terms["teacher_params"] = t.total_params() * tpb
-            terms["teacher_activations"] = inference_activation_bytes(
-                t, tok, seq, dtype_bytes(teacher_model.dtype), attention=attention)
+            # jit drops unused arguments: HLDF stage 1 passes only the blocks it runs.
+            terms["teacher_params"] = trainable_params(
+                teacher_model, None if bd.teacher_head else bd.teacher_layers) * tpb
+            working = tok * layer_activation_bytes_per_token(t, seq, tpb, attention)
+            terms["teacher_outputs"] = max(kept, TEACHER_LIVE_COPIES * tok * d_t * tpb)
+            terms["teacher_activations"] = max(0.0, working - acts - logits)
             argument += terms["teacher_params"]
-            temp += terms["teacher_activations"]
+            temp += terms["teacher_outputs"] + terms["teacher_activations"]
         elif layout == "disaggregated":
-            terms["teacher_inputs"] = tok * t.d_model * tpb + t.head_params * tpb
+            terms["teacher_inputs"] = kept + head
             argument += terms["teacher_inputs"]
         else:
-            raise ConfigError("layout", f"{layout!r} is not one of none, colocated, disaggregated")
-    temp += grads + acts + logits
-    output = state + metrics
+            raise ConfigError("layout", f"{layout!r} is not one of colocated, disaggregated")
+    output = state + 4 * 4
     alias = state if donate else 0.0
     return {"argument_bytes": argument, "output_bytes": output, "alias_bytes": alias,
             "temp_bytes": temp, "total_bytes": argument + output - alias + temp, "terms": terms}

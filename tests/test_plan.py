@@ -146,14 +146,46 @@ def test_predict_step_memory_matches_xla(model, b, t):
     assert pred["total_bytes"] == pytest.approx(xla["total_bytes"], rel=0.15)
 
 
+# The trainer's distillation steps, both layouts (XLA compiles the real step).
+DISTILL_MEMORY_CASES = [
+    ("kd", "main", "colocated", dict(loss_impl="fused", fused_backend="xla")),
+    ("hldf", "stage1", "colocated", {}),
+    ("hldc", "main", "disaggregated", dict(loss_impl="materialized")),
+]
+
+
+@pytest.mark.parametrize("method,stage,layout,distill", DISTILL_MEMORY_CASES)
+def test_predict_step_memory_matches_xla_distill(method, stage, layout, distill):
+    import jax
+
+    from hldstudy.config import DistillConfig
+    from hldstudy.flops import train_step_probe
+
+    teacher = preset("tiny-teacher")
+    cfg = Config(model=preset("tiny"), data=DataConfig(batch_size=4, seq_len=64),
+                 distill=DistillConfig(method=method, **distill))
+    step, state, batch, teacher_in = train_step_probe(cfg, method, stage, teacher, layout=layout)
+    xla = xla_memory(jax.jit(step, donate_argnums=(0,)).lower(state, batch, teacher_in).compile())
+    pred = predict_step_memory(cfg, teacher, method=method, stage=stage, layout=layout)
+    assert pred["argument_bytes"] == pytest.approx(xla["argument_bytes"], rel=0.02)
+    assert pred["output_bytes"] == pytest.approx(xla["output_bytes"], rel=0.02)
+    assert pred["temp_bytes"] == pytest.approx(xla["temp_bytes"], rel=0.15)
+    assert pred["total_bytes"] == pytest.approx(xla["total_bytes"], rel=0.15)
+
+
 def test_predict_step_memory_teacher_layouts():
-    cfg = Config(model=preset("tiny"), data=DataConfig(batch_size=2, seq_len=64))
-    base = predict_step_memory(cfg)
+    from hldstudy.config import DistillConfig
+
+    cfg = Config(model=preset("tiny"), data=DataConfig(batch_size=2, seq_len=64),
+                 distill=DistillConfig(method="kd"))
+    base = predict_step_memory(cfg, method="baseline")
     col = predict_step_memory(cfg, preset("tiny-teacher"), layout="colocated")
     dis = predict_step_memory(cfg, preset("tiny-teacher"), layout="disaggregated")
     assert col["argument_bytes"] > dis["argument_bytes"] > base["argument_bytes"]
     with pytest.raises(ConfigError):
-        predict_step_memory(cfg, layout="colocated")
+        predict_step_memory(cfg, preset("tiny-teacher"), layout="remote")
+    with pytest.raises(ConfigError):
+        predict_step_memory(cfg)  # kd without the teacher's shape
 
 
 def test_teacher_throughput():
