@@ -296,6 +296,40 @@ class TeacherServer:
         self._server.wait_for_termination()
 
 
+class SyntheticTeacherServer(TeacherServer):
+    """Transport-only replica for benchmarks: serves fixed arrays of a given shape, no model.
+
+    Same service and frames as a real replica (so the wire path is the same);
+    `Info` describes the synthetic payload, which no trainer handshake accepts.
+    """
+
+    def __init__(self, shape: tuple[int, int, int], dtype: str = "bfloat16", n_layers: int = 1):
+        self.dtype, self.checkpoint, self.fingerprint = dtype, "synthetic", "synthetic"
+        self.final, self.layers = True, tuple(range(1, n_layers))
+        rng = np.random.default_rng(0)
+        self._array = rng.standard_normal(shape).astype(proto.np_dtype(dtype))
+        self._stats_lock = threading.Lock()
+        self.stats = {"steps": 0, "payload_bytes": 0, "frame_bytes": 0, "head_bytes": 0,
+                      "streams": 0, "steps_by_id": {}}
+        self.exit_after_steps = self.hang_after_steps = 0
+        self.delay_s = 0.0
+        self._server = None
+        self.port = None
+
+    def info(self) -> dict:
+        return {"protocol": proto.PROTOCOL_VERSION, "fingerprint": self.fingerprint,
+                "checkpoint": self.checkpoint, "dtype": self.dtype, "final": self.final,
+                "layers": list(self.layers), "shape": list(self._array.shape)}
+
+    def compute(self, step: int, final: bool, layers: tuple[int, ...]):
+        tensors = ([("final", self._array)] if final else []) + \
+            [(f"layer:{i}", self._array) for i in sorted(layers)]
+        return f"synthetic{step}", tensors
+
+    def head(self) -> np.ndarray:
+        return self._array[0]
+
+
 def _load_model(checkpoint: str, step: int | None):
     from hldstudy.teacher.colocated import _is_run_dir, teacher_tokenizer_path
 
