@@ -10,10 +10,9 @@ import pytest
 from flax import nnx
 
 from hldstudy.errors import InputError
-from hldstudy.eval.adapter import HLDStudyLM, length_buckets
+from hldstudy.eval.adapter import HLDStudyLM, compiled_scorers, length_buckets
 from hldstudy.eval.perplexity import corpus_perplexity
-from hldstudy.eval.testing import tiny_config, tiny_tokenizer
-from hldstudy.model import Transformer
+from hldstudy.eval.testing import init_model, tiny_config, tiny_tokenizer
 
 MAXLEN = 64
 
@@ -29,7 +28,7 @@ def tokenizer(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def lm(tokenizer):
-    model = Transformer(tiny_config().model, rngs=nnx.Rngs(1))
+    model = init_model(tiny_config().model, 1)
     return HLDStudyLM(model=model, tokenizer=tokenizer, max_length=MAXLEN, batch_size=4,
                       progress=False)
 
@@ -96,9 +95,12 @@ def test_fixed_padded_shapes_no_recompile_per_request(lm):
     assert length_buckets(1000) == [32, 64, 128, 256, 512, 1000]
     words = "a b c d e f g h i j k l m n o p q r s t u v w x y z".split()
     reqs = [_req(" ".join(words[:k]), " " + words[k % 26]) for k in range(1, 26)]
+    lengths = {len(lm._row(*lm.encode_pair(*r.args))[0]) for r in reqs}
+    assert len(lengths) >= 10
+    before = compiled_scorers()
     lm.loglikelihood(reqs)
     lm.loglikelihood(reqs[::-1][:7])
-    assert lm.scorer._score._cache_size() <= len(lm.scorer.buckets)
+    assert compiled_scorers() - before <= len(lm.scorer.buckets)
 
 
 def test_rolling_equals_sum_over_windows(lm):
@@ -129,7 +131,7 @@ def test_rolling_equals_sum_over_windows(lm):
 
 def test_uniform_model_has_perplexity_vocab_size(tokenizer):
     cfg = tiny_config()
-    model = Transformer(cfg.model, rngs=nnx.Rngs(0))
+    model = init_model(cfg.model, 0)
     model.embedding[...] = jnp.zeros_like(model.embedding[...])  # tied head -> logits all 0
     lm = HLDStudyLM(model=model, tokenizer=tokenizer, max_length=MAXLEN, batch_size=4,
                     progress=False)
@@ -166,3 +168,23 @@ def test_too_long_continuation_is_a_clear_error(lm):
     cont = " " + " ".join(["apples"] * 200)
     with pytest.raises(InputError, match="loglikelihood_rolling"):
         lm.loglikelihood([_req("Mara has", cont)])
+
+
+def test_registered_and_imported_gemma_checkpoint(lm, tmp_path):
+    from lm_eval.api.registry import get_model
+
+    from hldstudy.model.importers import export_hf
+
+    assert get_model("hldstudy") is HLDStudyLM
+    export_hf(lm.model, tmp_path / "hf", tokenizer=lm.tokenizer)
+    imported = get_model("hldstudy").create_from_arg_string(
+        f"checkpoint={tmp_path / 'hf'},batch_size=4,max_length={MAXLEN},progress=False")
+    assert imported.kind == "import" and imported.add_bos  # Gemma documents start with BOS
+    assert imported.prefix_token_id == lm.tokenizer.bos_id
+    reqs = [_req("Mara lives in", " Oslo."), _req("", "Tom has two cats.")]
+    got = imported.loglikelihood(reqs)
+    for r, (lp, _) in zip(reqs, got, strict=True):
+        ctx, cont = imported.encode_pair(*r.args)
+        assert ctx[0] == lm.tokenizer.bos_id
+        want, _ = _direct_logprobs(lm.model, ctx + cont)
+        np.testing.assert_allclose(lp, want[-len(cont):].sum(), rtol=1e-5, atol=1e-4)

@@ -84,7 +84,7 @@ def test_python_api_and_env_var(run_dir, tmp_path, monkeypatch):
     from hldstudy.eval import evaluate
 
     monkeypatch.setenv("HLDSTUDY_EVAL_DATA", str(FIXTURES_DIR))
-    res = evaluate(run_dir, ["piqa", "synthetic_ppl"], limit=2, batch_size=2,
+    res = evaluate(run_dir, ["piqa", "synthetic_ppl"], limit=2, batch_size=4,
                    out=tmp_path / "r.json", wandb=True, progress=False)
     assert set(res) == {"piqa", "synthetic_ppl"}
     assert json.loads((tmp_path / "r.json").read_text()) == res

@@ -37,6 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="folder of <task>.jsonl files (default: $HLDSTUDY_EVAL_DATA); "
                         "without it, lm-eval tasks read the Hugging Face hub")
     p.add_argument("--out", default=None, help="results JSON (a .md table is written next to it)")
+    p.add_argument("--max-length", type=int, default=None,
+                   help="model length in tokens (default: the run's data.seq_len capped by "
+                        "model.max_seq_len; imports: model.max_seq_len capped at 2048)")
     p.add_argument("--rolling-context", type=int, default=None,
                    help="tokens of context kept between loglikelihood_rolling windows "
                         "(default: half the model length; 1 = lm-eval's disjoint chunks)")
@@ -60,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
         results = evaluate(args.checkpoint, args.tasks, limit=args.limit,
                            batch_size=args.batch_size, offline_data=args.offline_data,
                            out=args.out, bootstrap_iters=args.bootstrap_iters,
-                           rolling_context=args.rolling_context, wandb=args.wandb,
+                           rolling_context=args.rolling_context, max_length=args.max_length,
+                           wandb=args.wandb,
                            progress=not args.no_progress)
         sys.stdout.write(markdown_table(results))
         if args.out:

@@ -38,7 +38,8 @@ prefix token (what an empty context becomes, and what rolling windows start
 from) is EOS, or BOS for models trained with BOS (and for imported Gemma
 checkpoints, whose documents start with BOS; with `add_bos` every context
 starts with BOS). The model length is `data.seq_len` (the trained context)
-capped by `model.max_seq_len`; `max_length=` overrides it.
+capped by `model.max_seq_len` (for imports: `model.max_seq_len` capped at
+2048); `max_length=` overrides it.
 
 Logits are never materialized for a whole batch: the scorer runs the model
 without its head and computes each position's log-softmax at the target,
@@ -50,6 +51,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +66,9 @@ from tqdm.auto import tqdm
 from hldstudy.errors import InputError
 
 MIN_BUCKET = 32
+# Default model length for imported checkpoints (Gemma 3 allows 32k; the study's
+# evaluations and CPU memory for [B, T, T] masks do not need more); max_length= overrides.
+IMPORT_MAX_LENGTH = 2048
 # Largest [rows, vocab] float32 block the scorer builds at once (elements).
 CHUNK_ELEMENTS = 1 << 26
 
@@ -115,7 +120,7 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
         raise InputError(f"{path}: checkpoint has no tokenizer (no tokenizer.model next to the "
                          "weights / no tokenizer metadata in the GGUF file)")
     return {"model": model, "tokenizer": tokenizer, "config": None, "kind": "import",
-            "max_length": int(model.cfg.max_seq_len), "add_bos": True}
+            "max_length": min(int(model.cfg.max_seq_len), IMPORT_MAX_LENGTH), "add_bos": True}
 
 
 # --------------------------------------------------------------------------- #
@@ -134,6 +139,60 @@ def length_buckets(max_length: int, min_bucket: int = MIN_BUCKET) -> list[int]:
     return out
 
 
+def _head_rows(m, h_NxD: jax.Array, fn, *xs: jax.Array):
+    """fn(logits [c, V], *x_chunks) over row chunks of h [N, D] (and per-row xs [N]),
+    never building [N, V]: chunks of c rows keep [c, V] under CHUNK_ELEMENTS."""
+    n, d = h_NxD.shape
+    vocab = m.cfg.vocab_size
+    cap = m.cfg.final_softcap
+    c = max(1, min(n, CHUNK_ELEMENTS // vocab))
+    n_pad = -n % c
+    hh = jnp.pad(h_NxD, ((0, n_pad), (0, 0))).reshape(-1, c, d)
+    xx = [jnp.pad(x, (0, n_pad)).reshape(-1, c) for x in xs]
+    w = m.head_weight()
+
+    def one(args):
+        hc, *xc = args
+        z = jnp.einsum("nd,dv->nv", hc, w.astype(hc.dtype), preferred_element_type=jnp.float32)
+        if cap is not None:
+            z = jnp.tanh(z / cap) * cap
+        return fn(z, *xc)
+
+    out = jax.lax.map(one, (hh, *xx))
+    return jax.tree_util.tree_map(lambda x: x.reshape(-1, *x.shape[2:])[:n], out)
+
+
+# Module-level jits with the graph definition static: every model of one
+# architecture shares the compiled scorer (one compile per bucket per process).
+@partial(jax.jit, static_argnums=0)
+def _score(graphdef, state, tokens, targets, positions, segment_ids):
+    """(log p(target), target == argmax) per position, [B, T] each."""
+    m = nnx.merge(graphdef, state)
+    h = m(tokens, positions, segment_ids, return_logits=False).final_hidden
+    b, t, d = h.shape
+
+    def fn(z, tc):
+        zt = jnp.take_along_axis(z, tc[:, None], axis=-1)[:, 0]
+        return zt - jax.nn.logsumexp(z, axis=-1), jnp.argmax(z, axis=-1) == tc
+
+    logp, greedy = _head_rows(m, h.reshape(b * t, d), fn, targets.reshape(-1))
+    return logp.reshape(b, t), greedy.reshape(b, t)
+
+
+@partial(jax.jit, static_argnums=0)
+def _next_token(graphdef, state, tokens, last):
+    """Greedy next token after position last[b] of each row."""
+    m = nnx.merge(graphdef, state)
+    h = m(tokens, return_logits=False).final_hidden
+    h_last = h[jnp.arange(h.shape[0]), last]
+    return _head_rows(m, h_last, lambda z: jnp.argmax(z, axis=-1))
+
+
+def compiled_scorers() -> int:
+    """How many (architecture, padded shape) scorers this process has compiled."""
+    return int(_score._cache_size())
+
+
 class Scorer:
     """Per-token target log-probs and greedy flags for padded [B, L] batches."""
 
@@ -146,64 +205,7 @@ class Scorer:
         self.vocab_size = int(model.cfg.vocab_size)
         self.buckets = length_buckets(self.max_length)
         graphdef, state = nnx.split(model)
-        self._state = state
-        cap = model.cfg.final_softcap
-
-        def head_chunks(m, h_NxD, fn):
-            """Applies fn(logits [c, V]) over row chunks of h without building [N, V]."""
-            n, d = h_NxD.shape
-            c = max(1, min(n, CHUNK_ELEMENTS // self.vocab_size))
-            n_pad = -n % c
-            h = jnp.pad(h_NxD, ((0, n_pad), (0, 0))).reshape(-1, c, d)
-            w = m.head_weight()
-
-            def one(hc):
-                z = jnp.einsum("nd,dv->nv", hc, w.astype(hc.dtype),
-                               preferred_element_type=jnp.float32)
-                if cap is not None:
-                    z = jnp.tanh(z / cap) * cap
-                return fn(z)
-
-            out = jax.lax.map(one, h)
-            return jax.tree_util.tree_map(lambda x: x.reshape(-1, *x.shape[2:])[:n], out)
-
-        def score(state, tokens, targets, positions, segment_ids):
-            m = nnx.merge(graphdef, state)
-            h = m(tokens, positions, segment_ids, return_logits=False).final_hidden
-            b, t, d = h.shape
-            tgt = targets.reshape(-1)
-            h = h.reshape(b * t, d)
-
-            # Row chunks of [c, V] logits; the targets travel with their rows.
-            n = b * t
-            c = max(1, min(n, CHUNK_ELEMENTS // self.vocab_size))
-            n_pad = -n % c
-            hh = jnp.pad(h, ((0, n_pad), (0, 0))).reshape(-1, c, d)
-            tt = jnp.pad(tgt, (0, n_pad)).reshape(-1, c)
-            w = m.head_weight()
-
-            def one(xs):
-                hc, tc = xs
-                z = jnp.einsum("nd,dv->nv", hc, w.astype(hc.dtype),
-                               preferred_element_type=jnp.float32)
-                if cap is not None:
-                    z = jnp.tanh(z / cap) * cap
-                lse = jax.nn.logsumexp(z, axis=-1)
-                zt = jnp.take_along_axis(z, tc[:, None], axis=-1)[:, 0]
-                return zt - lse, jnp.argmax(z, axis=-1) == tc
-
-            logp, greedy = jax.lax.map(one, (hh, tt))
-            return logp.reshape(-1)[:n].reshape(b, t), greedy.reshape(-1)[:n].reshape(b, t)
-
-        def next_token(state, tokens, last):
-            m = nnx.merge(graphdef, state)
-            h = m(tokens, return_logits=False).final_hidden
-            h_last = h[jnp.arange(h.shape[0]), last]
-            ids = head_chunks(m, h_last, lambda z: jnp.argmax(z, axis=-1))
-            return ids
-
-        self._score = jax.jit(score)
-        self._next = jax.jit(next_token)
+        self._graphdef, self._state = graphdef, state
 
     def bucket(self, length: int) -> int:
         for b in self.buckets:
@@ -220,7 +222,7 @@ class Scorer:
             positions = np.broadcast_to(np.arange(t, dtype=np.int32), (b, t))
         if segment_ids is None:
             segment_ids = np.ones((b, t), np.int32)
-        logp, greedy = self._score(self._state, jnp.asarray(tokens, jnp.int32),
+        logp, greedy = _score(self._graphdef, self._state, jnp.asarray(tokens, jnp.int32),
                                    jnp.asarray(targets, jnp.int32),
                                    jnp.asarray(positions, jnp.int32),
                                    jnp.asarray(segment_ids, jnp.int32))
@@ -263,7 +265,7 @@ class Scorer:
         return out  # type: ignore[return-value]
 
     def next_tokens(self, tokens: np.ndarray, last: np.ndarray) -> np.ndarray:
-        return np.asarray(self._next(self._state, jnp.asarray(tokens, jnp.int32),
+        return np.asarray(_next_token(self._graphdef, self._state, jnp.asarray(tokens, jnp.int32),
                                      jnp.asarray(last, jnp.int32)))
 
 

@@ -90,7 +90,8 @@ def _log_wandb(results, meta, lm, table_md: str) -> None:
 def evaluate(checkpoint: str | Path | None, tasks: list[str] | str, *, limit: int | None = None,
              batch_size: int = 8, offline_data: str | Path | None = None,
              out: str | Path | None = None, bootstrap_iters: int = 1000,
-             rolling_context: int | None = None, wandb: bool | None = None,
+             rolling_context: int | None = None, max_length: int | None = None,
+             wandb: bool | None = None,
              progress: bool = True, lm=None) -> dict[str, dict[str, float]]:
     """Evaluates a checkpoint (hldstudy run dir, GGUF file or HF dir) on `tasks`.
 
@@ -110,7 +111,7 @@ def evaluate(checkpoint: str | Path | None, tasks: list[str] | str, *, limit: in
     if lm is None:
         if checkpoint is None:
             raise InputError("--checkpoint is required")
-        lm = HLDStudyLM(checkpoint=checkpoint, batch_size=batch_size,
+        lm = HLDStudyLM(checkpoint=checkpoint, batch_size=batch_size, max_length=max_length,
                         rolling_context=rolling_context, progress=progress)
     t0 = time.time()
     results: dict[str, dict[str, float]] = {}

@@ -15,6 +15,39 @@ def tiny_config(vocab_size: int = 384, seq_len: int = 64, **model) -> Config:
                                   synthetic_docs=300, synthetic_valid_docs=32))
 
 
+def init_model(model_cfg, seed: int = 0):
+    """A Transformer with random weights drawn by numpy: matrices N(0, 1/fan_in) (the
+    embedding N(0, 1/d_model), as the model's own init), norm scales 0. JAX's init
+    compiles a truncated normal per parameter shape (seconds on a busy CPU); tests
+    and benchmarks only need some fixed random model."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from hldstudy.model import Transformer
+
+    abstract = nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(seed)))
+    graphdef, state = nnx.split(abstract)
+    rng = np.random.default_rng(seed)
+
+    def draw(x):
+        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+            return x
+        if len(x.shape) < 2:
+            return jnp.zeros(x.shape, x.dtype)
+        if x.shape[0] == model_cfg.vocab_size:  # embedding [V, D]
+            fan_in = model_cfg.d_model
+        elif len(x.shape) == 3 and x.shape[-1] == model_cfg.d_model:  # attention out [H, K, D]
+            fan_in = int(np.prod(x.shape[:-1]))
+        else:  # [D, ...] projections
+            fan_in = x.shape[0]
+        std = fan_in ** -0.5
+        return jnp.asarray(rng.standard_normal(x.shape, np.float32) * std, x.dtype)
+
+    return nnx.merge(graphdef, jax.tree_util.tree_map(draw, state))
+
+
 def tiny_tokenizer(directory: str | Path, vocab_size: int = 384, n_docs: int = 300):
     from hldstudy.data.synthetic import generate_documents
     from hldstudy.data.tokenizer import train_tokenizer
@@ -29,7 +62,6 @@ def tiny_run_dir(directory: str | Path, cfg: Config | None = None, *, seed: int 
     initialized model (no training)."""
     from flax import nnx
 
-    from hldstudy.model import Transformer
     from hldstudy.train.checkpoint import Checkpointer
 
     cfg = cfg or tiny_config()
@@ -38,7 +70,7 @@ def tiny_run_dir(directory: str | Path, cfg: Config | None = None, *, seed: int 
     save_config(cfg, d / "config.json")
     if tokenizer:
         tiny_tokenizer(d, cfg.data.tokenizer_vocab_size)
-    model = Transformer(cfg.model, rngs=nnx.Rngs(seed))
+    model = init_model(cfg.model, seed)
     ck = Checkpointer(d / "checkpoints", keep=1)
     ck.save(1, {"params": {"student": nnx.state(model, nnx.Param)}}, {"step": 1})
     ck.close()
