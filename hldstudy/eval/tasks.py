@@ -19,6 +19,7 @@ Three kinds of task names:
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from pathlib import Path
@@ -124,11 +125,12 @@ def write_synthetic_data(synth_dir: Path, n: int, seed: int) -> dict[str, str]:
     return save_eval_tasks(synth_dir, n_multiple_choice=n, n_cloze=n, seed=seed)
 
 
-def builtin_task_names() -> set[str]:
+@functools.lru_cache(maxsize=1)
+def builtin_task_names() -> frozenset[str]:
     """Every name lm-eval's default TaskManager knows (slow: scans ~15k YAMLs)."""
     from lm_eval.tasks import TaskManager
 
-    return set(TaskManager().all_tasks)
+    return frozenset(TaskManager().all_tasks)
 
 
 def classify(tasks: list[str], offline_dir: Path | None) -> tuple[list[str], list[str]]:
