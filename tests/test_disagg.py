@@ -460,6 +460,7 @@ def test_restarted_replica_rejoins_a_live_stream(env):
     from hldstudy.distill import make_strategy
     from hldstudy.distill.base import Stage
 
+    _ready(env)
     b = env["replicas"][1]
     b.kill()
     restarted = Replica(env["config"], env["root"] / "replica1b", "--layers", "final,3",
@@ -493,3 +494,46 @@ def test_resumed_run_restarts_the_stream_at_its_checkpoint(env):
     Trainer(cfg, workdir, devices=jax.devices()[:1]).run()
     assert _losses(workdir) == col
     assert _steps_log(workdir) == [0, 1, 2, 3, 4]
+
+
+_BF16_SCRIPT = """
+import dataclasses, json, sys
+import jax
+sys.path.insert(0, {tests!r})
+from test_disagg import _student, _losses
+from hldstudy.train.loop import Trainer
+col = _student("hldc", {teacher!r}, {tok!r}, dtype="bfloat16")
+rem = dataclasses.replace(col, teacher=dataclasses.replace(col.teacher, checkpoint={remote!r}))
+Trainer(col, {root!r} + "/col", devices=jax.devices()[:1]).run()
+Trainer(rem, {root!r} + "/rem", devices=jax.devices()[:1]).run()
+print(json.dumps([_losses({root!r} + "/col"), _losses({root!r} + "/rem")]))
+"""
+
+
+@pytest.mark.slow
+def test_bfloat16_stream_matches_colocated_without_excess_precision(env, tmp_path):
+    """bf16: the colocated step may keep fused bf16 intermediates in f32 (XLA's
+    excess precision); with it off on both sides the streamed bf16 states give the same bits."""
+    flags = os.environ.get("XLA_FLAGS", "") + " --xla_allow_excess_precision=false"
+    environ = {**os.environ, "XLA_FLAGS": flags.strip()}
+    replicas = []
+    for i in range(2):
+        r = Replica(env["config"], tmp_path / f"bf16_{i}", "--layers", "final,3",
+                    "--dtype", "bfloat16")
+        r.proc = subprocess.Popen(r.args + ["--port", "0"], stdout=subprocess.PIPE,
+                                  stderr=open(r.log, "a"), text=True, env=environ)
+        replicas.append(r)
+    try:
+        for r in replicas:
+            r.ready()
+        script = _BF16_SCRIPT.format(tests=str(Path(__file__).parent), teacher=env["teacher"],
+                                     tok=env["tokenizer"], root=str(tmp_path),
+                                     remote="remote://" + ",".join(r.address for r in replicas))
+        out = subprocess.run([sys.executable, "-c", script], env=environ, capture_output=True,
+                             text=True, timeout=600)
+        assert out.returncode == 0, out.stderr[-3000:]
+        col, rem = json.loads(out.stdout.strip().splitlines()[-1])
+        assert col == rem and len(col) == 5
+    finally:
+        for r in replicas:
+            r.kill()

@@ -45,7 +45,7 @@ _LEN = struct.Struct(">I")
 
 def encode(header: dict, payload: bytes | memoryview = b"") -> bytes:
     head = json.dumps(header, separators=(",", ":")).encode()
-    return b"".join((_LEN.pack(len(head)), head, bytes(payload)))
+    return b"".join((_LEN.pack(len(head)), head, payload))
 
 
 def decode(frame: bytes) -> tuple[dict, memoryview]:
@@ -79,7 +79,7 @@ def step_frames(step: int, digest: str, tensors: list[tuple[str, np.ndarray]],
                 chunk_bytes: int = CHUNK_BYTES):
     """Frames of one step: (frame, tensor payload bytes in it)."""
     meta = [{"name": n, "shape": list(a.shape), "dtype": str(a.dtype)} for n, a in tensors]
-    blob = b"".join(np.ascontiguousarray(a).tobytes() for _, a in tensors)
+    blob = b"".join(np.ascontiguousarray(a).reshape(-1).view(np.uint8) for _, a in tensors)
     chunks = max(1, -(-len(blob) // chunk_bytes))
     view = memoryview(blob)
     for c in range(chunks):
@@ -95,27 +95,35 @@ class StepAssembler:
 
     def __init__(self):
         self.header = None
-        self.parts: list[bytes] = []
+        self.buf = None
+        self.filled = 0
+        self.next_chunk = 0
 
     def add(self, header: dict, payload: memoryview):
         """Returns (step, digest, {name: array}) once the step's last frame is in, else None."""
         if header["chunk"] == 0:
-            self.header, self.parts = header, []
+            self.header, self.filled, self.next_chunk = header, 0, 0
+            total = sum(int(np.prod(t["shape"], dtype=np.int64)) * np_dtype(t["dtype"]).itemsize
+                        for t in header["tensors"])
+            self.buf = np.empty(total, np.uint8)  # one copy: frames land in place
         elif self.header is None or header["step"] != self.header["step"] \
-                or header["chunk"] != len(self.parts):
+                or header["chunk"] != self.next_chunk:
             raise ValueError(f"out-of-order frame for step {header['step']}")
-        self.parts.append(bytes(payload))
+        n = len(payload)
+        if self.filled + n > len(self.buf):
+            raise ValueError(f"step {header['step']}: more bytes than its tensors hold")
+        self.buf[self.filled:self.filled + n] = np.frombuffer(payload, np.uint8)
+        self.filled += n
+        self.next_chunk += 1
         if header["chunk"] + 1 < header["chunks"]:
             return None
-        blob = b"".join(self.parts)
+        if self.filled != len(self.buf):
+            raise ValueError(f"step {header['step']}: {self.filled} bytes for {len(self.buf)}")
         out, offset = {}, 0
         for t in self.header["tensors"]:
             dt = np_dtype(t["dtype"])
             n = int(np.prod(t["shape"], dtype=np.int64)) * dt.itemsize
-            out[t["name"]] = np.frombuffer(blob, dtype=dt, count=n // dt.itemsize,
-                                           offset=offset).reshape(t["shape"])
+            out[t["name"]] = self.buf[offset:offset + n].view(dt).reshape(t["shape"])
             offset += n
-        if offset != len(blob):
-            raise ValueError(f"step {header['step']}: {len(blob)} bytes for {offset} expected")
-        header0, self.header, self.parts = self.header, None, []
+        header0, self.header, self.buf = self.header, None, None
         return header0["step"], header0["digest"], out

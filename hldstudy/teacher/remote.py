@@ -225,10 +225,10 @@ class RemoteFeeder:
 
         from hldstudy.train import mesh as mesh_lib
 
-        sharding = mesh_lib.batch_sharding(self.mesh) if self.mesh is not None else None
-
-        def put(a):
-            return jax.device_put(a, sharding) if sharding is not None else jax.device_put(a)
+        def put(a):  # like the batch itself (each process keeps its devices' rows)
+            if self.mesh is None:
+                return jax.device_put(a)
+            return mesh_lib.put_batch({"x": a}, self.mesh)["x"]
 
         return {"final": put(tensors["final"]) if self.final else None,
                 "hidden": {i: put(tensors[f"layer:{i}"]) for i in self.layers}}

@@ -129,7 +129,7 @@ class TeacherServer:
         self._lock = threading.Lock()
         self._stats_lock = threading.Lock()
         self.stats = {"steps": 0, "payload_bytes": 0, "frame_bytes": 0, "head_bytes": 0,
-                      "streams": 0, "steps_by_id": {}}
+                      "streams": 0}
         self.exit_after_steps, self.hang_after_steps = exit_after_steps, hang_after_steps
         self.delay_s = delay_s
         self._server = None
@@ -185,7 +185,7 @@ class TeacherServer:
 
     def _stats(self, request: bytes, context) -> bytes:
         with self._stats_lock:
-            return proto.encode(json.loads(json.dumps(self.stats)))
+            return proto.encode(dict(self.stats))
 
     def _head(self, request: bytes, context):
         emb = np.ascontiguousarray(self.head())
@@ -262,8 +262,6 @@ class TeacherServer:
                 self.stats["steps"] += 1
                 self.stats["payload_bytes"] += payload
                 self.stats["frame_bytes"] += frame_bytes
-                self.stats["steps_by_id"][str(step)] = \
-                    self.stats["steps_by_id"].get(str(step), 0) + 1
 
     def start(self, port: int = 0, host: str = "127.0.0.1", workers: int = 16) -> int:
         import grpc
@@ -285,8 +283,23 @@ class TeacherServer:
         return self.port
 
     def warmup(self) -> None:
-        """Compiles the forward for the served layer set (so the first step is not slow)."""
-        self.compute(0, self.final, self.layers)
+        """Compiles the forward of every layer set the student's stages ask for (and of the
+        served set), so no first request runs into the trainer's teacher.timeout_s."""
+        sets = {(self.final, self.layers)}
+        try:
+            from hldstudy.distill import make_strategy
+
+            strategy = make_strategy(self.cfg, self.cfg.model, self.model_cfg)
+            for stage in strategy.stages():
+                final = bool(strategy.teacher_needs_head(stage))
+                layers = tuple(sorted(strategy.teacher_layers(stage)))
+                if (final or layers) and self.check_open(
+                        {"final": final, "layers": list(layers)}) is None:
+                    sets.add((final, layers))
+        except Exception:  # noqa: BLE001 - a config the trainer will refuse anyway
+            pass
+        for final, layers in sorted(sets):
+            self.compute(0, final, layers)
 
     def stop(self, grace: float | None = None) -> None:
         if self._server is not None:
@@ -310,7 +323,7 @@ class SyntheticTeacherServer(TeacherServer):
         self._array = rng.standard_normal(shape).astype(proto.np_dtype(dtype))
         self._stats_lock = threading.Lock()
         self.stats = {"steps": 0, "payload_bytes": 0, "frame_bytes": 0, "head_bytes": 0,
-                      "streams": 0, "steps_by_id": {}}
+                      "streams": 0}
         self.exit_after_steps = self.hang_after_steps = 0
         self.delay_s = 0.0
         self._server = None

@@ -249,7 +249,7 @@ class Trainer:
         end = plan.start + plan.steps
         step = int(state["step"])
         teacher_forward, teacher_in = self._teacher_args(plan)
-        if hasattr(teacher_in, "begin"):  # a remote teacher streams steps [step, end)
+        if callable(teacher_in) and hasattr(teacher_in, "begin"):  # remote: stream [step, end)
             teacher_in.begin(step, end, self.workdir)
         train_step = jax.jit(
             make_train_step(self.strategy, plan.stage, graphdefs, optimizer, teacher_forward),
@@ -275,7 +275,8 @@ class Trainer:
                 record = {"step": step, "stage": plan.stage.name, **metrics,
                           "tokens_per_s": steps_since * tokens_per_step / max(dt, 1e-9),
                           "flops_spent": flops_spent,
-                          **(teacher_in.metrics() if hasattr(teacher_in, "metrics") else {})}
+                          **(teacher_in.metrics() if callable(teacher_in) and hasattr(teacher_in, "metrics")
+                             else {})}
                 if not math.isfinite(metrics["loss"]):
                     raise FloatingPointError(f"loss became {metrics['loss']} at step {step}; "
                                              "lower train.lr or check the data")
