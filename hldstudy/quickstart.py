@@ -1,10 +1,18 @@
 """The quickstart: the study in miniature, offline on a CPU.
 
-synthetic corpus -> tokenizer -> tiny teacher pretraining -> students at one
-FLOP budget (baseline and logit KD, plus HLDF and HLDC with --methods) ->
-DIR/results.json and DIR/results.md with every loss.
+synthetic corpus -> SentencePiece tokenizer -> tiny teacher pretraining ->
+the CPU grid of sweeps/cpu.py (baseline / kd / hldf / hldc x learning rate x
+temperature) at one FLOP budget -> evaluation (validation perplexity, the
+synthetic HellaSwag- and LAMBADA-style tasks) -> the analysis report.
 
     hldstudy quickstart --workdir runs/quickstart
+
+Writes DIR/teacher/ (the teacher run), DIR/runs/<run_id>/ (one run
+directory per grid point, DIR/runs/sweep.json lists them), DIR/report/
+(report.md, figures, tables), and DIR/results.json + DIR/results.md with
+the teacher's and every student's losses, evaluation scores and the time of
+each phase. Rerunning resumes: finished runs are skipped, interrupted ones
+continue from their checkpoints.
 """
 
 from __future__ import annotations
@@ -12,80 +20,171 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
+import sys
 import time
 from pathlib import Path
 
-from hldstudy.config import Config, apply_overrides, load_experiment, validate
+from hldstudy.config import apply_overrides, load_experiment, validate
 from hldstudy.errors import ConfigError
 
-EXPERIMENTS = Path(__file__).resolve().parent.parent / "experiments"
-SIZES = {
-    # size: (teacher steps, student steps)
-    "small": (200, 120),
-    "medium": (800, 400),
-    "large": (3000, 1500),
-}
+ROOT = Path(__file__).resolve().parent.parent
+EXPERIMENTS = ROOT / "experiments"
+SWEEP_FILE = ROOT / "sweeps" / "cpu.py"
+# size -> teacher steps (the students' budget is in sweeps/cpu.py); "tiny" is for tests.
+SIZES = {"tiny": 8, "small": 200, "medium": 800, "large": 3000}
 
 
-def _experiment(name: str) -> Config:
-    path = EXPERIMENTS / f"{name}.py"
-    return load_experiment(path)
+def _phase(timings: dict, name: str, t0: float) -> None:
+    timings[name] = round(time.time() - t0, 1)
 
 
-def run_quickstart(workdir: Path, size: str = "small", methods=("baseline", "kd"),
-                   overrides: tuple[str, ...] = (), progress: bool = True) -> dict:
-    from hldstudy.flops import step_flops
+def train_teacher(workdir: Path, steps: int, progress: bool, timings: dict) -> dict:
+    from hldstudy.data import prepare_data
     from hldstudy.train.loop import train
+
+    cfg = load_experiment(EXPERIMENTS / "tiny_teacher.py")
+    cfg = validate(apply_overrides(cfg, [f"train.steps={steps}",
+                                         f"train.progress={str(progress).lower()}"]))
+    teacher_dir = workdir / "teacher"
+    res_path = teacher_dir / "results.json"
+    t0 = time.time()
+    prepare_data(cfg.data, teacher_dir)  # synthetic corpus + tokenizer (cached in the run dir)
+    _phase(timings, "corpus_tokenizer", t0)
+    t0 = time.time()
+    if res_path.exists():
+        res = json.loads(res_path.read_text())
+        if res.get("status") == "done" and res.get("steps") == steps:
+            _phase(timings, "teacher", t0)
+            return res
+    res = train(cfg, teacher_dir)
+    _phase(timings, "teacher", t0)
+    return res
+
+
+def run_quickstart(workdir: Path, size: str = "small", methods: tuple[str, ...] | None = None,
+                   overrides: tuple[str, ...] = (), progress: bool = True, parallel: int = 1,
+                   force: bool = False, grid: dict | None = None) -> dict:
+    """grid: Sweep fields to replace (e.g. {"lr": (3e-3,)}) - a smaller grid for tests."""
+    from hldstudy.sweep.executors import run_local
+    from hldstudy.sweep.launch import prepare_workdir
+    from hldstudy.sweep.spec import expand, load_sweep
 
     if size not in SIZES:
         raise ConfigError("--size", f"unknown size {size!r}", f"choose one of {', '.join(SIZES)}")
-    teacher_steps, student_steps = SIZES[size]
     workdir = Path(workdir)
+    timings: dict[str, float] = {}
+    t_start = time.time()
+
+    teacher = train_teacher(workdir, SIZES[size], progress, timings)
+    teacher_dir = (workdir / "teacher").absolute()
+
+    sweep = load_sweep(SWEEP_FILE, size=size, teacher=str(teacher_dir))
+    if methods:
+        sweep = dataclasses.replace(sweep, methods=tuple(methods))
+    if grid:
+        sweep = dataclasses.replace(sweep, **grid)
+    runs = expand(sweep, overrides, check_paths=True)
+    runs_dir = workdir / "runs"
+    prepare_workdir(sweep, runs, runs, runs_dir, sweep_file=SWEEP_FILE, overrides=overrides,
+                    force=force)
     t0 = time.time()
+    out = run_local(runs, sweep, runs_dir, parallel=parallel, progress=progress)
+    _phase(timings, "students_train_eval", t0)
+    if out.signum is not None:
+        raise SystemExit(out.exit_code)
 
-    teacher_cfg = _experiment("tiny_teacher")
-    teacher_cfg = apply_overrides(teacher_cfg, [f"train.steps={teacher_steps}",
-                                                f"train.progress={str(progress).lower()}"])
-    teacher_dir = workdir / "teacher"
-    teacher_result = train(validate(teacher_cfg), teacher_dir)
+    t0 = time.time()
+    report_dir = workdir / "report"
+    summary = None
+    try:
+        from hldstudy.analysis import build_report
 
-    student_cfg = _experiment("tiny_distill")
-    student_cfg = apply_overrides(student_cfg, [f"teacher.checkpoint={teacher_dir}",
-                                                f"train.progress={str(progress).lower()}",
-                                                *overrides])
-    # One FLOP budget for every method: what the baseline spends in `student_steps`.
-    base = dataclasses.replace(student_cfg, distill=dataclasses.replace(
-        student_cfg.distill, method="baseline"))
-    budget = student_steps * step_flops(base, method="baseline").total
-    results = {"teacher": {k: teacher_result[k] for k in ("steps", "valid_nll", "valid_ppl")},
-               "budget_flops": budget, "count_teacher": student_cfg.budget.count_teacher,
-               "students": {}}
-    for method in methods:
-        cfg = dataclasses.replace(
-            student_cfg, name=f"quickstart-{method}",
-            distill=dataclasses.replace(student_cfg.distill, method=method),
-            budget=dataclasses.replace(student_cfg.budget, flops=budget))
-        r = train(validate(cfg), workdir / method)
-        results["students"][method] = {k: r[k] for k in ("steps", "valid_nll", "valid_ppl",
-                                                        "flops_spent")}
-    results["seconds"] = round(time.time() - t0, 1)
+        summary = build_report(runs_dir, report_dir)
+    except Exception as e:  # noqa: BLE001 - the runs stay usable; say why the report is missing
+        print(f"hldstudy quickstart: the report failed: {type(e).__name__}: {e}", file=sys.stderr)
+    _phase(timings, "report", t0)
+    timings["total"] = round(time.time() - t_start, 1)
+
+    results = collect(workdir, teacher, runs, sweep, timings, out, summary, size)
     (workdir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     (workdir / "results.md").write_text(render(results))
     return results
 
 
+def collect(workdir: Path, teacher: dict, runs, sweep, timings, out, summary, size) -> dict:
+    students = {}
+    for r in runs:
+        p = workdir / "runs" / r.run_id / "results.json"
+        if not p.exists():
+            students[r.run_id] = {"method": r.method, "status": "failed"}
+            continue
+        res = json.loads(p.read_text())
+        students[r.run_id] = {
+            "method": r.method, "status": res.get("status"), "params": r.params,
+            "steps": res.get("steps"), "flops_spent": res.get("flops_spent"),
+            "valid_nll": res.get("valid_nll"), "valid_ppl": res.get("valid_ppl"),
+            "eval": res.get("eval", {}),
+            "seconds": {"train": res.get("train_seconds"), "eval": res.get("eval_seconds")}}
+    best = {}
+    for rid, s in students.items():
+        if s.get("valid_ppl") is None:
+            continue
+        m = s["method"]
+        if m not in best or s["valid_ppl"] < students[best[m]]["valid_ppl"]:
+            best[m] = rid
+    return {
+        "size": size,
+        "teacher": {k: teacher.get(k) for k in ("steps", "valid_nll", "valid_ppl", "flops_spent")},
+        "budget_flops": runs[0].config.budget.flops,
+        "count_teacher": runs[0].config.budget.count_teacher,
+        "eval_tasks": list(sweep.eval_tasks), "eval_limit": sweep.eval_limit,
+        "students": students,
+        "best": {m: {"run_id": rid, **{k: students[rid][k] for k in
+                                         ("valid_nll", "valid_ppl", "eval", "steps")}}
+                 for m, rid in best.items()},
+        "failed": out.failed, "not_evaluated": out.no_eval,
+        "report": str(workdir / "report" / "report.md") if summary else None,
+        "seconds": timings,
+    }
+
+
+def _eval_cols(results: dict) -> list[tuple[str, str]]:
+    cols = []
+    for s in results["students"].values():
+        for task, m in (s.get("eval") or {}).items():
+            for k in m:
+                if not k.endswith("_stderr") and (task, k) not in cols:
+                    cols.append((task, k))
+    return cols
+
+
 def render(results: dict) -> str:
+    t = results["teacher"]
+    cols = _eval_cols(results)
     lines = ["# hldstudy quickstart", "",
-             f"Teacher: {results['teacher']['steps']} steps, validation NLL "
-             f"{results['teacher']['valid_nll']:.4f} (ppl {results['teacher']['valid_ppl']:.2f}).",
-             "",
-             f"Students at one budget of {results['budget_flops']:.3e} FLOPs "
-             f"(teacher forward {'counted' if results['count_teacher'] else 'not counted'}):", "",
-             "| method | steps | FLOPs spent | valid NLL | valid ppl |",
-             "|---|---:|---:|---:|---:|"]
-    for method, r in results["students"].items():
-        lines.append(f"| {method} | {r['steps']} | {r['flops_spent']:.3e} | "
-                     f"{r['valid_nll']:.4f} | {r['valid_ppl']:.2f} |")
+             f"Teacher: {t['steps']} steps, validation NLL {t['valid_nll']:.4f} "
+             f"(ppl {t['valid_ppl']:.3f}).", "",
+             f"Students at one budget of {results['budget_flops']:.4e} FLOPs each (teacher forward "
+             f"{'counted' if results['count_teacher'] else 'not counted'}); best config per "
+             "method by validation perplexity:", "",
+             "| method | run | steps | valid NLL | valid ppl | "
+             + " | ".join(f"{task} {k}" for task, k in cols) + " |",
+             "|---|---|---:|---:|---:|" + "---:|" * len(cols)]
+    order = ["kd", "hldf", "hldc", "patient", "baseline"]
+    for m in sorted(results["best"], key=lambda m: order.index(m) if m in order else 9):
+        b = results["best"][m]
+        ev = b.get("eval") or {}
+        vals = [ev.get(task, {}).get(k) for task, k in cols]
+        lines.append(f"| {m} | {b['run_id']} | {b['steps']} | {b['valid_nll']:.4f} | "
+                     f"{b['valid_ppl']:.3f} | "
+                     + " | ".join("-" if v is None or not math.isfinite(v) else f"{v:.3f}"
+                                  for v in vals) + " |")
+    lines += ["", f"All {len(results['students'])} runs: `runs/*/results.json`; the comparison "
+              "(point by point, best vs best, statistics): "
+              + (f"`{results['report']}`." if results.get("report") else "no report (see above)."),
+              "", "Time per phase (s): " + ", ".join(f"{k} {v}" for k, v in
+                                                      results["seconds"].items())]
     return "\n".join(lines) + "\n"
 
 
@@ -96,19 +195,26 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hldstudy quickstart", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workdir", default="runs/quickstart")
-    parser.add_argument("--size", default="small", choices=sorted(SIZES))
-    parser.add_argument("--methods", default="baseline,kd",
-                        help="comma-separated student methods (baseline,kd,hldf,hldc,patient)")
+    parser.add_argument("--size", default="small", choices=[s for s in SIZES if s != "tiny"])
+    parser.add_argument("--methods", default=None,
+                        help="comma-separated student methods (default: those of sweeps/cpu.py, "
+                             "baseline,kd,hldf,hldc)")
+    parser.add_argument("--parallel", type=int, default=1, help="worker processes for the grid")
     parser.add_argument("--set", dest="overrides", action="append", default=[],
-                        help="override a student config field")
+                        help="override a field of every student config")
+    parser.add_argument("--force", action="store_true",
+                        help="rerun student runs whose config changed (old ones moved aside)")
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("--debug", action="store_true")
     args = parser.parse_args(argv)
     quiet_libraries()
+    methods = tuple(m.strip() for m in args.methods.split(",") if m.strip()) \
+        if args.methods else None
     with user_errors(args.debug, prog="hldstudy quickstart"):
-        results = run_quickstart(Path(args.workdir), args.size,
-                                 tuple(m.strip() for m in args.methods.split(",") if m.strip()),
-                                 tuple(args.overrides), progress=not args.no_progress)
+        results = run_quickstart(Path(args.workdir), args.size, methods, tuple(args.overrides),
+                                 progress=not args.no_progress, parallel=args.parallel,
+                                 force=args.force)
         print(render(results))
-        print(f"written: {Path(args.workdir) / 'results.json'} ({results['seconds']} s)")
-    return 0
+        print(f"written: {Path(args.workdir) / 'results.json'}, "
+              f"{Path(args.workdir) / 'report' / 'report.md'} ({results['seconds']['total']} s)")
+    return 1 if results["failed"] else 0

@@ -97,10 +97,30 @@ def _fmt_table(runs, statuses) -> str:
                      for row in rows)
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever sys.stderr is at emit time (tests swap it)."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value):
+        pass
+
+
+def _log_to_stderr(level: int) -> None:
+    if not any(isinstance(h, _StderrHandler) for h in log.handlers):
+        h = _StderrHandler()
+        h.setFormatter(logging.Formatter("%(name)s: %(levelname)s: %(message)s"))
+        log.addHandler(h)
+        log.propagate = False
+    log.setLevel(level)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.debug else logging.WARNING,
-                        format="%(name)s: %(levelname)s: %(message)s", stream=sys.stderr)
+    _log_to_stderr(logging.INFO if args.debug else logging.WARNING)
     from hldstudy.cli_common import quiet_libraries
 
     quiet_libraries()

@@ -70,7 +70,8 @@ def worker_kwargs(sweep: Sweep, workdir: Path) -> dict:
 
 
 class Progress:
-    """One overall display: steps of every run (read from their metrics.jsonl)."""
+    """One overall display: a bar over the steps of every run (read from their metrics.jsonl)
+    when stderr is a terminal and `enabled`, plus one line per run that ends."""
 
     def __init__(self, runs: list[Run], workdir: Path, enabled: bool = True):
         self.runs = {r.run_id: r for r in runs}
@@ -137,7 +138,7 @@ class Progress:
                 self.finished.add(run_id)
             if kind == "failed":
                 self.failed.add(run_id)
-        if self.enabled and kind != "start":
+        if kind != "start":  # one line per finished / skipped / failed run, bar or not
             msg = f"[{len(self.finished)}/{len(self.runs)}] {run_id}: {kind}" + (
                 f" ({detail})" if detail else "")
             if self._bar is not None:
@@ -401,6 +402,7 @@ def run_slurm(runs: list[Run], sweep: Sweep, workdir: Path, *, parallel: int = 1
     chunks = [pending[i::n] for i in range(n)]
     job_fn = SweepJob(worker_kwargs(sweep, workdir))
     jobs = [executor.submit(job_fn, chunk) for chunk in chunks]
+    (workdir / INTERNAL).mkdir(parents=True, exist_ok=True)
     (workdir / INTERNAL / "jobs.json").write_text(json.dumps(
         [{"job_id": str(j.job_id), "runs": [r.run_id for r in c]}
          for j, c in zip(jobs, chunks, strict=True)], indent=2) + "\n")
@@ -429,6 +431,10 @@ def run_slurm(runs: list[Run], sweep: Sweep, workdir: Path, *, parallel: int = 1
             out.skipped += res["skipped"]
             out.failed.update(res["failed"])
             out.interrupted += res["interrupted"]
+            for rid in res["interrupted"]:
+                prog.event("interrupted", rid, "checkpointed; rerun to resume")
+            if res.get("signal") is not None:
+                out.signum = res["signal"]
             out.no_eval += res["no_eval"]
             out.teacher_loads += res["teacher_loads"]
     return out

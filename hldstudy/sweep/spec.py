@@ -355,6 +355,7 @@ def expand(sweep: Sweep, overrides: tuple[str, ...] | list[str] = (), *,
     base = base_config(sweep, overrides)
     teacher_model = teacher_model_config(base.teacher.checkpoint, sweep.teacher_preset)
     runs: dict[str, Run] = {}
+    deferred: dict[str, list[str]] = {}
     for method in dict.fromkeys(sweep.methods):
         mine = [(k, v) for k, v in axes if applies(k, method)]
         for combo in itertools.product(*[v for _, v in mine]):
@@ -383,10 +384,13 @@ def expand(sweep: Sweep, overrides: tuple[str, ...] | list[str] = (), *,
                                                   "data.tokenizer"):
                     raise ConfigError(e.field, f"run {run_id}: {str(e)[len(e.field) + 2:]}") \
                         from None
-                warnings.append(f"{run_id}: {e} (needed at launch, not for a dry run)")
+                deferred.setdefault(str(e), []).append(run_id)
             runs[run_id] = Run(run_id=run_id, method=method, params=params, overrides=ovr,
                                config=cfg, stage_steps=steps, flops_per_step=fps, steps=total,
                                flops=float(sum(steps[s] * fps[s] for s in steps)))
+    for msg, ids in deferred.items():
+        who = ids[0] if len(ids) == 1 else f"{len(ids)} runs"
+        warnings.append(f"{who}: {msg} (needed at launch, not for a dry run)")
     if not runs:
         raise InputError(f"sweep {sweep.name!r}: the grid is empty")
     return list(runs.values())

@@ -1,0 +1,25 @@
+"""The study's grid for the 123M student (Gemma 3 270M layout, 18 layers, ~32k vocab) on
+C4 English via TFDS, distilled from the 3.4B teacher (paper-teacher-3.4b layout), at one
+FLOP budget: 40k baseline steps of 256 x 2048 tokens (~21B tokens), teacher forward not
+counted. baseline / kd / hldf / hldc x lr {3e-4, 1e-3, 3e-3} x temperature {1, 2} x NLL
+weight {0.1, 0.5}, HLD weight 1, one seed: 39 runs (the baseline
+has no temperature or NLL weight).
+
+    python -m hldstudy.sweep sweeps/c4_123m.py --executor slurm --parallel 16 --slurm slurm_partition=gpu --slurm gpus_per_node=8 --set data.path=/data/tensorflow_datasets --set data.tokenizer=/data/spm32k.model --set teacher.checkpoint=runs/teacher-3.4b
+
+`--dry-run --json` works without the data, tokenizer or teacher. The teacher may
+be an hldstudy run (its tokenizer is then every run's) or an imported Gemma
+checkpoint (GGUF file / HF directory; pass its tokenizer with data.tokenizer).
+Downstream data for lm-eval tasks: HLDSTUDY_EVAL_DATA=/path/to/offline/eval/data.
+"""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _c4 import c4_sweep  # noqa: E402
+
+
+def get_sweep():
+    return c4_sweep("c4-123m", "paper-123m", batch_size=256, baseline_steps=40_000,
+                    warmup_steps=2000)
