@@ -61,9 +61,9 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hldstudy.config import Config, ModelConfig, apply_overrides, load_experiment, METHODS
+from hldstudy.config import METHODS, Config, ModelConfig, apply_overrides, load_experiment
 from hldstudy.distill.pairs import resolve_layer_pairs
-from hldstudy.errors import ConfigError, InputError, user_errors
+from hldstudy.errors import ConfigError, user_errors
 
 # --------------------------------------------------------------------------- #
 # Per-token forward counts

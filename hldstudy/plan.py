@@ -126,7 +126,7 @@ class PlanModel:
     qk_norm: bool = True
 
     @classmethod
-    def from_model_config(cls, m: ModelConfig, name: str = "model") -> "PlanModel":
+    def from_model_config(cls, m: ModelConfig, name: str = "model") -> PlanModel:
         return cls(name=name, vocab_size=m.vocab_size, d_model=m.d_model, n_layers=m.n_layers,
                    n_heads=m.n_heads, n_kv_heads=m.n_kv_heads, head_dim=m.head_dim,
                    d_ff=m.d_ff, tied_head=True, sliding_window=m.sliding_window,

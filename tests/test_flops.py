@@ -5,11 +5,19 @@ import json
 
 import pytest
 
-from hldstudy.config import Config, DataConfig, DistillConfig, BudgetConfig
+from hldstudy.config import BudgetConfig, Config, DataConfig, DistillConfig
 from hldstudy.distill.pairs import default_layer_pairs, resolve_layer_pairs
 from hldstudy.errors import ConfigError
-from hldstudy.flops import (causal_context, flops_per_token, main, matmul_params_per_layer,
-                            method_stages, step_flops, steps_for_budget, xla_flops_for)
+from hldstudy.flops import (
+    causal_context,
+    flops_per_token,
+    main,
+    matmul_params_per_layer,
+    method_stages,
+    step_flops,
+    steps_for_budget,
+    xla_flops_for,
+)
 from hldstudy.model import preset
 
 TINY = preset("tiny")  # 4 layers, d 64, 4 heads / 2 KV, head_dim 16, d_ff 192, V 512, W 32, global_every 2

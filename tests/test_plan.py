@@ -1,6 +1,5 @@
 """Memory / network planner: hand-computed terms, verdicts, CLI, and XLA's memory analysis."""
 
-import dataclasses
 import json
 
 import pytest
@@ -8,9 +7,20 @@ import pytest
 from hldstudy.config import Config, DataConfig
 from hldstudy.errors import ConfigError
 from hldstudy.model import count_params, preset
-from hldstudy.plan import (GB, PLAN_PRESETS, PlanInputs, PlanModel, logits_bytes_fused,
-                           logits_bytes_materialized, main, network_bytes_per_step, plan,
-                           plan_model, predict_step_memory, ring_bytes, weights_bytes, xla_memory)
+from hldstudy.plan import (
+    PLAN_PRESETS,
+    PlanInputs,
+    logits_bytes_fused,
+    logits_bytes_materialized,
+    main,
+    network_bytes_per_step,
+    plan,
+    plan_model,
+    predict_step_memory,
+    ring_bytes,
+    weights_bytes,
+    xla_memory,
+)
 
 
 def inputs(**kw):
