@@ -445,6 +445,7 @@ def train_step_probe(cfg: Config, method: str | None = None, stage: str | None =
     from hldstudy.distill import make_strategy
     from hldstudy.distill.base import TeacherOutputs
     from hldstudy.model.transformer import Transformer
+    from hldstudy.teacher.colocated import teacher_forward_fn
     from hldstudy.train.optim import make_optimizer
     from hldstudy.train.step import make_train_step, split_params
 
@@ -476,15 +477,7 @@ def train_step_probe(cfg: Config, method: str | None = None, stage: str | None =
                 lambda: Transformer(tcfg, rngs=nnx.Rngs(2))), nnx.Param)
             teacher_in = jax.tree_util.tree_map(
                 lambda x: jax.ShapeDtypeStruct(x.shape, tdt), t_params)
-            max_layer = None if needs_head else max(layers)
-
-            def teacher_forward(tparams, batch):  # as ColocatedTeacher.forward_fn
-                model = nnx.merge(t_gd, tparams)
-                out = model(batch["tokens"], batch["positions"], batch["segment_ids"],
-                            hidden_layers=layers, return_logits=False, max_layer=max_layer)
-                return TeacherOutputs(final_hidden=out.final_hidden if needs_head else None,
-                                      hidden=out.hidden,
-                                      head_weight=model.head_weight() if needs_head else None)
+            teacher_forward = teacher_forward_fn(t_gd, layers, needs_head)
         elif layout == "disaggregated":
             teacher_in = TeacherOutputs(
                 final_hidden=jax.ShapeDtypeStruct(shape, tdt) if needs_head else None,

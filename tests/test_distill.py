@@ -17,8 +17,9 @@ VOCAB = 384
 
 
 def _data(tokenizer=None, **kw):
-    return DataConfig(seq_len=64, batch_size=8, tokenizer_vocab_size=VOCAB, synthetic_docs=600,
-                      synthetic_valid_docs=50, tokenizer=tokenizer, **kw)
+    fields = dict(seq_len=64, batch_size=8, tokenizer_vocab_size=VOCAB, synthetic_docs=600,
+                  synthetic_valid_docs=50)
+    return DataConfig(tokenizer=tokenizer, **{**fields, **kw})
 
 
 def _train(steps, **kw):

@@ -47,6 +47,26 @@ def with_teacher_tokenizer(cfg: Config) -> Config:
     return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=str(tok)))
 
 
+def teacher_forward_fn(graphdef, layers: tuple[int, ...], needs_head: bool):
+    """`forward(teacher_params, batch) -> TeacherOutputs`: the teacher's part of a step.
+
+    Runs only as deep as the deepest requested layer when the head is not needed
+    (HLDF stage 1). Shared by the colocated teacher, the streaming server and
+    the FLOP/memory probes, so all of them compute the same thing.
+    """
+    max_layer = None if needs_head else max(layers)
+
+    def forward(params, batch) -> TeacherOutputs:
+        model = nnx.merge(graphdef, params)
+        out = model(batch["tokens"], batch["positions"], batch["segment_ids"],
+                    hidden_layers=layers, return_logits=False, max_layer=max_layer)
+        return TeacherOutputs(final_hidden=out.final_hidden if needs_head else None,
+                              hidden=out.hidden,
+                              head_weight=model.head_weight() if needs_head else None)
+
+    return forward
+
+
 class ColocatedTeacher:
     def __init__(self, model, tokenizer, *, dtype: str = "float32", source: str = ""):
         self.source = source
@@ -70,18 +90,7 @@ class ColocatedTeacher:
                 "leave data.tokenizer unset to use the teacher's, or point it at the teacher's file")
 
     def forward_fn(self, layers: tuple[int, ...], needs_head: bool):
-        graphdef = self.graphdef
-        max_layer = None if needs_head else max(layers)
-
-        def forward(params, batch) -> TeacherOutputs:
-            model = nnx.merge(graphdef, params)
-            out = model(batch["tokens"], batch["positions"], batch["segment_ids"],
-                        hidden_layers=layers, return_logits=False, max_layer=max_layer)
-            return TeacherOutputs(final_hidden=out.final_hidden if needs_head else None,
-                                  hidden=out.hidden,
-                                  head_weight=model.head_weight() if needs_head else None)
-
-        return forward
+        return teacher_forward_fn(self.graphdef, layers, needs_head)
 
     def step_inputs(self, strategy: Strategy, stage: Stage, mesh):
         """(forward run inside the student's step, teacher params placed on the mesh)."""
