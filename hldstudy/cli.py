@@ -3,6 +3,11 @@
     hldstudy quickstart [--size small|medium|large] [--workdir DIR]
     hldstudy train ...     (same as python -m hldstudy.train)
     hldstudy flops ...     (same as python -m hldstudy.flops)
+    hldstudy plan ...      (same as python -m hldstudy.plan)
+    hldstudy eval ...      (same as python -m hldstudy.eval)
+    hldstudy sweep ...     (same as python -m hldstudy.sweep)
+    hldstudy analysis ...  (same as python -m hldstudy.analysis)
+    hldstudy serve ...     (same as python -m hldstudy.teacher.serve)
 """
 
 from __future__ import annotations
@@ -16,7 +21,11 @@ def main(argv: list[str] | None = None) -> int:
         "quickstart": "hldstudy.quickstart",
         "train": "hldstudy.train.__main__",
         "flops": "hldstudy.flops",
+        "plan": "hldstudy.plan",
+        "eval": "hldstudy.eval.__main__",
+        "sweep": "hldstudy.sweep.__main__",
         "analysis": "hldstudy.analysis.__main__",
+        "serve": "hldstudy.teacher.serve",
     }
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
         print(__doc__.strip())
