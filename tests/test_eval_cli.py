@@ -91,10 +91,17 @@ def test_python_api_and_env_var(run_dir, tmp_path, monkeypatch):
     assert all(isinstance(v, float) for ms in res.values() for v in ms.values())
 
 
-def test_unknown_task(capsys, tmp_path, run_dir):
+def test_unknown_task_and_unavailable_corpus(capsys, monkeypatch, run_dir):
     err = _error_line(capsys, ["--checkpoint", str(run_dir), "--tasks", "hellaswag,nosuchtask",
                                "--offline-data", str(FIXTURES_DIR)])
     assert "'nosuchtask'" in err and "hellaswag" in err
+    err = _error_line(capsys, ["--checkpoint", str(run_dir), "--tasks", "arc_challenge",
+                               "--offline-data", str(FIXTURES_DIR)])
+    assert "'arc_challenge': no eval/overrides/<task>.yaml" in err
+    monkeypatch.delenv("HLDSTUDY_C4_DIR", raising=False)
+    monkeypatch.delenv("TFDS_DATA_DIR", raising=False)
+    err = _error_line(capsys, ["--checkpoint", str(run_dir), "--tasks", "c4_ppl"])
+    assert "c4_ppl: no TFDS data_dir" in err
 
 
 def test_missing_offline_file_and_bad_schema(capsys, tmp_path, run_dir):

@@ -108,6 +108,8 @@ def evaluate(checkpoint: str | Path | None, tasks: list[str] | str, *, limit: in
         raise InputError(f"--batch-size must be > 0, got {batch_size}")
     offline_dir = task_lib.resolve_offline_dir(offline_data)
     lm_tasks, corpus_tasks = task_lib.classify(names, offline_dir)
+    if corpus_tasks and lm is None and checkpoint is not None:
+        _check_corpora(checkpoint, corpus_tasks)  # before the model loads
     if lm is None:
         if checkpoint is None:
             raise InputError("--checkpoint is required")
@@ -147,6 +149,19 @@ def evaluate(checkpoint: str | Path | None, tasks: list[str] | str, *, limit: in
     if wandb:
         _log_wandb(results, meta, lm, table)
     return results
+
+
+def _check_corpora(checkpoint, corpus_tasks: list[str]) -> None:
+    from hldstudy.eval.adapter import is_run_dir
+    from hldstudy.eval.perplexity import corpus_data_config
+
+    base = None
+    if is_run_dir(checkpoint):
+        from hldstudy.config import read_config
+
+        base = read_config(Path(checkpoint) / "config.json").data
+    for t in corpus_tasks:
+        corpus_data_config(t, base)
 
 
 def _corpus(lm, task, *, limit, workdir, progress):

@@ -158,7 +158,8 @@ def classify(tasks: list[str], offline_dir: Path | None) -> tuple[list[str], lis
             unknown += [t for t in to_check if t not in known]
     if unknown:
         choices = sorted(local) + sorted(SYNTHETIC_TASKS) + list(CORPUS_TASKS)
-        where = (f" with offline data (tasks with an eval/overrides YAML: {', '.join(choices)})"
+        where = (f": no eval/overrides/<task>.yaml to read it offline (offline tasks: "
+                 f"{', '.join(choices)})"
                  if offline_dir is not None else
                  f" (ours: {', '.join(choices)}; or any lm-eval task name)")
         raise InputError(f"--tasks: unknown task {', '.join(map(repr, unknown))}{where}")
