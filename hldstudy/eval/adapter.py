@@ -288,6 +288,9 @@ class HLDStudyLM(LM):
                  add_bos: bool | None = None, rolling_context: int | None = None,
                  max_gen_toks: int = 256, progress: bool = True, **unused):
         super().__init__()
+        ignored = set(unused) - {"device", "max_batch_size", "dtype", "trust_remote_code"}
+        if ignored:
+            warnings.warn(f"HLDStudyLM ignores model_args {sorted(ignored)}", stacklevel=2)
         info: dict[str, Any] = {"config": None, "kind": "objects", "add_bos": False,
                                 "max_length": None}
         if checkpoint is not None:
