@@ -106,6 +106,7 @@ def render_yaml(task: str, out_dir: Path, *, data_dir: Path | None = None,
     if not src.is_file():
         raise InputError(f"{src}: no override YAML for task {task!r}")
     text = src.read_text().replace("@LM_EVAL_TASKS@", lm_eval_tasks_dir().as_posix())
+    text = text.replace("@CACHE_DIR@", (out_dir / "hf_cache").absolute().as_posix())
     if data_dir is not None:
         text = text.replace("@DATA_DIR@", Path(data_dir).absolute().as_posix())
     if synth_dir is not None:
