@@ -98,8 +98,8 @@ def stall_benchmark(root: Path, teacher: str | None, steps: int, rings: list[int
             before = [GrpcLink(a).stats()["payload_bytes"] for a in addrs]
             work = root / f"ring{ring}"
             Trainer(_student(remote, tok, steps, ring), work, devices=jax.devices()[:1]).run()
-            sent = sum(GrpcLink(a).stats()["payload_bytes"] - b for a, b in zip(addrs, before))
-            recs = [json.loads(l) for l in (work / "metrics.jsonl").read_text().splitlines()]
+            sent = sum(GrpcLink(a).stats()["payload_bytes"] - b for a, b in zip(addrs, before, strict=True))
+            recs = [json.loads(line) for line in (work / "metrics.jsonl").read_text().splitlines()]
             recs = [r for r in recs if "loss" in r][2:]  # the first steps compile
             tokens = 8 * 64
             wall = np.array([tokens / r["tokens_per_s"] for r in recs])

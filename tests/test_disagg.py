@@ -118,7 +118,7 @@ def test_ring_interleaves_steps_and_bounds_prefetch():
         ring.close()
     assert [by for _, by in got] == ["a", "b"] * 10  # replica r owns steps start+r, start+r+n, ...
     assert sorted(links[0].requests + links[1].requests) == list(range(10, 30))
-    assert max(l.max_outstanding for l in links) <= 3  # backpressure: never past the ring
+    assert max(link.max_outstanding for link in links) <= 3  # backpressure: never past the ring
 
 
 def test_ring_of_size_zero_is_synchronous():
@@ -236,12 +236,12 @@ def _student(method, checkpoint, tokenizer, steps=5, **teacher):
 
 
 def _losses(workdir):
-    recs = [json.loads(l) for l in (Path(workdir) / "metrics.jsonl").read_text().splitlines()]
+    recs = [json.loads(line) for line in (Path(workdir) / "metrics.jsonl").read_text().splitlines()]
     return {r["step"]: r["loss"] for r in recs if "loss" in r}
 
 
 def _steps_log(workdir):
-    return [json.loads(l)["step"] for l in
+    return [json.loads(line)["step"] for line in
             (Path(workdir) / "teacher_steps.log").read_text().splitlines()]
 
 
@@ -354,7 +354,7 @@ def _run_pair(env, method):
     rem = dataclasses.replace(col, teacher=dataclasses.replace(col.teacher,
                                                                checkpoint=_remote(env)))
     Trainer(rem, root / "remote", devices=jax.devices()[:1]).run()
-    sent = sum(r.stats()["payload_bytes"] - b for r, b in zip(env["replicas"], before))
+    sent = sum(r.stats()["payload_bytes"] - b for r, b in zip(env["replicas"], before, strict=True))
     _runs[method] = (_losses(root / "colocated"), _losses(root / "remote"), root / "remote", sent)
     return _runs[method]
 
@@ -365,26 +365,31 @@ def test_remote_teacher_matches_colocated_bitwise(env, method):
     assert sorted(rem) == [1, 2, 3, 4, 5]
     assert rem == col  # float32 on CPU: the same bits
     assert _steps_log(workdir) == [0, 1, 2, 3, 4]
-    records = [json.loads(l) for l in (workdir / "metrics.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
     assert all("teacher_stall_s" in r for r in records if "loss" in r)
 
 
 @pytest.mark.parametrize("method", ["kd", pytest.param("hldc", marks=pytest.mark.slow)])
 def test_planner_network_bytes_equal_bytes_sent(env, method):
-    from hldstudy.plan import network_bytes_per_step
+    from hldstudy.plan import PlanInputs, PlanModel, network_bytes_per_step, plan
 
     _, _, _, sent = _run_pair(env, method)
     tmodel = preset("tiny-teacher", vocab_size=VOCAB)
     cfg = _student(method, env["teacher"], env["tokenizer"])
-    n_streamed = 1 + (1 if method == "hldc" else 0)  # final hidden (+ the aligned layer)
-    per_step = network_bytes_per_step(cfg.data.batch_size * cfg.data.seq_len, n_streamed,
-                                      tmodel.d_model, tmodel.vocab_size, stream_bytes=4)
-    assert sent == cfg.train.steps * per_step["hidden"]
-    assert per_step["logits"] / per_step["hidden"] == VOCAB / (n_streamed * tmodel.d_model)
+    extra = 1 if method == "hldc" else 0  # streamed: final hidden (+ the aligned layer)
+    tokens = cfg.data.batch_size * cfg.data.seq_len
+    planned = plan(PlanInputs(
+        teacher=PlanModel.from_model_config(tmodel, "teacher"),
+        student=PlanModel.from_model_config(cfg.model, "student"), tokens_per_step=tokens,
+        devices=1, hbm_gb=80, link_gbps=100, seq_len=cfg.data.seq_len, hidden_layers=extra,
+        compute_dtype="float32", teacher_dtype="float32", stream_dtype="float32",
+        ring=cfg.teacher.ring_size))["network_bytes_per_step"]
+    assert planned == network_bytes_per_step(tokens, 1 + extra, tmodel.d_model, VOCAB, 4)
+    assert sent == cfg.train.steps * planned["hidden"]  # tensor payload the replicas sent
 
 
 def test_handshake_refuses_mismatches(env, tmp_path):
-    tok, teacher = env["tokenizer"], env["teacher"]
+    tok = env["tokenizer"]
     remote = _remote(env)
 
     def connect(cfg):
@@ -450,7 +455,7 @@ def test_killed_replica_mid_run(env):
         remote_mod.RemoteFeeder.__call__ = original
     assert b.proc.poll() is not None
     assert _losses(workdir) == col
-    log = [json.loads(l) for l in (workdir / "teacher_steps.log").read_text().splitlines()]
+    log = [json.loads(line) for line in (workdir / "teacher_steps.log").read_text().splitlines()]
     assert [r["step"] for r in log] == [0, 1, 2, 3, 4]
     assert [r["replica"] for r in log] == [0, 1, 0, 0, 0]  # b's step 3 went to a
 

@@ -21,12 +21,10 @@ to the resume step when a run resumes, so the log holds each trained step once.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import queue
 import threading
-import time
 from pathlib import Path
 from urllib.parse import parse_qs
 
@@ -162,6 +160,11 @@ class GrpcLink:
         arr = np.frombuffer(b"".join(chunks), dtype=proto.np_dtype(header["dtype"]))
         return arr.reshape(header["shape"])
 
+    def close(self) -> None:
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None
+
     def stats(self) -> dict:
         import grpc
 
@@ -176,11 +179,12 @@ class GrpcLink:
 class RemoteFeeder:
     """`feeder(step, batch) -> dict` for the trainer loop, over one stage's ring."""
 
-    def __init__(self, teacher: "RemoteTeacher", final: bool, layers: tuple[int, ...], mesh,
+    def __init__(self, teacher: RemoteTeacher, final: bool, layers: tuple[int, ...], mesh,
                  embedding):
         self.teacher, self.final, self.layers, self.mesh = teacher, final, layers, mesh
         self.embedding = embedding
         self.ring: PrefetchRing | None = None
+        self.links: list[GrpcLink] = []
         self.workdir: Path | None = None
         self._log = None
         self.stall_s = 0.0
@@ -197,9 +201,9 @@ class RemoteFeeder:
             path = self.workdir / STEPS_LOG
             kept = []
             if path.exists():  # a resumed run retrains from `start`: keep each step once
-                kept = [l for l in path.read_text().splitlines()
-                        if l.strip() and json.loads(l)["step"] < start]
-            path.write_text("".join(l + "\n" for l in kept))
+                kept = [line for line in path.read_text().splitlines()
+                        if line.strip() and json.loads(line)["step"] < start]
+            path.write_text("".join(line + "\n" for line in kept))
             self._log = open(path, "a")
         open_spec = {"final": self.final, "layers": list(self.layers), "dtype": t.dtype,
                      "fingerprint": t.fingerprint}
@@ -215,6 +219,7 @@ class RemoteFeeder:
         if not any(connected):
             raise ConfigError(FIELD, f"no teacher replica answers at {', '.join(t.addresses)}",
                               "start them with python -m hldstudy.teacher.serve")
+        self.links = links
         self.ring = PrefetchRing(links, start=start, end=end, ring_size=t.ring_size,
                                  timeout_s=t.timeout_s, transform=self._place,
                                  connected=connected, rejoin_s=t.rejoin_s)
@@ -264,6 +269,8 @@ class RemoteFeeder:
         if self.ring is not None:
             self.ring.close()
             self.ring = None
+            for link in self.links:
+                link.close()
         if self._log is not None:
             self._log.close()
             self._log = None
@@ -296,14 +303,17 @@ class RemoteTeacher:
     # ------------------------------------------------------------ handshake
 
     @classmethod
-    def connect(cls, cfg: Config) -> "RemoteTeacher":
+    def connect(cls, cfg: Config) -> RemoteTeacher:
         addresses, opts = parse_spec(cfg.teacher.checkpoint)
         infos, down = {}, []
         for addr in addresses:
+            link = GrpcLink(addr, timeout_s=min(cfg.teacher.timeout_s, 10.0))
             try:
-                infos[addr] = GrpcLink(addr, timeout_s=min(cfg.teacher.timeout_s, 10.0)).info()
+                infos[addr] = link.info()
             except ReplicaDown:
                 down.append(addr)
+            finally:
+                link.close()
         if not infos:
             raise ConfigError(FIELD, f"no teacher replica answers at {', '.join(addresses)}",
                               "start them with python -m hldstudy.teacher.serve")
@@ -406,6 +416,8 @@ class RemoteTeacher:
                     break
                 except ConnectionError:
                     continue
+                finally:
+                    link.close()
             else:
                 raise ConfigError(FIELD, "no replica answers to send the teacher's head")
         return self._embedding

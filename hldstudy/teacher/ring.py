@@ -28,8 +28,9 @@ import heapq
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 from hldstudy.errors import HLDError
 
