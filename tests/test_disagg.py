@@ -369,6 +369,22 @@ def test_remote_teacher_matches_colocated_bitwise(env, method):
     assert all("teacher_stall_s" in r for r in records if "loss" in r)
 
 
+@pytest.mark.slow
+def test_remote_hldf_switches_streams_at_the_stage_boundary(env):
+    """Stage 1 streams only teacher layer 3, stage 2 only the final hidden state."""
+    from hldstudy.train.loop import Trainer
+
+    col = _student("hldf", env["teacher"], env["tokenizer"])
+    col = dataclasses.replace(col, distill=DistillConfig(method="hldf", hldf_stage1_share=0.4))
+    rem = dataclasses.replace(col, teacher=dataclasses.replace(col.teacher,
+                                                               checkpoint=_remote(env)))
+    root = env["root"] / "hldf"
+    Trainer(col, root / "colocated", devices=jax.devices()[:1]).run()
+    Trainer(rem, root / "remote", devices=jax.devices()[:1]).run()
+    assert _losses(root / "remote") == _losses(root / "colocated")
+    assert _steps_log(root / "remote") == [0, 1, 2, 3, 4]
+
+
 @pytest.mark.parametrize("method", ["kd", pytest.param("hldc", marks=pytest.mark.slow)])
 def test_planner_network_bytes_equal_bytes_sent(env, method):
     from hldstudy.plan import PlanInputs, PlanModel, network_bytes_per_step, plan
