@@ -144,7 +144,7 @@ def collect(workdir: Path, teacher: dict, runs, sweep, timings, out, summary, si
                                          ("valid_nll", "valid_ppl", "eval", "steps")}}
                  for m, rid in best.items()},
         "failed": out.failed, "not_evaluated": out.no_eval,
-        "report": str(workdir / "report" / "report.md") if summary else None,
+        "report": "report/report.md" if summary else None,  # relative to the workdir
         "seconds": timings,
     }
 
@@ -182,7 +182,8 @@ def render(results: dict) -> str:
                                   for v in vals) + " |")
     lines += ["", f"All {len(results['students'])} runs: `runs/*/results.json`; the comparison "
               "(point by point, best vs best, statistics): "
-              + (f"`{results['report']}`." if results.get("report") else "no report (see above)."),
+              + (f"`{results['report']}` (in the quickstart directory)." if results.get("report")
+                 else "no report (see above)."),
               "", "Time per phase (s): " + ", ".join(f"{k} {v}" for k, v in
                                                       results["seconds"].items())]
     return "\n".join(lines) + "\n"

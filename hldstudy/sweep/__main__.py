@@ -180,7 +180,7 @@ def _main(args) -> int:
     else:
         out = executors.run_wandb(selected, sweep, workdir, sweep_file=sweep_file,
                                   overrides=args.overrides, sweep_id=args.sweep_id,
-                                  count=args.count)
+                                  count=args.count, parallel=args.parallel)
     (workdir / ".sweep").mkdir(exist_ok=True)
     (workdir / ".sweep" / "last_launch.json").write_text(json.dumps(out.as_dict(), indent=2) + "\n")
     print_summary(out, workdir, len(selected))

@@ -490,7 +490,8 @@ def _wandb_online() -> tuple[bool, str]:
 
 def run_wandb(runs: list[Run], sweep: Sweep, workdir: Path, *, sweep_file: Path,
               overrides: list[str], sweep_id: str | None = None, count: int | None = None,
-              project: str | None = None, entity: str | None = None) -> Outcome:
+              project: str | None = None, entity: str | None = None,
+              parallel: int = 1) -> Outcome:
     cfg = wandb_sweep_config(sweep, runs, sweep_file, workdir, overrides)
     path = write_wandb_config(cfg, workdir)
     online, why = _wandb_online()
@@ -510,7 +511,20 @@ def run_wandb(runs: list[Run], sweep: Sweep, workdir: Path, *, sweep_file: Path,
         sweep_id = wandb.sweep(cfg, project=project, entity=entity)
         print(f"created W&B sweep {sweep_id} ({path})")
     by_id = {r.run_id: r for r in runs}
+    # --parallel N: N - 1 more agents as subprocesses (each loads the teacher once).
+    import subprocess
+
     from hldstudy.sweep.worker import Worker
+
+    extra = []
+    for _ in range(max(0, parallel - 1)):
+        cmd = [sys.executable, "-m", "hldstudy.sweep", str(sweep_file), "--executor", "wandb",
+               "--sweep-id", sweep_id, "--workdir", str(workdir), "--no-progress"]
+        for o in overrides:
+            cmd += ["--set", o]
+        if count is not None:
+            cmd += ["--count", str(count)]
+        extra.append(subprocess.Popen(cmd))
 
     worker = Worker(**worker_kwargs(sweep, workdir))
     out = Outcome()
@@ -526,7 +540,13 @@ def run_wandb(runs: list[Run], sweep: Sweep, workdir: Path, *, sweep_file: Path,
             out.failed.update(res.failed)
             _replay_metrics(wrun, workdir / rid)
 
-    wandb.agent(sweep_id, function=agent_fn, project=project, entity=entity, count=count)
+    try:
+        wandb.agent(sweep_id, function=agent_fn, project=project, entity=entity, count=count)
+    finally:
+        for p in extra:
+            p.wait()
+            if p.returncode not in (0, None):
+                out.failed[f"agent pid {p.pid}"] = f"exited with code {p.returncode}"
     out.teacher_loads = worker.teacher_loads
     return out
 
