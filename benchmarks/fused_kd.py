@@ -221,7 +221,8 @@ def write_markdown(results: dict, path: Path) -> None:
         cells = [str(row["T"]), str(row["d"]), str(row["V"]), row["dtype"]]
         for impl in impls:
             r = row["runs"].get(impl, {"error": "missing"})
-            peak = r.get("device_peak_bytes") or r.get("peak_rss_bytes")
+            # A case that was only compiled has no meaningful peak.
+            peak = None if "skipped_run" in r else (r.get("device_peak_bytes") or r.get("peak_rss_bytes"))
             cells += [_gib(r.get("temp_bytes")), _gib(peak), _fmt_time(r)]
         fused, mat = row["runs"].get(impls[0], {}), row["runs"].get(ref, {})
         ratio_mem = (f"{mat['temp_bytes'] / max(fused['temp_bytes'], 1):.1f}x"
@@ -237,7 +238,7 @@ def write_markdown(results: dict, path: Path) -> None:
                 notes.append(f"- ({row['T']}, {row['d']}, {row['V']}) {impl}: not run, {r['skipped_run']}.")
             if "error" in r:
                 notes.append(f"- ({row['T']}, {row['d']}, {row['V']}) {impl}: error {r['error']}.")
-            if "load_avg_1m" in r:
+            if "load_avg_1m" in r and "times_s" in r:
                 notes.append(f"- ({row['T']}, {row['d']}, {row['V']}) {impl}: load average "
                              f"{r['load_avg_1m']:.1f} at start, times {['%.2f' % t for t in r.get('times_s', [])]}.")
     if results.get("model"):
