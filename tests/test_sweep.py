@@ -230,3 +230,26 @@ def test_unknown_run_id(capsys):
         sweep_main([str(CPU), "--dry-run", "--run-id", "nope"])
     assert "'nope' is not a run of cpu" in capsys.readouterr().err
 
+
+
+def test_a_worker_loads_its_teacher_once(tmp_path, monkeypatch):
+    from hldstudy.sweep.worker import Worker
+
+    calls = []
+
+    class FakeTeacher:
+        def check_tokenizer(self, tokenizer):
+            calls.append(("check", tokenizer))
+
+    def load(cfg, tokenizer):
+        calls.append(("load", cfg.teacher.checkpoint))
+        return FakeTeacher()
+
+    monkeypatch.setattr("hldstudy.teacher.load_teacher", load)
+    worker = Worker(tmp_path)
+    runs = expand(_sweep(methods=("baseline", "kd", "hldf", "hldc")),
+                  ["teacher.checkpoint=/some/teacher"])
+    teachers = {id(worker.teacher_for(r.config, "tok")) for r in runs if r.method != "baseline"}
+    assert len(teachers) == 1 and worker.teacher_loads == 1
+    assert [c for c in calls if c[0] == "load"] == [("load", "/some/teacher")]
+    assert worker.teacher_for(runs[0].config, "tok") is None  # the baseline has none
