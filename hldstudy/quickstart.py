@@ -200,7 +200,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--methods", default=None,
                         help="comma-separated student methods (default: those of sweeps/cpu.py, "
                              "baseline,kd,hldf,hldc)")
-    parser.add_argument("--parallel", type=int, default=1, help="worker processes for the grid")
+    parser.add_argument("--parallel", type=int, default=2,
+                        help="worker processes for the grid (2: the tiny models leave a core idle "
+                             "and compilation overlaps)")
     parser.add_argument("--set", dest="overrides", action="append", default=[],
                         help="override a field of every student config")
     parser.add_argument("--force", action="store_true",

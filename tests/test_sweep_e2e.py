@@ -111,9 +111,11 @@ def test_sweep_interrupted_resumed_and_reported_once(tmp_path, teacher_dir, monk
     from hldstudy.analysis import build_report
 
     summary = build_report(runs_dir, tmp_path / "report", n_resamples=200)
-    accounted = [r["run_id"] for r in summary["runs"]]
-    assert sorted(accounted) == sorted(ids)  # every run exactly once
-    assert all(r["status"] == "done" for r in summary["runs"])
+    assert sorted(summary["runs"]) == sorted(ids)  # every run exactly once ({run_id: used as})
+    assert set(summary["runs"].values()) == {"baseline (best-vs-best only)",
+                                             "reference (paired)"}
+    accounting = (tmp_path / "report" / "tables" / "accounting.csv").read_text().splitlines()
+    assert sorted(line.split(",")[0] for line in accounting[1:]) == sorted(ids)
     report = (tmp_path / "report" / "report.md").read_text()
     assert "synth_mc/acc" in report
 
