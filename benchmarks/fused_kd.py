@@ -240,7 +240,7 @@ def write_markdown(results: dict, path: Path) -> None:
                 notes.append(f"- ({row['T']}, {row['d']}, {row['V']}) {impl}: error {r['error']}.")
             if "load_avg_1m" in r and "times_s" in r:
                 notes.append(f"- ({row['T']}, {row['d']}, {row['V']}) {impl}: load average "
-                             f"{r['load_avg_1m']:.1f} at start, times {['%.2f' % t for t in r.get('times_s', [])]}.")
+                             f"{r['load_avg_1m']:.1f} at start, times {[f'{t:.2f}' for t in r['times_s']]}.")
     if results.get("model"):
         lines += ["", "Whole KD training step (student forward+backward incl. the loss), XLA temp memory:", ""]
         lines.append("| student | V | B x T | d_teacher | impl | temp GiB | args GiB |")

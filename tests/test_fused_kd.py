@@ -110,7 +110,7 @@ def test_inside_bigger_grad_and_jit():
 
     ref = jax.jit(jax.grad(lambda ps: total(materialized_kd_loss, ps)))((proj, emb))
     got = jax.jit(jax.grad(lambda ps: total(fused_kd_loss, ps)))((proj, emb))
-    for a, b in zip(got, ref):
+    for a, b in zip(got, ref, strict=True):
         assert_close(a, b, 1e-5)
 
 
@@ -118,8 +118,8 @@ def test_cotangent_scaling():
     inputs = make_inputs(6, 10, 8, 8, 20)
     h_s, w_s, h_t, w_t, labels, mask = inputs
     for vb in (None, 8):
-        g1 = jax.grad(lambda hs: fused_kd_loss(hs, w_s, h_t, w_t, labels, mask, vocab_block=vb)[0])(h_s)
-        g3 = jax.grad(lambda hs: 3.0 * fused_kd_loss(hs, w_s, h_t, w_t, labels, mask, vocab_block=vb)[0])(h_s)
+        g1 = jax.grad(lambda hs, vb=vb: fused_kd_loss(hs, w_s, h_t, w_t, labels, mask, vocab_block=vb)[0])(h_s)
+        g3 = jax.grad(lambda hs, vb=vb: 3.0 * fused_kd_loss(hs, w_s, h_t, w_t, labels, mask, vocab_block=vb)[0])(h_s)
         assert_close(g3, 3.0 * g1, 1e-6)
 
 

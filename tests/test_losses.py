@@ -144,7 +144,7 @@ def test_gradients_finite_differences_and_no_teacher_grad():
         labels = jax.random.randint(k[4], (5,), 0, 7)
         mask = jnp.array([1, 0, 1, 1, 1], bool)
         for divergence in ("forward_kl", "reverse_kl", "jsd"):
-            f = lambda hs, ws: materialized_kd_loss(
+            f = lambda hs, ws, divergence=divergence: materialized_kd_loss(
                 hs, ws, h_t, w_t, labels, mask, temperature=1.7, alpha=0.3,
                 divergence=divergence, softcap=2.5, jsd_beta=0.3,
             )[0]

@@ -3,9 +3,9 @@
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_fused_kd import assert_close, loss_and_grads, make_inputs
 
 from hldstudy.losses import fused_kd_loss
-from test_fused_kd import assert_close, loss_and_grads, make_inputs
 
 FAMILIES = ["pallas_triton", "pallas_mosaic"]
 
