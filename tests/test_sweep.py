@@ -147,11 +147,13 @@ def test_config_drift_is_refused_naming_the_field_unless_forced(tmp_path, capsys
         kd.config, distill=dataclasses.replace(kd.config.distill, divergence="reverse_kl")))
     (d / "config.json").write_text(json.dumps(old))
     (d / "metrics.jsonl").write_text('{"step": 3, "loss": 1.0}\n')
-    # cosmetic fields never count as drift
+    # cosmetic fields never count as drift, nor (in a finished run) fields the method ignores
     same = config_to_dict(dataclasses.replace(
-        runs[0].config, train=dataclasses.replace(runs[0].config.train, log_every=7)))
+        runs[0].config, train=dataclasses.replace(runs[0].config.train, log_every=7),
+        distill=dataclasses.replace(runs[0].config.distill, temperature=9.0)))
     (tmp_path / runs[0].run_id).mkdir()
     (tmp_path / runs[0].run_id / "config.json").write_text(json.dumps(same))
+    (tmp_path / runs[0].run_id / "results.json").write_text('{"status": "done"}')
     with pytest.raises(ConfigError, match="distill.divergence") as e:
         prepare_workdir(sweep, runs, runs, tmp_path, sweep_file=CPU)
     assert "reverse_kl" in str(e.value) and "--force" in str(e.value)

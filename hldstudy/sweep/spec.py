@@ -430,10 +430,15 @@ def _norm(key: str, v: Any) -> Any:
 
 
 def config_drift(run: Run, run_dir: Path) -> list[tuple[str, Any, Any]]:
-    """[(field, value in run_dir/config.json, value the grid asks for)]; [] when it matches."""
+    """[(field, value in run_dir/config.json, value the grid asks for)]; [] when it matches.
+
+    For a finished run, fields its method does not use (`applies`: e.g. the baseline's
+    distill.temperature) are not compared; a run still to be resumed is compared on every
+    field, as the Trainer will when it resumes."""
     path = Path(run_dir) / "config.json"
     if not path.exists():
         return []
+    finished = (Path(run_dir) / "results.json").exists()
     try:
         old = _flat(json.loads(path.read_text()))
     except json.JSONDecodeError:
@@ -445,6 +450,8 @@ def config_drift(run: Run, run_dir: Path) -> list[tuple[str, Any, Any]]:
             continue
         if key == "train.steps" and run.config.budget.flops > 0:
             continue  # follows from the budget
+        if finished and key != "distill.method" and not applies(key, run.method):
+            continue
         a, b = old.get(key), new.get(key)
         if _norm(key, a) != _norm(key, b):
             if isinstance(a, float) and isinstance(b, float) and math.isclose(a, b, rel_tol=1e-9):
