@@ -28,6 +28,8 @@ lint: setup
 bench: setup
 	$(BIN)/python benchmarks/train_step.py
 	$(BIN)/python benchmarks/fused_kd.py
+	$(BIN)/python benchmarks/eval_loglikelihood.py
+	$(BIN)/python benchmarks/disagg.py
 
 clean:
 	rm -rf runs .pytest_cache
