@@ -61,7 +61,6 @@ def _steps(run_dir: Path) -> list[int]:
             if "loss" in json.loads(line)]
 
 
-@pytest.mark.slow
 def test_sweep_interrupted_resumed_and_reported_once(tmp_path, teacher_dir, monkeypatch, capsys):
     sweep = _sweep_file(tmp_path, teacher_dir)
     runs_dir = tmp_path / "runs"
