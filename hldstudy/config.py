@@ -420,23 +420,43 @@ def apply_overrides(cfg: Config, overrides: list[str] | tuple[str, ...]) -> Conf
     return config_from_dict(data)
 
 
-def load_experiment(path: str | Path) -> Config:
-    """Imports an experiment file and calls its `get_config()`."""
+def import_entry_point(path: str | Path, function: str, what: str):
+    """Imports a Python file (an experiment, a sweep) that must define `function`.
+
+    A missing file, an import error or a missing function is an InputError
+    naming the file, never a traceback.
+    """
     path = Path(path)
     if not path.exists():
-        raise InputError(f"--config: {path} does not exist")
-    spec = importlib.util.spec_from_file_location(f"hldstudy_experiment_{path.stem}", path)
+        raise InputError(f"{what} {path} does not exist")
+    spec = importlib.util.spec_from_file_location(f"hldstudy_{function}_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
     try:
         spec.loader.exec_module(module)
-    except Exception as e:  # a broken experiment file is a user error
-        raise InputError(f"--config: {path} failed to import: {type(e).__name__}: {e}") from e
-    if not hasattr(module, "get_config"):
-        raise InputError(f"--config: {path} has no get_config() function")
-    cfg = module.get_config()
+    except Exception as e:  # a broken file is a user error
+        raise InputError(f"{what} {path} failed to import: {type(e).__name__}: {e}") from e
+    if not hasattr(module, function):
+        raise InputError(f"{what} {path} has no {function}() function")
+    return module
+
+
+def load_experiment(path: str | Path) -> Config:
+    """Imports an experiment file and calls its `get_config()`."""
+    cfg = import_entry_point(path, "get_config", "--config:").get_config()
     if not isinstance(cfg, Config):
         raise InputError(f"--config: {path}: get_config() must return hldstudy.config.Config")
     return cfg
+
+
+def flatten(d: dict, prefix: str = "") -> dict:
+    """{'a': {'b': 1}} -> {'a.b': 1}: config dicts compared field by field."""
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
 
 
 def save_config(cfg: Config, path: str | Path) -> None:

@@ -7,14 +7,14 @@ from pathlib import Path
 import pytest
 
 from hldstudy.analysis.runs import name_mismatches
-from hldstudy.config import config_to_dict, load_experiment
+from hldstudy.config import config_to_dict, flatten, load_experiment
 from hldstudy.errors import ConfigError, InputError
 from hldstudy.flops import step_flops
 from hldstudy.model.presets import preset
 from hldstudy.sweep import Sweep, expand, load_sweep
 from hldstudy.sweep.__main__ import main as sweep_main
 from hldstudy.sweep.launch import prepare_workdir
-from hldstudy.sweep.spec import _flat, fmt_value, run_status
+from hldstudy.sweep.spec import fmt_value, run_status
 
 ROOT = Path(__file__).resolve().parent.parent
 CPU = ROOT / "sweeps" / "cpu.py"
@@ -40,7 +40,7 @@ def test_grid_is_method_aware_and_names_round_trip():
     assert all("distill.hidden_weight" not in r.params for r in by["hldf"])
     assert "hldc_lr3e-3_T2_a0.5_hw0.5_s0" in {r.run_id for r in by["hldc"]}
     for r in runs:
-        flat = _flat(config_to_dict(r.config))
+        flat = flatten(config_to_dict(r.config))
         assert name_mismatches(r.run_id, flat) == []  # the analysis reads the names back
         assert flat["distill.method"] == r.method
         for k, v in r.params.items():

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hldstudy.errors import InputError
+from hldstudy.signals import StopSignals
 from hldstudy.sweep.spec import Run, Sweep, run_status, steps_done
 
 log = logging.getLogger("hldstudy.sweep")
@@ -164,28 +165,9 @@ def _detail(res: dict) -> str:
 # --------------------------------------------------------------------------- #
 
 
-class _Stop:
+class _Stop(StopSignals):
     """SIGINT / SIGTERM between runs: finish the current step of work, start nothing new.
     (During training the Trainer's own handler takes over and checkpoints.)"""
-
-    def __init__(self):
-        self.signum = None
-        self._old = {}
-
-    def __enter__(self):
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            try:
-                self._old[sig] = signal.signal(sig, self._handle)
-            except ValueError:
-                pass
-        return self
-
-    def _handle(self, signum, frame):
-        self.signum = signum
-
-    def __exit__(self, *exc):
-        for sig, old in self._old.items():
-            signal.signal(sig, old)
 
 
 def run_many(runs: list[Run], kwargs: dict, report=None, stop: _Stop | None = None,

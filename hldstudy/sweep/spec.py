@@ -18,7 +18,6 @@ values in the folder-name format ``hldstudy.analysis`` checks
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import itertools
 import json
 import math
@@ -27,7 +26,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hldstudy.config import Config, apply_overrides, config_to_dict, read_config, validate
+from hldstudy.config import (
+    Config,
+    apply_overrides,
+    config_to_dict,
+    flatten,
+    import_entry_point,
+    read_config,
+    validate,
+)
 from hldstudy.errors import ConfigError, InputError
 
 METHODS = ("baseline", "kd", "hldf", "hldc", "patient")
@@ -172,17 +179,7 @@ class Run:
 
 def load_sweep(path: str | Path, **kwargs) -> Sweep:
     """Imports a sweep file and calls its `get_sweep(**kwargs)`."""
-    path = Path(path)
-    if not path.exists():
-        raise InputError(f"sweep file {path} does not exist")
-    spec = importlib.util.spec_from_file_location(f"hldstudy_sweep_{path.stem}", path)
-    module = importlib.util.module_from_spec(spec)
-    try:
-        spec.loader.exec_module(module)
-    except Exception as e:  # a broken sweep file is a user error
-        raise InputError(f"sweep file {path} failed to import: {type(e).__name__}: {e}") from e
-    if not hasattr(module, "get_sweep"):
-        raise InputError(f"sweep file {path} has no get_sweep() function")
+    module = import_entry_point(path, "get_sweep", "sweep file")
     sweep = module.get_sweep(**kwargs)
     if not isinstance(sweep, Sweep):
         raise InputError(f"{path}: get_sweep() must return hldstudy.sweep.Sweep, "
@@ -411,16 +408,6 @@ def _literal(v: Any) -> str:
 # --------------------------------------------------------------------------- #
 
 
-def _flat(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
 def _norm(key: str, v: Any) -> Any:
     if key in PATH_FIELDS and isinstance(v, str) and "://" not in v:
         return os.path.realpath(v)
@@ -440,10 +427,10 @@ def config_drift(run: Run, run_dir: Path) -> list[tuple[str, Any, Any]]:
         return []
     finished = (Path(run_dir) / "results.json").exists()
     try:
-        old = _flat(json.loads(path.read_text()))
+        old = flatten(json.loads(path.read_text()))
     except json.JSONDecodeError:
         return [("config.json", "unreadable JSON", "a config")]
-    new = _flat(config_to_dict(run.config))
+    new = flatten(config_to_dict(run.config))
     out = []
     for key in sorted(set(old) | set(new)):
         if key in IGNORED_DRIFT or key.startswith(IGNORED_DRIFT_PREFIXES):

@@ -20,10 +20,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from hldstudy.config import Config, config_to_dict, read_config, save_config, validate
+from hldstudy.config import Config, config_to_dict, flatten, read_config, save_config, validate
 from hldstudy.distill import Stage, make_strategy
 from hldstudy.errors import ConfigError
 from hldstudy.model import Transformer
+from hldstudy.signals import StopSignals
 from hldstudy.train import mesh as mesh_lib
 from hldstudy.train.checkpoint import Checkpointer, abstract_like
 from hldstudy.train.metrics import MetricsLogger
@@ -46,26 +47,10 @@ class Interrupted(Exception):
         super().__init__(f"interrupted at step {step}; checkpoint saved, rerun to resume")
 
 
-class _StopFlag:
-    def __init__(self):
-        self.signum = None
-        self.stop_at_step = None
-        self._old = {}
+class _StopFlag(StopSignals):
+    """StopSignals plus a step at which to stop as if signalled (tests, sweeps)."""
 
-    def __enter__(self):
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            try:
-                self._old[sig] = signal.signal(sig, self._handle)
-            except ValueError:  # not in the main thread
-                pass
-        return self
-
-    def _handle(self, signum, frame):
-        self.signum = signum
-
-    def __exit__(self, *exc):
-        for sig, old in self._old.items():
-            signal.signal(sig, old)
+    stop_at_step: int | None = None
 
 
 @dataclass
@@ -76,23 +61,13 @@ class StagePlan:
     flops_per_step: float
 
 
-def _flat(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
 def check_resume_compatible(cfg: Config, workdir: Path) -> None:
     """Refuses to resume a run directory under a different experiment."""
     path = workdir / "config.json"
     if not path.exists():
         return
-    old = _flat(config_to_dict(read_config(path)))
-    new = _flat(config_to_dict(cfg))
+    old = flatten(config_to_dict(read_config(path)))
+    new = flatten(config_to_dict(cfg))
     for key in sorted(new):
         if key not in RESUMABLE_CHANGES and old.get(key) != new[key]:
             raise ConfigError(key, f"{workdir} was trained with {old.get(key)!r}, now {new[key]!r}",
