@@ -217,18 +217,26 @@ def test_cli_errors_are_clean(tmp_path, capsys):
 DISTILL_CASES = [
     ("kd", "main", "colocated", dict(loss_impl="fused", fused_backend="xla")),
     ("hldf", "stage1", "disaggregated", {}),
+    ("hldf", "stage2", "colocated", dict(loss_impl="materialized")),
     ("hldc", "main", "colocated", dict(loss_impl="materialized")),
     ("patient", "main", "disaggregated", dict(loss_impl="fused", fused_backend="xla",
                                               patient_pairs=2)),
 ]
-SMALL_TEACHER = preset("tiny-teacher", n_layers=3)  # keeps the compiles short
+# (student, teacher): GQA with sliding-window layers, and all-global MHA without QK-norm.
+DISTILL_SHAPES = [
+    (TINY, preset("tiny-teacher", n_layers=3)),  # 3 teacher layers keep the compiles short
+    (XLA_SHAPES[1][0], preset("tiny-teacher", n_layers=3, vocab_size=1024, sliding_window=None,
+                              global_every=1)),
+]
 
 
-@pytest.mark.parametrize("method,stage,layout,distill", DISTILL_CASES)
-def test_analytic_matches_xla_distill_steps(method, stage, layout, distill):
-    cfg = cfg_for(method, b=1, t=64, **distill)
-    bd = step_flops(cfg, method, stage, SMALL_TEACHER)
-    xla = xla_flops_for(cfg, method, stage, SMALL_TEACHER, layout=layout)
+@pytest.mark.parametrize("student,teacher", DISTILL_SHAPES, ids=["gqa-window", "mha-global"])
+@pytest.mark.parametrize("method,stage,layout,distill", DISTILL_CASES,
+                         ids=[f"{c[0]}-{c[1]}-{c[2]}" for c in DISTILL_CASES])
+def test_analytic_matches_xla_distill_steps(method, stage, layout, distill, student, teacher):
+    cfg = cfg_for(method, model=student, b=1, t=64, **distill)
+    bd = step_flops(cfg, method, stage, teacher)
+    xla = xla_flops_for(cfg, method, stage, teacher, layout=layout)
     assert xla == pytest.approx(bd.hardware_flops(layout), rel=0.05)
 
 
