@@ -316,7 +316,9 @@ def step_flops(cfg: Config, method: str | None = None, stage: str | None = None,
 
     fs = flops_per_token(s, seq, n_layers=s_layers, head=s_head)
     nonemb, deembed, attention = (3.0 * tokens * fs[k] for k in ("nonemb", "deembed", "attention"))
-    regressor = 6.0 * tokens * len(pairs) * s.d_model * (t.d_model if t is not None else 0)
+    # distill.regressor=false aligns raw states: no regressor matmul, no regressor params.
+    n_regressors = len(pairs) if cfg.distill.regressor else 0
+    regressor = 6.0 * tokens * n_regressors * s.d_model * (t.d_model if t is not None else 0)
     teacher = teacher_head_flops = 0.0
     if t is not None and (t_layers > 0 or t_head):
         ft = flops_per_token(t, seq, n_layers=t_layers, head=t_head)
@@ -336,7 +338,7 @@ def step_flops(cfg: Config, method: str | None = None, stage: str | None = None,
                                  + len(pairs) * _EW["nmse"][1] * (t.d_model if t else 0)),
         "optimizer": OPTIMIZER_FLOPS_PER_PARAM * (
             trainable_params(s, s_layers if not s_head else None)
-            + len(pairs) * (s.d_model + 1) * (t.d_model if t else 0)),
+            + n_regressors * (s.d_model + 1) * (t.d_model if t else 0)),
         "recompute_remat": 0.0,
         "recompute_fused": 0.0,
         "teacher": 0.0,

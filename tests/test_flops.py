@@ -247,3 +247,11 @@ def test_xla_undercounts_fused_loop_and_we_say_so():
     assert not xla_count_is_complete(cfg_for("kd", b=2, t=64), "kd", "main")
     assert xla_count_is_complete(cfg_for("kd", b=2, t=64, loss_impl="materialized"), "kd", "main")
     assert xla_count_is_complete(cfg_for("hldf", b=8, t=64), "hldf", "stage1")
+
+
+def test_no_regressor_costs_nothing():
+    teacher = preset("tiny", n_layers=6)  # same width as the student: raw states can align
+    with_reg = step_flops(cfg_for("hldc"), "hldc", "main", teacher)
+    without = step_flops(cfg_for("hldc", regressor=False), "hldc", "main", teacher)
+    assert with_reg.regressor > 0 and without.regressor == 0
+    assert with_reg.total - without.total == with_reg.regressor
