@@ -180,12 +180,7 @@ class PrefetchRing:
         rep.next_rejoin = time.monotonic() + self.rejoin_s
         lost = sorted(rep.pending)
         rep.pending = set()
-        if rep.session is not None:
-            try:
-                rep.session.close()
-            except Exception:  # noqa: BLE001
-                pass
-        rep.session = None
+        _close_session(rep)
         log.warning("teacher replica %s dropped (%s); reassigning steps %s",
                     getattr(rep.link, "name", i), exc, lost)
         for step in lost:
@@ -319,12 +314,17 @@ class PrefetchRing:
                 return
             self._closed = True
             for rep in self._reps:
-                if rep.session is not None:
-                    try:
-                        rep.session.close()
-                    except Exception:  # noqa: BLE001
-                        pass
-                    rep.session = None
+                _close_session(rep)
                 rep.live = False
             self._ready.clear()
             self._cv.notify_all()
+
+
+def _close_session(rep) -> None:
+    """Closes a replica's stream if it has one; a broken stream may fail to close."""
+    if rep.session is not None:
+        try:
+            rep.session.close()
+        except Exception:  # noqa: BLE001
+            pass
+    rep.session = None
