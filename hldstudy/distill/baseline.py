@@ -2,19 +2,8 @@
 
 from __future__ import annotations
 
-import jax
-import jax.numpy as jnp
-
 from hldstudy.distill.base import Stage, Strategy
-
-
-def masked_nll(logits_BxTxV: jax.Array, targets_BxT: jax.Array, mask_BxT: jax.Array):
-    """Mean of lse(z) - z[y] over tokens where mask is set."""
-    logits = logits_BxTxV.astype(jnp.float32)
-    lse = jax.nn.logsumexp(logits, axis=-1)
-    target_logit = jnp.take_along_axis(logits, targets_BxT[..., None], axis=-1)[..., 0]
-    mask = mask_BxT.astype(jnp.float32)
-    return jnp.sum((lse - target_logit) * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+from hldstudy.losses.kd import nll_from_logits
 
 
 class Baseline(Strategy):
@@ -23,5 +12,5 @@ class Baseline(Strategy):
 
     def loss(self, stage: Stage, student, aux, batch, teacher):
         out = student(batch["tokens"], batch["positions"], batch["segment_ids"])
-        nll = masked_nll(out.logits, batch["targets"], batch["mask"])
+        nll = nll_from_logits(out.logits, batch["targets"], batch["mask"])
         return nll, {"nll": nll}

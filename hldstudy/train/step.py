@@ -20,6 +20,7 @@ import optax
 from flax import nnx
 
 from hldstudy.distill.base import Stage, Strategy
+from hldstudy.losses.kd import nll_per_token
 
 
 @dataclass(frozen=True)
@@ -78,10 +79,8 @@ def make_eval_step(graphdefs: GraphDefs):
     def eval_step(params, batch):
         student = nnx.merge(graphdefs.student, params["student"])
         out = student(batch["tokens"], batch["positions"], batch["segment_ids"])
-        logits = out.logits.astype(jnp.float32)
-        lse = jax.nn.logsumexp(logits, axis=-1)
-        tgt = jnp.take_along_axis(logits, batch["targets"][..., None], axis=-1)[..., 0]
-        mask = batch["mask"].astype(jnp.float32)
-        return jnp.sum((lse - tgt) * mask), jnp.sum(mask)
+        nll = nll_per_token(out.logits, batch["targets"])
+        mask = batch["mask"] > 0
+        return jnp.sum(jnp.where(mask, nll, 0.0)), jnp.sum(mask.astype(jnp.float32))
 
     return eval_step
