@@ -1,0 +1,134 @@
+"""FP8 weight quantization (e4m3 / e5m2, scaled). Pure functions.
+
+A matrix `W [in, out]` is stored as `q = round_fp8(W / s)` with a float32 scale
+`s` per output channel (`s_j = max_i |W_ij| / fmax`, the column's absmax mapped
+to the format's largest finite value) or one per tensor; dequantized as
+`q * s`. Rounding is to nearest even, so the error of one weight is at most
+half a unit in the last place of the format at its magnitude:
+
+    |W - q s| <= max(|W| 2^-(m+1), s 2^(e_min - m - 1))
+
+with m mantissa bits and e_min the smallest normal exponent (e4m3: m=3,
+e_min=-6; e5m2: m=2, e_min=-14); the second term covers subnormals. Zeros
+stay exactly zero, so 2:4 masks survive quantization.
+
+On CPU the forward is *simulated*: weights are dequantized to float32 before
+the matmul. `fp8_dot` runs a real FP8 x FP8 dot (activations quantized per
+tensor, float32 accumulation) where the backend has FP8 matmuls (NVIDIA
+compute capability >= 8.9, TPU v5+); elsewhere it falls back to the
+simulated path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hldstudy.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class FP8Format:
+    name: str
+    dtype: object
+    fmax: float
+    mantissa_bits: int
+    min_normal_exp: int
+
+
+FORMATS = {
+    "e4m3": FP8Format("e4m3", jnp.float8_e4m3fn, 448.0, 3, -6),
+    "e5m2": FP8Format("e5m2", jnp.float8_e5m2, 57344.0, 2, -14),
+}
+GRANULARITIES = ("channel", "tensor")
+
+
+def fp8_format(name: str) -> FP8Format:
+    if name not in FORMATS:
+        raise ConfigError("compress.fp8_format", f"{name!r} is not one of {', '.join(FORMATS)}")
+    return FORMATS[name]
+
+
+def fp8_scales(w, fmt: str = "e4m3", granularity: str = "channel") -> jax.Array:
+    """float32 scales: [out] per output channel of w [in, out], or [] per tensor."""
+    f = fp8_format(fmt)
+    w = jnp.asarray(w, jnp.float32)
+    if granularity == "channel":
+        amax = jnp.max(jnp.abs(w), axis=0)
+    elif granularity == "tensor":
+        amax = jnp.max(jnp.abs(w))
+    else:
+        raise ConfigError("compress.fp8_granularity",
+                          f"{granularity!r} is not one of {', '.join(GRANULARITIES)}")
+    return jnp.where(amax > 0, amax / f.fmax, 1.0).astype(jnp.float32)
+
+
+def quantize_fp8(w, fmt: str = "e4m3", granularity: str = "channel"):
+    """(q [in, out] in the FP8 dtype, scale float32 [out] or []) with w ~= q * scale."""
+    f = fp8_format(fmt)
+    w = jnp.asarray(w, jnp.float32)
+    scale = fp8_scales(w, fmt, granularity)
+    scaled = jnp.clip(w / scale, -f.fmax, f.fmax)  # never round past fmax (e4m3fn has no inf)
+    return scaled.astype(f.dtype), scale
+
+
+def dequantize_fp8(q, scale) -> jax.Array:
+    return q.astype(jnp.float32) * jnp.asarray(scale, jnp.float32)
+
+
+def fake_quant(w, fmt: str = "e4m3", granularity: str = "channel") -> jax.Array:
+    """w rounded onto its FP8 grid, in float32 (what the simulated forward sees)."""
+    return dequantize_fp8(*quantize_fp8(w, fmt, granularity))
+
+
+def error_bound(w, scale, fmt: str = "e4m3") -> np.ndarray:
+    """Per-element bound on |w - dequantize(quantize(w))| (see the module docstring)."""
+    f = fp8_format(fmt)
+    w = np.abs(np.asarray(w, np.float64))
+    s = np.asarray(scale, np.float64)
+    rel = w * 2.0 ** -(f.mantissa_bits + 1)
+    sub = s * 2.0 ** (f.min_normal_exp - f.mantissa_bits - 1)
+    # + float32 rounding of w / s and of q * s
+    return np.maximum(rel, sub) * (1 + 1e-6) + w * 2.0 ** -23
+
+
+def backend_has_fp8_matmul() -> bool:
+    """True on devices with FP8 matrix units: NVIDIA compute capability >= 8.9 (Ada,
+    Hopper, Blackwell) and TPU v5 and later."""
+    dev = jax.devices()[0]
+    if dev.platform == "gpu":
+        cc = getattr(dev, "compute_capability", None)
+        try:
+            return cc is not None and tuple(int(x) for x in str(cc).split(".")) >= (8, 9)
+        except ValueError:
+            return False
+    if dev.platform == "tpu":
+        kind = getattr(dev, "device_kind", "").lower()
+        return not any(v in kind for v in ("v2", "v3", "v4"))
+    return False
+
+
+def fp8_dot(x, q, w_scale, *, real: bool | None = None, act_format: str = "e4m3"):
+    """y = x @ (q * w_scale) for x [..., in], q [in, out] FP8, w_scale [out] or [].
+
+    real=None picks the FP8 x FP8 path when the backend has FP8 matmuls; real=True
+    forces it (XLA emulates it where there is no hardware: useful for tests),
+    real=False dequantizes the weights and multiplies in float32 (the CPU simulation).
+    The real path quantizes x per tensor to `act_format`, so it also carries the
+    activation rounding error (W8A8); the simulated path is weight-only (W8A16/32).
+    """
+    if real is None:
+        real = backend_has_fp8_matmul()
+    if not real:
+        return jnp.asarray(x, jnp.float32) @ dequantize_fp8(q, w_scale)
+    f = fp8_format(act_format)
+    x = jnp.asarray(x, jnp.float32)
+    amax = jnp.max(jnp.abs(x))
+    x_scale = jnp.where(amax > 0, amax / f.fmax, 1.0)
+    xq = jnp.clip(x / x_scale, -f.fmax, f.fmax).astype(f.dtype)
+    y = jax.lax.dot_general(xq, q, (((x.ndim - 1,), (0,)), ((), ())),
+                            preferred_element_type=jnp.float32)
+    return y * x_scale * jnp.asarray(w_scale, jnp.float32)
