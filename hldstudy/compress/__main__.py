@@ -1,0 +1,96 @@
+"""python -m hldstudy.compress --checkpoint RUN --prune {magnitude,wanda,sparsegpt}-2:4 --out DIR
+
+    [--calibration-batches N] [--recover-steps N | --recover-flops F] [--teacher T]
+    [--method kd|patient] [--divergence forward_kl|reverse_kl] [--quantize fp8]
+    [--quantize-in-loop] [--eval TASKS] [--config FILE] [--set compress.FIELD=VALUE ...]
+
+Prunes a run's block linears to 2:4 along the input dimension, optionally
+recovers with distillation (masks held), optionally quantizes to FP8, and
+evaluates every stage. Writes DIR/report.json, DIR/report.md, DIR/config.json
+(the resolved `compress` section), DIR/model.safetensors and DIR/model/ (a run
+directory `python -m hldstudy.eval` reads). The flags are shorthands for the
+fields of hldstudy.compress.config.CompressConfig.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from hldstudy.cli_common import quiet_libraries
+from hldstudy.errors import user_errors
+
+PROG = "python -m hldstudy.compress"
+
+# flag dest -> compress field
+SHORTHANDS = {"checkpoint": "checkpoint", "prune": "prune", "out": "out",
+              "calibration_batches": "calibration_batches", "recover_steps": "recover_steps",
+              "recover_flops": "recover_flops", "teacher": "teacher", "method": "method",
+              "divergence": "divergence", "quantize": "quantize",
+              "quantize_in_loop": "quantize_in_loop", "eval": "eval", "eval_limit": "eval_limit"}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[2],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--checkpoint", help="hldstudy run directory to compress")
+    p.add_argument("--prune", help="magnitude-2:4 | wanda-2:4 | sparsegpt-2:4 (default)")
+    p.add_argument("--out", help="output directory")
+    p.add_argument("--calibration-batches", type=int,
+                   help="batches of the run's training data for Wanda / SparseGPT (default 16)")
+    p.add_argument("--recover-steps", type=int, help="recovery distillation steps (0 = none)")
+    p.add_argument("--recover-flops", type=float, help="recovery FLOP budget (wins over steps)")
+    p.add_argument("--teacher", help="recovery teacher (default: the dense checkpoint)")
+    p.add_argument("--method", choices=["kd", "patient"], help="recovery method (default kd)")
+    p.add_argument("--divergence", choices=["forward_kl", "reverse_kl"],
+                   help="recovery divergence (default forward_kl)")
+    p.add_argument("--quantize", choices=["fp8"], help="quantize the block linears to FP8")
+    p.add_argument("--quantize-in-loop", action="store_true", default=None,
+                   help="quantize before recovery and recover with FP8 in the loop")
+    p.add_argument("--eval", help="downstream tasks per stage, e.g. synth_mc,synth_cloze")
+    p.add_argument("--eval-limit", type=int, help="items per downstream task")
+    p.add_argument("--config", help="JSON file with a compress section (e.g. a previous "
+                                    "DIR/config.json) or a .py with get_compress_config()")
+    p.add_argument("--set", dest="overrides", action="append", default=[],
+                   metavar="compress.FIELD=VALUE", help="override a compress field")
+    p.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    p.add_argument("--debug", action="store_true", help="show tracebacks")
+    return p
+
+
+def resolve(args: argparse.Namespace):
+    import dataclasses
+
+    from hldstudy.compress.config import CompressConfig, apply_overrides, load_file, validate
+
+    cfg = load_file(args.config) if args.config else CompressConfig()
+    flags = {field: getattr(args, dest) for dest, field in SHORTHANDS.items()
+             if getattr(args, dest) is not None}
+    if args.no_progress:
+        flags["progress"] = False
+    cfg = dataclasses.replace(cfg, **flags)
+    cfg = apply_overrides(cfg, args.overrides)
+    return validate(cfg)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.no_progress:
+        import os
+
+        os.environ.setdefault("TQDM_DISABLE", "1")
+    quiet_libraries()
+    with user_errors(args.debug, prog=PROG):
+        cfg = resolve(args)
+        from hldstudy.compress.pipeline import run
+
+        report = run(cfg)
+        from hldstudy.compress.pipeline import render
+
+        sys.stdout.write(render(report))
+        print(f"wrote {cfg.out}/report.json, report.md, model.safetensors, model/")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

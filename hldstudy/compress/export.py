@@ -1,0 +1,178 @@
+"""Writing and reading a compressed model.
+
+* `save_safetensors`: every parameter by its dotted path (`blocks.0.attn.q`,
+  `embedding`, ...). A quantized linear is stored in its FP8 dtype (F8_E4M3 /
+  F8_E5M2) in the parameter's own shape, with its float32 scale under
+  `<path>.scale` (shaped like the output axes, or a scalar per tensor). 2:4
+  masks are implied by the zeros; the metadata records which matrices are
+  N:M sparse and along which axis, the FP8 format, the model config and the
+  stage. `load_safetensors` rebuilds the Transformer and dequantizes, giving
+  exactly the weights the pipeline evaluated.
+* `save_run_dir`: an hldstudy run directory (config.json, tokenizer.model,
+  checkpoints/ through the trainer's Checkpointer) that `python -m
+  hldstudy.eval --checkpoint` and every loader read like a trained run. Its
+  weights are the dequantized float32 values (what the CPU simulation runs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from flax import nnx
+
+from hldstudy.compress.layout import Target
+from hldstudy.errors import InputError
+
+FORMAT = "hldstudy-compressed-v1"
+_F8 = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}
+_NP = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "F64": np.float64,
+       "I32": np.int32, "U8": np.uint8, **_F8}
+
+
+def _param_items(model) -> dict[str, jax.Array]:
+    """{dotted path: array} of every nnx.Param of the model."""
+    _, state = nnx.split(model, nnx.Param)
+    out = {}
+    for path, leaf in jax.tree_util.tree_leaves_with_path(state):
+        keys = [getattr(k, "key", getattr(k, "idx", getattr(k, "name", None))) for k in path]
+        keys = [str(k) for k in keys if k != "value"]
+        out[".".join(keys)] = leaf
+    return out
+
+
+def _target_of(key: str) -> Target:
+    _, layer, _, name = key.split(".")
+    return Target(int(layer), name)
+
+
+def save_safetensors(model, path: str | Path, *, quantized: dict | None = None,
+                     sparse_keys: tuple[str, ...] = (), nm: tuple[int, int] = (2, 4),
+                     fp8_format: str | None = None, granularity: str | None = None,
+                     extra: dict | None = None) -> Path:
+    """quantized: {key: (q [in, out] FP8, scale)} from the pipeline's FP8 stage."""
+    from safetensors.numpy import save_file
+
+    quantized = quantized or {}
+    tensors = {}
+    for key, value in _param_items(model).items():
+        if key in quantized:
+            q, scale = quantized[key]
+            shape = value.shape
+            t = _target_of(key)
+            out_shape = shape[len(shape) - _out_ndim(t.name):]
+            tensors[key] = np.asarray(q).reshape(shape)
+            s = np.asarray(scale, np.float32)
+            tensors[f"{key}.scale"] = s.reshape(out_shape) if s.ndim else s
+        else:
+            tensors[key] = np.asarray(value)
+    meta = {"format": FORMAT,
+            "model_config": json.dumps(dataclasses.asdict(model.cfg)),
+            "sparse": json.dumps(sorted(sparse_keys)),
+            "sparsity_pattern": f"{nm[0]}:{nm[1]} along the input dimension (the leading "
+                                "axes: q/k/v/gate/up/down axis 0, o axes 0-1 flattened); "
+                                "masks are implied by zeros",
+            "quantized": json.dumps(sorted(quantized)),
+            "fp8_format": fp8_format or "",
+            "fp8_granularity": granularity or "",
+            "scale_convention": "weight = fp8_value * scale (scale per output channel "
+                                "or per tensor)",
+            **{k: (v if isinstance(v, str) else json.dumps(v)) for k, v in (extra or {}).items()}}
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path), metadata=meta)
+    return path
+
+
+def _out_ndim(name: str) -> int:
+    return {"q": 2, "k": 2, "v": 2, "o": 1, "gate": 1, "up": 1, "down": 1}[name]
+
+
+def read_safetensors(path: str | Path) -> tuple[dict[str, np.ndarray], dict]:
+    """(tensors, metadata). FP8 tensors come back in their ml_dtypes FP8 dtype (the
+    package's numpy reader has no FP8 type, so raw views are mapped here)."""
+    from safetensors import deserialize, safe_open
+
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(f"{path} does not exist")
+    with safe_open(str(path), framework="numpy") as f:
+        meta = f.metadata() or {}
+    tensors = {}
+    for name, view in deserialize(path.read_bytes()):
+        dtype = _NP.get(view["dtype"])
+        if dtype is None:
+            raise InputError(f"{path}: tensor {name} has unsupported dtype {view['dtype']}")
+        tensors[name] = np.frombuffer(view["data"], dtype=dtype).reshape(view["shape"])
+    return tensors, meta
+
+
+def load_safetensors(path: str | Path):
+    """(Transformer, metadata) from `save_safetensors`' file, FP8 weights dequantized."""
+    from hldstudy.config import ModelConfig
+    from hldstudy.model import Transformer
+
+    tensors, meta = read_safetensors(path)
+    if meta.get("format") != FORMAT:
+        raise InputError(f"{path}: not an hldstudy compressed export (format "
+                         f"{meta.get('format')!r})")
+    cfg = ModelConfig(**json.loads(meta["model_config"]))
+    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(model, nnx.Param)
+
+    def fill(path, leaf):
+        keys = [getattr(k, "key", getattr(k, "idx", getattr(k, "name", None))) for k in path]
+        key = ".".join(str(k) for k in keys if k != "value")
+        w = tensors[key]
+        if f"{key}.scale" in tensors:
+            scale = tensors[f"{key}.scale"]
+            t = _target_of(key)
+            from hldstudy.compress.fp8 import dequantize_fp8
+            from hldstudy.compress.layout import to2d
+
+            w2d = dequantize_fp8(jnp.asarray(to2d(t.name, w)), jnp.asarray(scale).reshape(-1)
+                                 if scale.ndim else jnp.asarray(scale))
+            return jnp.reshape(w2d, leaf.shape).astype(leaf.dtype)
+        return jnp.asarray(w, leaf.dtype)
+
+    state = jax.tree_util.tree_map_with_path(fill, state)
+    return nnx.merge(graphdef, state), meta
+
+
+def _checkpointer(directory: Path):
+    # The trainer's own checkpoint writer (whatever module it lives in), so an export
+    # is read back by the same code as a trained run.
+    from hldstudy.train import loop
+
+    return loop.Checkpointer(directory, 1)
+
+
+def save_run_dir(model, run_cfg, out_dir: str | Path, *, tokenizer_file: str | Path | None,
+                 meta: dict | None = None, step: int = 1) -> Path:
+    """A run directory holding `model` as its student (config.json + checkpoints/)."""
+    from hldstudy.compress.config import write_json_atomic
+    from hldstudy.config import config_to_dict
+
+    out = Path(out_dir)
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    data = dataclasses.replace(run_cfg.data, tokenizer=None)
+    cfg = dataclasses.replace(run_cfg, model=model.cfg, data=data)
+    if tokenizer_file is not None:
+        shutil.copyfile(tokenizer_file, out / "tokenizer.model")
+    write_json_atomic(out / "config.json", config_to_dict(cfg))
+    _, params = nnx.split(model, nnx.Param)
+    ck = _checkpointer(out / "checkpoints")
+    try:
+        ck.save(step, {"params": {"student": params}}, {"stage": "compressed", "step": step,
+                                                        **(meta or {})})
+    finally:
+        ck.close()
+    return out

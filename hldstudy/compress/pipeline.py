@@ -1,0 +1,367 @@
+"""The compression pipeline: dense -> 2:4 prune -> recover -> FP8, evaluated at every stage.
+
+`run(ccfg)` loads the checkpoint, checks everything a user can get wrong
+before any compute (2:4 divisibility, calibration data, the teacher's
+vocabulary), then runs the stages and writes, under `ccfg.out`:
+
+    config.json        the resolved `compress` section
+    report.json        {"stages": [{stage, valid_ppl, valid_nll, <task scores>,
+                        weight_bytes, weight_bytes_packed, sparsity, is_2_4, ...}], ...}
+    report.md          the same as a table, with the no-speed-up note
+    model.safetensors  the final model (FP8 tensors + scales when quantized)
+    model/             the final model as an hldstudy run directory (eval reads it)
+    recover/           the recovery run directory (metrics.jsonl), when recovering
+
+Bytes are those of the weights one forward reads: every parameter (the tied
+embedding / head, norms and all block linears) at its stored width.
+`weight_bytes` stores zeros as values; `weight_bytes_packed` stores each
+2:4 matrix in the sparse-tensor-core layout (the 2 kept values of every group
+of 4, plus 2 bits of index per kept value) and dense matrices unchanged; an
+FP8 matrix adds its float32 scales.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from hldstudy.compress import fp8 as fp8_lib
+from hldstudy.compress.config import (
+    CompressConfig,
+    prune_names,
+    to_dict,
+    validate,
+    write_json_atomic,
+)
+from hldstudy.compress.layout import Target, targets
+from hldstudy.compress.prune import (
+    check_prunable,
+    masks_from_zeros,
+    parse_prune,
+    prune_model,
+    sparsity_report,
+)
+from hldstudy.errors import ConfigError, InputError
+
+NO_SPEEDUP = ("No speed-up is claimed: the 2:4 weights are stored and multiplied as dense "
+              "matrices with zeros (no 2:4 sparse kernel runs on CPU, and JAX has none today), "
+              "and FP8 is simulated on CPU (weights dequantized to float32 before each matmul). "
+              "`weight_bytes_packed` is what a 2:4 + FP8 kernel would read, not a measured gain.")
+
+
+def _load_model(path):
+    """(model, tokenizer, config) for any checkpoint the suite can load: the one place this
+    package calls a loader."""
+    from hldstudy.model.loading import load_model
+
+    loaded = load_model(path)
+    return loaded.model, loaded.tokenizer, loaded.config
+
+
+def _model_config_of(path):
+    from hldstudy.model.loading import model_config_of
+
+    return model_config_of(path)
+
+
+# --------------------------------------------------------------------------- #
+# Measurements
+# --------------------------------------------------------------------------- #
+
+
+def weight_bytes(model, *, sparse_keys=(), quantized=None, nm=(2, 4)) -> dict:
+    """{weight_bytes, weight_bytes_packed} of one forward's weights (see module doc)."""
+    quantized = quantized or {}
+    from hldstudy.compress.export import _param_items
+
+    stored = packed = 0
+    for key, value in _param_items(model).items():
+        n = int(np.prod(value.shape))
+        width = 1 if key in quantized else jnp.dtype(value.dtype).itemsize
+        scale = 0
+        if key in quantized:
+            scale = 4 * int(np.asarray(quantized[key][1]).size)
+        stored += n * width + scale
+        if key in sparse_keys:
+            kept = n * nm[0] // nm[1]
+            index_bits = kept * math.ceil(math.log2(nm[1]))
+            packed += kept * width + index_bits // 8 + scale
+        else:
+            packed += n * width + scale
+    return {"weight_bytes": int(stored), "weight_bytes_packed": int(packed)}
+
+
+def _make_nll(model):
+    from hldstudy.losses.kd import nll_per_token
+
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def f(state, tokens, positions, segment_ids, targets_, mask):
+        m = nnx.merge(graphdef, state)
+        logits = m(tokens, positions, segment_ids).logits
+        nll = nll_per_token(logits, targets_)
+        valid = mask > 0
+        return jnp.sum(jnp.where(valid, nll, 0.0)), jnp.sum(valid.astype(jnp.float32))
+
+    return lambda b: f(state, *(jnp.asarray(b[k]) for k in
+                                ("tokens", "positions", "segment_ids", "targets", "mask")))
+
+
+def valid_perplexity(model, batches) -> dict:
+    """Token-weighted NLL over the validation batches, as the trainer's evaluation."""
+    f = _make_nll(model)
+    total = count = 0.0
+    for b in batches:
+        s, c = f(b)
+        total += float(s)
+        count += float(c)
+    if count == 0:
+        raise InputError("the checkpoint's data has no validation tokens to evaluate on")
+    nll = total / count
+    return {"valid_nll": nll, "valid_ppl": math.exp(min(nll, 700.0)), "valid_tokens": int(count)}
+
+
+def downstream(model, tokenizer, run_cfg, tasks: str, limit: int) -> dict:
+    from hldstudy.eval import evaluate
+    from hldstudy.eval.adapter import HLDStudyLM
+
+    lm = HLDStudyLM(model=model, tokenizer=tokenizer,
+                    max_length=min(run_cfg.data.seq_len, model.cfg.max_seq_len),
+                    add_bos=run_cfg.data.add_bos, batch_size=16, progress=False)
+    lm.config = run_cfg  # synthetic tasks read the corpus seed from the run's config
+    res = evaluate(None, tasks, lm=lm, limit=limit or None, wandb=False, progress=False)
+    out = {}
+    for task, metrics in res.items():
+        for name, v in metrics.items():
+            if not name.endswith("_stderr"):
+                out[f"{task}/{name}"] = v
+    return out
+
+
+# --------------------------------------------------------------------------- #
+# Stages
+# --------------------------------------------------------------------------- #
+
+
+def quantize_model(model, names, fmt: str, granularity: str) -> dict:
+    """Rounds every target matrix onto its FP8 grid in place (the model then holds the
+    dequantized float32 values); returns {key: (q, scale)} for the export."""
+    out = {}
+    for t in targets(model.cfg.n_layers, names):
+        q, s = fp8_lib.quantize_fp8(t.get2d(model), fmt, granularity)
+        t.set2d(model, fp8_lib.dequantize_fp8(q, s))
+        out[t.key] = (q, s)
+    return out
+
+
+def calibration_batches(ccfg: CompressConfig, run_cfg, tokenizer, workdir: Path) -> list[dict]:
+    """The first `calibration_batches` batches of the calibration stream."""
+    from hldstudy.data.pipeline import make_batches
+
+    n = ccfg.calibration_batches
+    dc = dataclasses.replace(run_cfg.data,
+                             batch_size=ccfg.calibration_batch_size or run_cfg.data.batch_size,
+                             seq_len=ccfg.calibration_seq_len or run_cfg.data.seq_len)
+    if dc.seq_len > run_cfg.model.max_seq_len:
+        raise ConfigError("compress.calibration_seq_len",
+                          f"{dc.seq_len} exceeds model.max_seq_len={run_cfg.model.max_seq_len}")
+    if ccfg.calibration_data:
+        path = Path(ccfg.calibration_data)
+        source = "jsonl" if path.suffix == ".jsonl" else "text"
+        dc = dataclasses.replace(dc, source=source, path=str(path), valid_path=None, max_docs=0)
+    try:
+        stream = make_batches(dc, tokenizer, dc.train_split, workdir)
+    except (InputError, ConfigError, FileNotFoundError) as e:
+        raise ConfigError("compress.calibration_data",
+                          f"no calibration data could be read ({e})",
+                          "point compress.calibration_data at a local .txt/.jsonl file") from None
+    return [stream.batch_at(i) for i in range(n)]
+
+
+def _stage(name: str, model, *, valid, sparse_keys, quantized, nm, ccfg, tokenizer, run_cfg,
+           extra=None) -> dict:
+    t0 = time.time()
+    rec = {"stage": name, **valid_perplexity(model, valid)}
+    if ccfg.eval:
+        rec.update(downstream(model, tokenizer, run_cfg, ccfg.eval, ccfg.eval_limit))
+    rec.update(weight_bytes(model, sparse_keys=sparse_keys, quantized=quantized, nm=nm))
+    sp = sparsity_report(model, prune_names(ccfg))
+    rec["sparsity"] = sp["sparsity"]
+    rec["is_2_4"] = sp["is_2_4"] if sparse_keys else False
+    rec["eval_seconds"] = round(time.time() - t0, 1)
+    rec.update(extra or {})
+    return rec
+
+
+def preflight(ccfg: CompressConfig):
+    """Everything checkable before compute. Returns (model, tokenizer, run_cfg)."""
+    validate(ccfg)
+    path = Path(ccfg.checkpoint)
+    if not path.exists():
+        raise ConfigError("compress.checkpoint", f"{path} does not exist",
+                          "give an hldstudy run directory")
+    model, tokenizer, run_cfg = _load_model(path)
+    if run_cfg is None:
+        raise ConfigError("compress.checkpoint",
+                          f"{path} is an imported checkpoint without an hldstudy config: "
+                          "calibration and evaluation need the run's data section",
+                          "compress an hldstudy run directory (distill or fine-tune into one)")
+    if tokenizer is None:
+        raise InputError(f"{path}: the run's tokenizer is missing")
+    names = prune_names(ccfg)
+    if ccfg.prune:
+        _, _, m = parse_prune(ccfg.prune)
+        check_prunable(model.cfg, m, names)
+    recovering = ccfg.recover_steps > 0 or ccfg.recover_flops > 0
+    if recovering and ccfg.teacher:
+        tcfg = _model_config_of(ccfg.teacher)
+        if tcfg is None:
+            raise ConfigError("compress.teacher", f"{ccfg.teacher} does not exist",
+                              "give a run directory, GGUF file or HF directory")
+        if tcfg.vocab_size != model.cfg.vocab_size:
+            raise ConfigError("compress.teacher",
+                              f"the teacher's vocabulary ({tcfg.vocab_size}) is not the "
+                              f"student's ({model.cfg.vocab_size}); logit KD needs one "
+                              "vocabulary", "pick a teacher trained with the student's tokenizer")
+    return model, tokenizer, run_cfg
+
+
+def run(ccfg: CompressConfig) -> dict:
+    model, tokenizer, run_cfg = preflight(ccfg)
+    out = Path(ccfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(out / "config.json", to_dict(ccfg))
+    work = out / "work"
+    names = prune_names(ccfg)
+    from hldstudy.data import prepare_data
+
+    tok_file = getattr(tokenizer, "model_path", None) or run_cfg.data.tokenizer
+    if tok_file is None:
+        tok_file = Path(ccfg.checkpoint) / "tokenizer.model"
+    data_cfg = dataclasses.replace(run_cfg.data, tokenizer=str(tok_file))
+    run_cfg = dataclasses.replace(run_cfg, data=data_cfg)
+    method = n = m = None
+    if ccfg.prune:
+        method, n, m = parse_prune(ccfg.prune)
+    needs_calibration = method in ("wanda", "sparsegpt")
+    calib = None
+    if needs_calibration:
+        if ccfg.calibration_batches == 0:
+            raise ConfigError("compress.calibration_batches",
+                              f"{method} needs calibration data and 0 batches were asked for",
+                              "pass --calibration-batches N with N > 0")
+        calib = calibration_batches(ccfg, run_cfg, tokenizer, work)
+    bundle = prepare_data(run_cfg.data, work)
+    valid = bundle.valid_batches(ccfg.eval_batches or None)
+    if not valid:
+        raise InputError(f"{ccfg.checkpoint}: its data section has no validation split")
+    nm = (n or 2, m or 4)
+    common = dict(valid=valid, nm=nm, ccfg=ccfg, tokenizer=tokenizer, run_cfg=run_cfg)
+    stages = []
+    timings = {}
+    sparse_keys: tuple[str, ...] = ()
+    quantized: dict = {}
+
+    def log(rec):
+        stages.append(rec)
+        if ccfg.progress:
+            print(f"[compress] {rec['stage']}: valid ppl {rec['valid_ppl']:.4f}, "
+                  f"{rec['weight_bytes']:,} B ({rec['weight_bytes_packed']:,} B packed), "
+                  f"sparsity {rec['sparsity']:.3f}", flush=True)
+        _write_report(out, ccfg, stages, timings)
+
+    log(_stage("dense", model, sparse_keys=(), quantized={}, **common))
+    masks = {}
+    if method:
+        t0 = time.time()
+        masks = prune_model(model, method, calib, n=n, m=m, names=names,
+                            blocksize=ccfg.blocksize, percdamp=ccfg.percdamp,
+                            progress=ccfg.progress)
+        timings["prune_seconds"] = round(time.time() - t0, 1)
+        sparse_keys = tuple(sorted(masks))
+        log(_stage(f"{method}-{n}:{m}", model, sparse_keys=sparse_keys, quantized={}, **common))
+    recovering = ccfg.recover_steps > 0 or ccfg.recover_flops > 0
+    quant = (ccfg.fp8_format, ccfg.fp8_granularity) if ccfg.quantize else None
+    qname = f"fp8-{ccfg.fp8_format}-{ccfg.fp8_granularity}"
+
+    def do_quantize(label):
+        nonlocal quantized
+        quantized = quantize_model(model, names, *quant)
+        log(_stage(label, model, sparse_keys=sparse_keys, quantized=quantized, **common))
+
+    if quant and ccfg.quantize_in_loop:
+        do_quantize(qname)
+    if recovering:
+        teacher_path = ccfg.teacher or str(Path(ccfg.checkpoint).absolute())
+        if not masks:
+            masks = masks_from_zeros(model, names) if method else {}
+        from hldstudy.compress.recover import recover
+
+        t0 = time.time()
+        in_loop = quant if ccfg.quantize_in_loop else None
+        model, result = recover(model, masks, run_cfg, ccfg, teacher_path=teacher_path,
+                                data=bundle, workdir=out / "recover", quant=in_loop)
+        timings["recover_seconds"] = round(time.time() - t0, 1)
+        held = all(not np.any(np.asarray(Target(int(k.split(".")[1]), k.split(".")[3])
+                                         .get2d(model))[~np.asarray(mk)])
+                   for k, mk in masks.items())
+        label = f"recovered-{ccfg.method}-{ccfg.divergence}"
+        if in_loop:
+            label += f"-{qname}-in-loop"
+            quantized = quantize_model(model, names, *quant)  # exact grid values for export
+        log(_stage(label, model, sparse_keys=sparse_keys, quantized=quantized, **common,
+                   extra={"recover_steps": result.get("steps"),
+                          "recover_flops": result.get("flops_spent"),
+                          "teacher": teacher_path, "masks_held": bool(held)}))
+    if quant and not ccfg.quantize_in_loop:
+        do_quantize(qname)
+
+    from hldstudy.compress.export import save_run_dir, save_safetensors
+
+    final = stages[-1]["stage"]
+    save_safetensors(model, out / "model.safetensors", quantized=quantized,
+                     sparse_keys=sparse_keys, nm=nm,
+                     fp8_format=ccfg.fp8_format if quantized else None,
+                     granularity=ccfg.fp8_granularity if quantized else None,
+                     extra={"stage": final, "source": str(ccfg.checkpoint)})
+    save_run_dir(model, run_cfg, out / "model", tokenizer_file=tok_file,
+                 meta={"compressed_stage": final})
+    return _write_report(out, ccfg, stages, timings)
+
+
+def _write_report(out: Path, ccfg: CompressConfig, stages: list[dict], timings: dict) -> dict:
+    report = {"checkpoint": str(ccfg.checkpoint), "prune": ccfg.prune,
+              "quantize": ccfg.quantize, "stages": stages, "seconds": timings,
+              "note": NO_SPEEDUP, "backend": jax.default_backend(),
+              "fp8_matmul_hardware": fp8_lib.backend_has_fp8_matmul()}
+    write_json_atomic(out / "report.json", report)
+    (out / "report.md").write_text(render(report))
+    return report
+
+
+def render(report: dict) -> str:
+    stages = report["stages"]
+    base = stages[0]["valid_ppl"] if stages else None
+    extra = sorted({k for s in stages for k in s if "/" in k})
+    head = ("| stage | valid ppl | vs dense | weight bytes | packed 2:4 bytes | sparsity | 2:4 | "
+            + "".join(f"{k} | " for k in extra))
+    lines = [f"# Compression of `{report['checkpoint']}`", "", head,
+             "|---|---:|---:|---:|---:|---:|:-:|" + "---:|" * len(extra)]
+    for s in stages:
+        rel = f"{100 * (s['valid_ppl'] / base - 1):+.2f}%" if base else "-"
+        lines.append(f"| {s['stage']} | {s['valid_ppl']:.4f} | {rel} | {s['weight_bytes']:,} | "
+                     f"{s['weight_bytes_packed']:,} | {s['sparsity']:.3f} | "
+                     f"{'yes' if s.get('is_2_4') else '-'} | "
+                     + "".join(f"{s.get(k, float('nan')):.4f} | " for k in extra))
+    lines += ["", report["note"], "",
+              f"Backend: {report['backend']}; FP8 matmul hardware: "
+              f"{'yes' if report['fp8_matmul_hardware'] else 'no (simulated)'}."]
+    return "\n".join(lines) + "\n"

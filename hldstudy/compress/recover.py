@@ -1,0 +1,170 @@
+"""Recovery distillation with 2:4 masks held (and optionally the FP8 grid in the loop).
+
+`hold_masks(inner, masks)` wraps the suite's optimizer (an optax
+GradientTransformation): gradients of masked weights are zeroed before the
+inner optimizer sees them (so Adam's moments never accumulate them) and its
+updates are zeroed after, so a masked weight is `0 + 0 = 0` exactly after
+every step, weight decay included.
+
+With `quant=(format, granularity)` the wrapper also keeps float32 *latent*
+copies of the masked matrices in its state: the model's parameters are the
+FP8-rounded latents (the forward and the gradient see quantized weights) and
+each update is applied to the latents, then re-rounded (the straight-through
+estimator: d loss / d latent := d loss / d quantized weight).
+
+`recover(...)` runs the suite's Trainer (kd or patient strategies, any of its
+divergences) from the pruned weights; the teacher is any checkpoint the suite
+can load (by default the dense model before pruning).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+from pathlib import Path
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from hldstudy.compress.layout import to2d
+
+
+class HoldState(NamedTuple):
+    inner: optax.OptState
+    masks: dict  # {target key: bool mask in the parameter's shape}
+    latent: dict  # {target key: float32 latent weight} (empty without quant)
+
+
+def _key(path) -> str | None:
+    """'blocks.0.attn.q' for a student parameter's path in the train state, else None."""
+    keys = [getattr(k, "key", getattr(k, "idx", getattr(k, "name", None))) for k in path]
+    keys = [str(k) for k in keys if k != "value"]
+    if not keys or keys[0] != "student":
+        return None
+    return ".".join(keys[1:])
+
+
+def _quantize_like(w, name: str, quant):
+    from hldstudy.compress.fp8 import fake_quant
+
+    fmt, gran = quant
+    return jnp.reshape(fake_quant(to2d(name, w), fmt, gran), w.shape)
+
+
+def hold_masks(inner: optax.GradientTransformation, masks: dict[str, np.ndarray],
+               quant: tuple[str, str] | None = None) -> optax.GradientTransformation:
+    """masks: {target key: bool [in, out] or parameter-shaped mask}."""
+
+    def leaves(tree):
+        return {k: v for p, v in jax.tree_util.tree_leaves_with_path(tree)
+                if (k := _key(p)) in masks}
+
+    def init(params):
+        found = leaves(params)
+        missing = sorted(set(masks) - set(found))
+        if missing:
+            raise KeyError(f"hold_masks: no parameter for {missing[:3]}")
+        m = {k: jnp.asarray(np.asarray(masks[k]).reshape(found[k].shape)) for k in found}
+        latent = {k: found[k].astype(jnp.float32) for k in found} if quant else {}
+        return HoldState(inner.init(params), m, latent)
+
+    def apply_mask(tree, m):
+        return jax.tree_util.tree_map_with_path(
+            lambda p, x: jnp.where(m[k], x, jnp.zeros_like(x)) if (k := _key(p)) in m else x,
+            tree)
+
+    def update(grads, state, params=None):
+        grads = apply_mask(grads, state.masks)
+        base = params
+        if quant and params is not None:  # the inner optimizer (weight decay) sees latents
+            base = jax.tree_util.tree_map_with_path(
+                lambda p, x: state.latent[k] if (k := _key(p)) in state.latent else x, params)
+        updates, inner_state = inner.update(grads, state.inner, base)
+        updates = apply_mask(updates, state.masks)
+        latent = state.latent
+        if quant:
+            found = leaves(updates)
+            latent = {k: latent[k] + found[k] for k in latent}
+
+            def to_grid(p, u, w):
+                k = _key(p)
+                if k not in latent:
+                    return u
+                target = _quantize_like(latent[k], k.rsplit(".", 1)[1], quant)
+                target = jnp.where(state.masks[k], target, 0.0)
+                return target - w
+
+            updates = jax.tree_util.tree_map_with_path(to_grid, updates, params)
+        return updates, HoldState(inner_state, state.masks, latent)
+
+    return optax.GradientTransformation(init, update)
+
+
+def _trainer_class():
+    from hldstudy.train import loop
+
+    class RecoveryTrainer(loop.Trainer):
+        """The suite's Trainer, started from given student weights with the optimizer
+        wrapped (no change to the trainer itself: its first stage's initial student and
+        optimizer are replaced in `_init_state`)."""
+
+        def __init__(self, *args, init_student=None, wrap=None, **kwargs):
+            self._init_student = init_student
+            self._wrap = wrap
+            super().__init__(*args, **kwargs)
+
+        def _init_state(self, plan, student_params=None):
+            if student_params is None and self._init_student is not None:
+                student_params = self._init_student
+            graphdefs, optimizer, state, shardings = super()._init_state(plan, student_params)
+            if self._wrap is None:
+                return graphdefs, optimizer, state, shardings
+            optimizer = self._wrap(optimizer)
+            new = {"params": state["params"], "step": state["step"]}
+            new["opt_state"] = jax.jit(optimizer.init)(state["params"])
+            shardings = loop.mesh_lib.tree_shardings(self.mesh, new)
+            return graphdefs, optimizer, jax.device_put(new, shardings), shardings
+
+    return RecoveryTrainer
+
+
+def recovery_config(run_cfg, ccfg, *, teacher_path: str, workdir: Path):
+    """The training config of a recovery run: the checkpoint's model and data, the
+    recovery objective of the compress section."""
+    d = run_cfg.distill
+    distill = dataclasses.replace(d, method=ccfg.method, divergence=ccfg.divergence,
+                                  alpha=ccfg.alpha, temperature=ccfg.temperature,
+                                  layer_pairs=ccfg.layer_pairs)
+    train = dataclasses.replace(run_cfg.train, steps=max(ccfg.recover_steps, 1), lr=ccfg.lr,
+                                warmup_steps=min(ccfg.warmup_steps, max(ccfg.recover_steps - 1, 0)),
+                                eval_every=0, checkpoint_every=0, keep_checkpoints=1,
+                                progress=ccfg.progress, seed=ccfg.seed)
+    budget = dataclasses.replace(run_cfg.budget, flops=ccfg.recover_flops)
+    teacher = dataclasses.replace(run_cfg.teacher, checkpoint=str(teacher_path))
+    wandb = dataclasses.replace(run_cfg.wandb, enabled=False)
+    return dataclasses.replace(run_cfg, name=f"{run_cfg.name}-recover", distill=distill,
+                               train=train, budget=budget, teacher=teacher, wandb=wandb)
+
+
+def recover(model, masks: dict[str, np.ndarray], run_cfg, ccfg, *, teacher_path: str,
+            data, workdir: Path, quant: tuple[str, str] | None = None):
+    """Trains `model` (pruned, in place semantics: returns the new model) with the masks
+    held; returns (model, trainer result dict)."""
+    from flax import nnx
+
+    from hldstudy.compress.pipeline import _load_model
+
+    workdir = Path(workdir)
+    if workdir.exists():
+        shutil.rmtree(workdir)  # a fresh recovery each time: never resume a stale one
+    cfg = recovery_config(run_cfg, ccfg, teacher_path=teacher_path, workdir=workdir)
+    _, student = nnx.split(model, nnx.Param)
+    masks_shaped = {k: np.asarray(v) for k, v in masks.items()}
+    trainer = _trainer_class()(cfg, workdir, data=data, init_student=student,
+                               wrap=lambda opt: hold_masks(opt, masks_shaped, quant))
+    result = trainer.run()
+    loaded = _load_model(workdir)
+    return loaded[0], result
