@@ -73,9 +73,8 @@ import sys
 from dataclasses import dataclass
 
 from hldstudy.config import Config, ModelConfig
-from hldstudy.distill import methods
 from hldstudy.errors import ConfigError, user_errors
-from hldstudy.flops import causal_context, step_flops, trainable_params
+from hldstudy.flops import causal_context
 
 GB = 1e9
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2,
@@ -511,14 +510,15 @@ def predict_step_memory(cfg: Config, teacher_model: ModelConfig | None = None, *
     method / stage default to the config's; layout: "colocated" or
     "disaggregated" (ignored for baseline).
     """
-    spec = methods.get(method or cfg.distill.method)
-    method = spec.name
+    from hldstudy.flops import step_flops, trainable_params
+
+    method = method or cfg.distill.method
     m = cfg.model
     s = PlanModel.from_model_config(m, "student")
     pb, cb = dtype_bytes(m.param_dtype), dtype_bytes(m.dtype)
     b, seq = cfg.data.batch_size, cfg.data.seq_len
     tok = b * seq
-    bd = step_flops(cfg, method, stage, teacher_model if spec.needs_teacher else None)
+    bd = step_flops(cfg, method, stage, teacher_model if method != "baseline" else None)
     d_t = teacher_model.d_model if teacher_model is not None else 0
     n_pairs = len(bd.layer_pairs)
     aux = n_pairs * (m.d_model * d_t + d_t) * 4  # float32 regressors
@@ -531,7 +531,7 @@ def predict_step_memory(cfg: Config, teacher_model: ModelConfig | None = None, *
     acts += n_pairs * 2 * tok * d_t * 4  # regressor outputs and their error
     if not bd.student_head:
         logits = 0.0
-    elif not bd.teacher_head:
+    elif method == "baseline":
         logits = logits_bytes_materialized(tok, m.vocab_size, with_teacher=False)
     elif cfg.distill.loss_impl == "fused":
         logits = logits_bytes_fused(tok, m.vocab_size, m.d_model, 64, 1 << 20)
@@ -541,7 +541,7 @@ def predict_step_memory(cfg: Config, teacher_model: ModelConfig | None = None, *
              "activations": acts, "logits": logits}
     argument = state + batch
     temp = trainable + acts + logits
-    if spec.needs_teacher:
+    if method != "baseline":
         t = PlanModel.from_model_config(teacher_model, "teacher")
         tpb = dtype_bytes(cfg.teacher.dtype)
         kept = tok * d_t * tpb * (len({tt for _, tt in bd.layer_pairs}) + int(bd.teacher_head))

@@ -13,8 +13,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from hldstudy.config import ModelConfig
+from hldstudy.model.attention import attend, attention_mask, check_implementation
 
-_NEG_INF = -2.3819763e38  # finite "minus infinity": keeps fully-masked rows NaN-free
+__all__ = ["Attention", "Block", "GeGLU", "RMSNorm", "apply_rope", "attention_mask"]
 
 
 def _dtype(name: str):
@@ -54,26 +55,14 @@ def apply_rope(x_BxTxNxH: jax.Array, positions_BxT: jax.Array, base: float) -> j
     return out.astype(x_BxTxNxH.dtype)
 
 
-def attention_mask(segment_ids_BxT: jax.Array, window: int | None) -> jax.Array:
-    """[B, T, S] bool: causal, within one packed document, and inside the window.
-
-    A local layer with window W lets query t see keys s with t - W < s <= t
-    (W keys including itself), as Gemma 3 does.
-    """
-    seq_len = segment_ids_BxT.shape[1]
-    q_idx = jnp.arange(seq_len)[:, None]
-    k_idx = jnp.arange(seq_len)[None, :]
-    allowed_TxS = k_idx <= q_idx
-    if window is not None:
-        allowed_TxS &= (q_idx - k_idx) < window
-    same_doc_BxTxS = segment_ids_BxT[:, :, None] == segment_ids_BxT[:, None, :]
-    return allowed_TxS[None] & same_doc_BxTxS
-
-
 class Attention(nnx.Module):
-    """Multi-query / grouped-query attention with optional QK-norm and logit soft-cap."""
+    """Multi-query / grouped-query attention with optional QK-norm and logit soft-cap.
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    `window` (None = global) is this layer's sliding window; the kernel is
+    `cfg.attention` (hldstudy.model.attention).
+    """
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, window: int | None = None):
         d, n, k, h = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         pdt = _dtype(cfg.param_dtype)
         self.q = nnx.Param(_init_normal(rngs, (d, n, h), d, pdt))
@@ -89,8 +78,13 @@ class Attention(nnx.Module):
         self.query_scale = (cfg.query_pre_attn_scalar or h) ** -0.5
         self.softcap = cfg.attn_softcap
         self.compute_dtype = _dtype(cfg.dtype)
+        self.window = window
+        # Fail at construction, not at the first traced step, if the kernel cannot run here.
+        check_implementation(cfg.attention, dtype=cfg.dtype, softcap=cfg.attn_softcap, head_dim=h)
+        self.implementation = cfg.attention
 
-    def __call__(self, x_BxTxD, positions_BxT, mask_BxTxS, rope_base: float):
+    def __call__(self, x_BxTxD, positions_BxT, segment_ids_BxT, rope_base: float):
+        """segment_ids_BxT: packed-document ids, or None for one document per row."""
         dt = self.compute_dtype
         x = x_BxTxD.astype(dt)
         q_BxTxNxH = jnp.einsum("btd,dnh->btnh", x, self.q[...].astype(dt))
@@ -101,18 +95,9 @@ class Attention(nnx.Module):
             k_BxSxKxH = self.k_norm(k_BxSxKxH)
         q_BxTxNxH = apply_rope(q_BxTxNxH, positions_BxT, rope_base) * self.query_scale
         k_BxSxKxH = apply_rope(k_BxSxKxH, positions_BxT, rope_base)
-
-        b, t = x.shape[:2]
-        groups = self.n_heads // self.n_kv_heads
-        q_BxTxKxGxH = q_BxTxNxH.reshape(b, t, self.n_kv_heads, groups, self.head_dim)
-        logits_BxKxGxTxS = jnp.einsum("btkgh,bskh->bkgts", q_BxTxKxGxH, k_BxSxKxH,
-                                      preferred_element_type=jnp.float32)
-        if self.softcap is not None:
-            logits_BxKxGxTxS = jnp.tanh(logits_BxKxGxTxS / self.softcap) * self.softcap
-        logits_BxKxGxTxS = jnp.where(mask_BxTxS[:, None, None], logits_BxKxGxTxS, _NEG_INF)
-        probs = jax.nn.softmax(logits_BxKxGxTxS, axis=-1).astype(dt)
-        out_BxTxKxGxH = jnp.einsum("bkgts,bskh->btkgh", probs, v_BxSxKxH)
-        out_BxTxNxH = out_BxTxKxGxH.reshape(b, t, self.n_heads, self.head_dim)
+        out_BxTxNxH = attend(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, segment_ids_BxT,
+                             implementation=self.implementation, window=self.window,
+                             softcap=self.softcap)
         return jnp.einsum("btnh,nhd->btd", out_BxTxNxH, self.o[...].astype(dt))
 
 
@@ -140,7 +125,7 @@ class Block(nnx.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int, rngs: nnx.Rngs):
         pdt = _dtype(cfg.param_dtype)
         self.pre_attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, pdt)
-        self.attn = Attention(cfg, rngs)
+        self.attn = Attention(cfg, rngs, window=cfg.window(layer_idx))
         self.post_attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, pdt)
         self.pre_mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, pdt)
         self.mlp = GeGLU(cfg, rngs)
@@ -148,8 +133,8 @@ class Block(nnx.Module):
         self.rope_base = cfg.rope_base(layer_idx)
         self.is_global = cfg.is_global_layer(layer_idx)
 
-    def __call__(self, x_BxTxD, positions_BxT, mask_BxTxS):
-        attn_out = self.attn(self.pre_attn_norm(x_BxTxD), positions_BxT, mask_BxTxS,
+    def __call__(self, x_BxTxD, positions_BxT, segment_ids_BxT):
+        attn_out = self.attn(self.pre_attn_norm(x_BxTxD), positions_BxT, segment_ids_BxT,
                              self.rope_base)
         x_BxTxD = x_BxTxD + self.post_attn_norm(attn_out)
         mlp_out = self.mlp(self.pre_mlp_norm(x_BxTxD))

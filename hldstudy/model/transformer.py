@@ -18,7 +18,7 @@ from flax import nnx, struct
 
 from hldstudy.config import ModelConfig
 from hldstudy.errors import ConfigError
-from hldstudy.model.layers import Block, RMSNorm, attention_mask
+from hldstudy.model.layers import Block, RMSNorm
 
 
 @struct.dataclass
@@ -81,24 +81,19 @@ class Transformer(nnx.Module):
             raise ConfigError("sequence length", f"{t} exceeds model.max_seq_len={cfg.max_seq_len}")
         if positions_BxT is None:
             positions_BxT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-        if segment_ids_BxT is None:
-            segment_ids_BxT = jnp.ones((b, t), jnp.int32)
-
-        masks = {}
-        for i in range(n_run):
-            w = cfg.window(i)
-            if w not in masks:
-                masks[w] = attention_mask(segment_ids_BxT, w)
+        # segment_ids_BxT stays None for unpacked rows: attention kernels then skip
+        # the same-document test (dense builds its mask per layer; chunked and
+        # cudnn never build a T x T mask at all).
 
         x_BxTxD = self.embed(tokens_BxT)
         hidden = {0: x_BxTxD} if 0 in hidden_layers else {}
         for i in range(n_run):
             block = self.blocks[i]
             if cfg.remat:
-                x_BxTxD = nnx.remat(lambda blk, x, p, m: blk(x, p, m))(
-                    block, x_BxTxD, positions_BxT, masks[cfg.window(i)])
+                x_BxTxD = nnx.remat(lambda blk, x, p, s: blk(x, p, s))(
+                    block, x_BxTxD, positions_BxT, segment_ids_BxT)
             else:
-                x_BxTxD = block(x_BxTxD, positions_BxT, masks[cfg.window(i)])
+                x_BxTxD = block(x_BxTxD, positions_BxT, segment_ids_BxT)
             if i + 1 in hidden_layers:
                 hidden[i + 1] = x_BxTxD
         if max_layer is not None:

@@ -1,9 +1,9 @@
 """CPU-scale distillation of the quickstart teacher into the tiny student.
 
-    python -m hldstudy.train --config tiny_distill --method kd \
+    python -m hldstudy.train --config experiments/tiny_distill.py --method kd \
         --set teacher.checkpoint=runs/teacher --workdir runs/kd
 
-The data section matches tiny_teacher.py, so the student reads the
+The data section matches experiments/tiny_teacher.py, so the student reads the
 teacher's tokenizer and the same corpus.
 """
 

@@ -1,0 +1,431 @@
+"""Attention kernels behind `model.attention`: dense, chunked (flash-style), cuDNN.
+
+All paths compute the same function (DESIGN.md "Model" / "Attention paths"):
+queries arrive RoPE'd and pre-scaled, a query t sees key s iff s <= t, the two
+are in the same packed document (equal segment ids) and, on local layers of
+window W, t - W < s. Logits are float32, optionally soft-capped
+(`c * tanh(logit / c)`) before masking; masked logits are a finite "minus
+infinity", so no row ever produces NaN. GQA: query head n reads KV head
+n // (N / K).
+
+Paths and their executed (hardware) FLOPs per layer, B sequences of length T,
+N query heads of dim H, forward (2 matmuls, QK^T and PV, = 4 B N H per
+(query, key) pair evaluated) and backward:
+
+- `dense`: the reference. Builds the masked `[B, K, G, T, T]` logits, softmax,
+  PV; masked entries are computed and then discarded, so it always executes
+  the full square: forward 4 B N H T^2, backward 8 B N H T^2 (autodiff keeps
+  the probabilities). Memory O(B N T^2) (logits, probabilities and their
+  cotangents live at once).
+- `chunked`: pure JAX (any backend), blockwise online softmax. A scan over
+  query blocks of `block_q` rows runs a loop over only the key blocks of
+  `block_k` columns that intersect that query block's causal / sliding-window
+  band; blocks outside the band are never computed. With P the number of
+  (query, key) pairs in evaluated blocks, P ~ T^2 / 2 + T * b / 2 for a global
+  layer and P ~ T * (W + b) for a local one (b the block size, block_q =
+  block_k), forward 4 B N H P, backward 10 B N H P (a `jax.custom_vjp` flash
+  backward: it recomputes each block's probabilities from the saved row
+  log-sum-exp instead of storing them, one extra QK^T). Total 14 B N H P vs
+  dense's 12 B N H T^2: ~0.6x dense for a global layer at T >> b and
+  ~1.2 (W + b) / T for a local one (0.18x at T = 4096, W = 512, b = 256).
+  Memory O(B N T H + B N block_q block_k); segment ids are masked inside
+  blocks (packed documents do not skip blocks: which blocks are empty is data).
+- `cudnn`: `jax.nn.dot_product_attention(implementation="cudnn")`, NVIDIA GPU
+  only, bfloat16 / float16, head_dim <= 256 and a multiple of 8, no logit
+  soft-cap (cuDNN has none). Causal and sliding window are native (cuDNN skips
+  masked tiles: FLOPs like `chunked`, memory O(B N T H)). Packed documents go
+  in as a `[B, 1, T, T]` boolean mask that JAX turns into an additive bias
+  (2 bytes per entry, plus its cotangent in the backward): O(B T^2) memory,
+  still N x 4 times below dense's float32 logits.
+- `auto`: on a GPU, `cudnn` when the layer fits it (dtype bfloat16/float16,
+  no soft-cap, head_dim fits), else `chunked`; on CPU (and TPU, until a
+  splash-attention path exists) `chunked` when T >= AUTO_CHUNKED_MIN_T, else
+  `dense` (short sequences: the loop overhead of small blocks outweighs the
+  memory that dense costs; see benchmarks/attention.py).
+
+A request that cannot run here (`cudnn` on CPU, or with float32 / a soft-cap)
+raises ConfigError naming `model.attention` with the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from hldstudy.errors import ConfigError
+
+IMPLEMENTATIONS = ("dense", "chunked", "cudnn", "auto")
+
+_NEG_INF = -2.3819763e38  # finite "minus infinity": keeps fully-masked rows NaN-free
+# Running-max start of the online softmax: far below any real logit but far above
+# _NEG_INF, so masked entries get weight exp(_NEG_INF - m) == 0 even in a row whose
+# every key so far was masked (starting at _NEG_INF would give them weight 1).
+_M_INIT = -1e30
+# Row log-sum-exp stored for a row with no visible key: p = exp(s - lse) == 0.
+_LSE_EMPTY = 3.0e38
+
+# CPU defaults (benchmarks/attention.py): blocks of 256 keep XLA's matmuls large
+# enough that per-block loop overhead stays small, and band edges cost at most
+# one partly masked block per query block.
+DEFAULT_BLOCK_Q = 256
+DEFAULT_BLOCK_K = 256
+# `auto` on CPU/TPU: below this length dense attention is faster and its
+# O(T^2) memory is small.
+AUTO_CHUNKED_MIN_T = 1024
+_CUDNN_DTYPES = ("bfloat16", "float16")
+
+
+# --------------------------------------------------------------------------- #
+# Masks
+# --------------------------------------------------------------------------- #
+
+
+def attention_mask(segment_ids_BxT: jax.Array, window: int | None) -> jax.Array:
+    """[B, T, S] bool: causal, within one packed document, and inside the window.
+
+    A local layer with window W lets query t see keys s with t - W < s <= t
+    (W keys including itself), as Gemma 3 does.
+    """
+    seq_len = segment_ids_BxT.shape[1]
+    q_idx = jnp.arange(seq_len)[:, None]
+    k_idx = jnp.arange(seq_len)[None, :]
+    allowed_TxS = k_idx <= q_idx
+    if window is not None:
+        allowed_TxS &= (q_idx - k_idx) < window
+    same_doc_BxTxS = segment_ids_BxT[:, :, None] == segment_ids_BxT[:, None, :]
+    return allowed_TxS[None] & same_doc_BxTxS
+
+
+def _softcap(logits, cap: float | None):
+    return logits if cap is None else jnp.tanh(logits / cap) * cap
+
+
+# --------------------------------------------------------------------------- #
+# Dense (reference)
+# --------------------------------------------------------------------------- #
+
+
+def dense_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, segment_ids_BxT=None, *,
+                    window: int | None = None, softcap: float | None = None):
+    """Masked T x T attention; the numerics every other path is tested against."""
+    b, t, n, h = q_BxTxNxH.shape
+    n_kv = k_BxSxKxH.shape[2]
+    dt = q_BxTxNxH.dtype
+    if segment_ids_BxT is None:
+        segment_ids_BxT = jnp.ones((b, t), jnp.int32)
+    mask_BxTxS = attention_mask(segment_ids_BxT, window)
+    q_BxTxKxGxH = q_BxTxNxH.reshape(b, t, n_kv, n // n_kv, h)
+    logits_BxKxGxTxS = jnp.einsum("btkgh,bskh->bkgts", q_BxTxKxGxH, k_BxSxKxH,
+                                  preferred_element_type=jnp.float32)
+    logits_BxKxGxTxS = _softcap(logits_BxKxGxTxS, softcap)
+    logits_BxKxGxTxS = jnp.where(mask_BxTxS[:, None, None], logits_BxKxGxTxS, _NEG_INF)
+    probs = jax.nn.softmax(logits_BxKxGxTxS, axis=-1).astype(dt)
+    out_BxTxKxGxH = jnp.einsum("bkgts,bskh->btkgh", probs, v_BxSxKxH)
+    return out_BxTxKxGxH.reshape(b, t, n, h)
+
+
+# --------------------------------------------------------------------------- #
+# Chunked (flash-style, pure JAX)
+# --------------------------------------------------------------------------- #
+
+
+@dataclasses.dataclass(frozen=True)
+class _Blocks:
+    """Static description of one chunked attention call (hashable: custom_vjp arg)."""
+
+    window: int | None
+    softcap: float | None
+    block_q: int
+    block_k: int
+    n_q_blocks: int
+    n_k_blocks: int
+
+
+def _key_block_range(i, s: _Blocks):
+    """[lo, hi) key blocks that intersect query block i's causal/window band."""
+    q_first = i * s.block_q
+    q_last = q_first + s.block_q - 1
+    hi = jnp.minimum(s.n_k_blocks, q_last // s.block_k + 1)
+    if s.window is None:
+        return jnp.int32(0), hi
+    lo = jnp.maximum(0, (q_first - s.window + 1) // s.block_k)
+    return lo, hi
+
+
+def _query_block_range(j, s: _Blocks):
+    """[lo, hi) query blocks whose band intersects key block j."""
+    k_first = j * s.block_k
+    k_last = k_first + s.block_k - 1
+    lo = k_first // s.block_q
+    if s.window is None:
+        return lo, jnp.int32(s.n_q_blocks)
+    hi = jnp.minimum(s.n_q_blocks, (k_last + s.window - 1) // s.block_q + 1)
+    return lo, hi
+
+
+def _block_logits(q_i, k_j, seg_q, seg_k, i, j, s: _Blocks):
+    """Masked (and soft-capped) float32 logits of query block i x key block j.
+
+    q_i [B, K, G, bq, H], k_j [B, K, bk, H], seg_q [B, bq] | None, seg_k [B, bk] | None.
+    Returns (logits [B, K, G, bq, bk], tanh or None): the tanh is reused by the
+    soft-cap's backward.
+    """
+    raw = jnp.einsum("bkgqh,bkch->bkgqc", q_i, k_j, preferred_element_type=jnp.float32)
+    tanh = None
+    if s.softcap is not None:
+        tanh = jnp.tanh(raw / s.softcap)
+        raw = tanh * s.softcap
+    q_pos = i * s.block_q + jnp.arange(s.block_q)
+    k_pos = j * s.block_k + jnp.arange(s.block_k)
+    allowed_QxC = k_pos[None, :] <= q_pos[:, None]
+    if s.window is not None:
+        allowed_QxC &= (q_pos[:, None] - k_pos[None, :]) < s.window
+    allowed = allowed_QxC[None, None, None]
+    if seg_q is not None:
+        allowed = allowed & (seg_q[:, :, None] == seg_k[:, None, :])[:, None, None]
+    return jnp.where(allowed, raw, _NEG_INF), tanh
+
+
+def _slice(x, start, size, axis):
+    return lax.dynamic_slice_in_dim(x, start, size, axis=axis)
+
+
+def _chunked_forward(s: _Blocks, q, k, v, seg):
+    """q [B, K, G, Tq, H], k/v [B, K, Tk, H] (padded). Returns out (q layout), lse [B, K, G, Tq]."""
+    b, n_kv, g, _, h = q.shape
+    stat_shape = (b, n_kv, g, s.block_q)
+
+    def q_block(i):
+        q_i = _slice(q, i * s.block_q, s.block_q, 3)
+        seg_q = None if seg is None else _slice(seg, i * s.block_q, s.block_q, 1)
+
+        def k_step(j, carry):
+            m, denom, acc = carry
+            k_j = _slice(k, j * s.block_k, s.block_k, 2)
+            v_j = _slice(v, j * s.block_k, s.block_k, 2)
+            seg_k = None if seg is None else _slice(seg, j * s.block_k, s.block_k, 1)
+            logits, _ = _block_logits(q_i, k_j, seg_q, seg_k, i, j, s)
+            m_new = jnp.maximum(m, logits.max(axis=-1))
+            p = jnp.exp(logits - m_new[..., None])
+            rescale = jnp.exp(m - m_new)
+            denom = denom * rescale + p.sum(axis=-1)
+            pv = jnp.einsum("bkgqc,bkch->bkgqh", p.astype(v.dtype), v_j,
+                            preferred_element_type=jnp.float32)
+            return m_new, denom, acc * rescale[..., None] + pv
+
+        lo, hi = _key_block_range(i, s)
+        init = (jnp.full(stat_shape, _M_INIT, jnp.float32), jnp.zeros(stat_shape, jnp.float32),
+                jnp.zeros((*stat_shape, h), jnp.float32))
+        m, denom, acc = lax.fori_loop(lo, hi, k_step, init)
+        seen = denom > 0
+        safe_denom = jnp.where(seen, denom, 1.0)
+        out = (acc / safe_denom[..., None]).astype(q.dtype)
+        lse = jnp.where(seen, m + jnp.log(safe_denom), _LSE_EMPTY)
+        return out, lse
+
+    # [nq, B, K, G, bq, ...] -> [B, K, G, nq * bq, ...]
+    out_blocks, lse_blocks = lax.map(q_block, jnp.arange(s.n_q_blocks))
+    out = jnp.moveaxis(out_blocks, 0, 3).reshape(q.shape)
+    lse = jnp.moveaxis(lse_blocks, 0, 3).reshape(q.shape[:-1])
+    return out, lse
+
+
+def _chunked_backward(s: _Blocks, q, k, v, seg, out, lse, d_out):
+    """Flash backward: key blocks outer (dK, dV in registers), query blocks inner.
+
+    dQ is carried whole (O(T H)) and updated block by block; each block's
+    probabilities are rebuilt from the saved row log-sum-exp.
+    """
+    b, n_kv, g, tq, h = q.shape
+    # D_i = sum_h dO * O: the softmax-Jacobian row term, once per row.
+    delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
+
+    def k_block(dq, j):
+        k_j = _slice(k, j * s.block_k, s.block_k, 2)
+        v_j = _slice(v, j * s.block_k, s.block_k, 2)
+        seg_k = None if seg is None else _slice(seg, j * s.block_k, s.block_k, 1)
+
+        def q_step(i, carry):
+            dq, dk_j, dv_j = carry
+            start = i * s.block_q
+            q_i = _slice(q, start, s.block_q, 3)
+            do_i = _slice(d_out, start, s.block_q, 3)
+            lse_i = _slice(lse, start, s.block_q, 3)
+            delta_i = _slice(delta, start, s.block_q, 3)
+            seg_q = None if seg is None else _slice(seg, start, s.block_q, 1)
+            logits, tanh = _block_logits(q_i, k_j, seg_q, seg_k, i, j, s)
+            p = jnp.exp(logits - lse_i[..., None])  # masked entries: exactly 0
+            dv_j = dv_j + jnp.einsum("bkgqc,bkgqh->bkch", p.astype(d_out.dtype), do_i,
+                                     preferred_element_type=jnp.float32)
+            dp = jnp.einsum("bkgqh,bkch->bkgqc", do_i, v_j, preferred_element_type=jnp.float32)
+            ds = p * (dp - delta_i[..., None])
+            if tanh is not None:  # d(c tanh(x / c))/dx = 1 - tanh^2
+                ds = ds * (1.0 - tanh * tanh)
+            ds = ds.astype(q.dtype)
+            dq_i = jnp.einsum("bkgqc,bkch->bkgqh", ds, k_j, preferred_element_type=jnp.float32)
+            dq = lax.dynamic_update_slice_in_dim(dq, _slice(dq, start, s.block_q, 3) + dq_i,
+                                                 start, axis=3)
+            dk_j = dk_j + jnp.einsum("bkgqc,bkgqh->bkch", ds, q_i,
+                                     preferred_element_type=jnp.float32)
+            return dq, dk_j, dv_j
+
+        lo, hi = _query_block_range(j, s)
+        zeros_kv = jnp.zeros((b, n_kv, s.block_k, h), jnp.float32)
+        dq, dk_j, dv_j = lax.fori_loop(lo, hi, q_step, (dq, zeros_kv, zeros_kv))
+        return dq, (dk_j, dv_j)
+
+    dq, (dk_blocks, dv_blocks) = lax.scan(k_block, jnp.zeros(q.shape, jnp.float32),
+                                          jnp.arange(s.n_k_blocks))
+    dk = jnp.moveaxis(dk_blocks, 0, 2).reshape(k.shape)
+    dv = jnp.moveaxis(dv_blocks, 0, 2).reshape(v.shape)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _chunked_core(s: _Blocks, q, k, v, seg):
+    return _chunked_forward(s, q, k, v, seg)[0]
+
+
+def _chunked_core_fwd(s, q, k, v, seg):
+    out, lse = _chunked_forward(s, q, k, v, seg)
+    return out, (q, k, v, seg, out, lse)
+
+
+def _chunked_core_bwd(s, residuals, d_out):
+    q, k, v, seg, out, lse = residuals
+    dq, dk, dv = _chunked_backward(s, q, k, v, seg, out, lse, d_out)
+    return dq, dk, dv, None
+
+
+_chunked_core.defvjp(_chunked_core_fwd, _chunked_core_bwd)
+
+
+def _pad_axis(x, axis: int, size: int, value=0):
+    extra = size - x.shape[axis]
+    if extra == 0:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, extra)
+    return jnp.pad(x, widths, constant_values=value)
+
+
+def chunked_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, segment_ids_BxT=None, *,
+                      window: int | None = None, softcap: float | None = None,
+                      block_q: int = DEFAULT_BLOCK_Q, block_k: int = DEFAULT_BLOCK_K):
+    """Blockwise online-softmax attention; equals `dense_attention` (values and gradients).
+
+    T need not divide the block sizes: q is padded to a multiple of block_q and
+    k/v to a multiple of block_k. Padded keys sit after every real query, so
+    causality already hides them; padded query rows are dropped.
+    """
+    if block_q <= 0 or block_k <= 0:
+        raise ValueError(f"block sizes must be positive, got {block_q}, {block_k}")
+    b, t, n, h = q_BxTxNxH.shape
+    n_kv = k_BxSxKxH.shape[2]
+    if k_BxSxKxH.shape[1] != t:
+        raise ValueError("chunked attention is self-attention: q and k need the same length")
+    bq, bk = min(block_q, t), min(block_k, t)
+    nq, nk = -(-t // bq), -(-t // bk)
+    spec = _Blocks(window=window, softcap=softcap, block_q=bq, block_k=bk,
+                   n_q_blocks=nq, n_k_blocks=nk)
+    q = q_BxTxNxH.reshape(b, t, n_kv, n // n_kv, h).transpose(0, 2, 3, 1, 4)
+    q = _pad_axis(q, 3, nq * bq)
+    k = _pad_axis(k_BxSxKxH.transpose(0, 2, 1, 3), 2, nk * bk)
+    v = _pad_axis(v_BxSxKxH.transpose(0, 2, 1, 3), 2, nk * bk)
+    seg = None
+    if segment_ids_BxT is not None:
+        # One padded length serves both q and k slices; -1 is never a real document.
+        seg = _pad_axis(segment_ids_BxT.astype(jnp.int32), 1, max(nq * bq, nk * bk), value=-1)
+    out = _chunked_core(spec, q, k, v, seg)[:, :, :, :t]  # [B, K, G, T, H]
+    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
+
+
+# --------------------------------------------------------------------------- #
+# cuDNN
+# --------------------------------------------------------------------------- #
+
+
+def cudnn_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, segment_ids_BxT=None, *,
+                    window: int | None = None, softcap: float | None = None):
+    """cuDNN flash attention via `jax.nn.dot_product_attention` (GPU, bf16/fp16)."""
+    if softcap is not None:
+        raise ConfigError("model.attention", "cudnn has no attention-logit soft-cap",
+                          "use model.attention=chunked (or auto) with attn_softcap")
+    mask = None
+    if segment_ids_BxT is not None:
+        mask = (segment_ids_BxT[:, :, None] == segment_ids_BxT[:, None, :])[:, None]
+    return jax.nn.dot_product_attention(
+        q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, mask=mask, scale=1.0, is_causal=True,
+        local_window_size=None if window is None else (window - 1, 0),
+        implementation="cudnn")
+
+
+# --------------------------------------------------------------------------- #
+# Choosing a path
+# --------------------------------------------------------------------------- #
+
+
+def _cudnn_unfit(dtype: str, softcap: float | None, head_dim: int) -> str | None:
+    """Why cuDNN cannot run this layer (None: it can), backend aside."""
+    if dtype not in _CUDNN_DTYPES:
+        return f"cudnn needs model.dtype in {_CUDNN_DTYPES}, got {dtype!r}"
+    if softcap is not None:
+        return "cudnn has no attention-logit soft-cap (model.attn_softcap is set)"
+    if head_dim % 8 or head_dim > 256:
+        return f"cudnn needs head_dim <= 256 and a multiple of 8, got {head_dim}"
+    return None
+
+
+def check_implementation(name: str, *, dtype: str, softcap: float | None, head_dim: int,
+                         backend: str | None = None) -> None:
+    """Raises ConfigError if `model.attention=name` cannot run on this backend."""
+    if name not in IMPLEMENTATIONS:
+        raise ConfigError("model.attention", f"{name!r} is not one of {', '.join(IMPLEMENTATIONS)}")
+    if name != "cudnn":
+        return
+    backend = backend or jax.default_backend()
+    if backend != "gpu":
+        raise ConfigError("model.attention", f"cudnn needs an NVIDIA GPU, this backend is {backend}",
+                          "use model.attention=chunked (any backend) or auto")
+    why = _cudnn_unfit(dtype, softcap, head_dim)
+    if why:
+        raise ConfigError("model.attention", why,
+                          "use model.attention=chunked (any backend) or auto")
+
+
+def resolve_implementation(name: str, *, dtype: str, softcap: float | None, head_dim: int,
+                           seq_len: int, backend: str | None = None) -> str:
+    """The concrete path (`dense`, `chunked` or `cudnn`) for one attention call."""
+    backend = backend or jax.default_backend()
+    check_implementation(name, dtype=dtype, softcap=softcap, head_dim=head_dim, backend=backend)
+    if name != "auto":
+        return name
+    if backend == "gpu":
+        return "chunked" if _cudnn_unfit(dtype, softcap, head_dim) else "cudnn"
+    return "chunked" if seq_len >= AUTO_CHUNKED_MIN_T else "dense"
+
+
+def attend(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, segment_ids_BxT=None, *, implementation: str,
+           window: int | None = None, softcap: float | None = None,
+           block_q: int | None = None, block_k: int | None = None):
+    """Self-attention of pre-scaled, RoPE'd q over k/v by `implementation` (see module doc).
+
+    Block sizes default to the module's DEFAULT_BLOCK_Q / DEFAULT_BLOCK_K, read
+    at call time.
+    """
+    block_q = DEFAULT_BLOCK_Q if block_q is None else block_q
+    block_k = DEFAULT_BLOCK_K if block_k is None else block_k
+    impl = resolve_implementation(implementation, dtype=jnp.dtype(q_BxTxNxH.dtype).name,
+                                  softcap=softcap, head_dim=q_BxTxNxH.shape[-1],
+                                  seq_len=q_BxTxNxH.shape[1])
+    kw = dict(window=window, softcap=softcap)
+    if impl == "dense":
+        return dense_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, segment_ids_BxT, **kw)
+    if impl == "cudnn":
+        return cudnn_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, segment_ids_BxT, **kw)
+    return chunked_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, segment_ids_BxT,
+                             block_q=block_q, block_k=block_k, **kw)
