@@ -1,4 +1,4 @@
-# The README's two commands are `make quickstart` and `make test`.
+# Shortcuts: `make setup` (the venv), `make quickstart`, `make test` (the README's test command), `make test-all`, `make lint`, `make bench`.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin

@@ -1,11 +1,12 @@
 """The quickstart: the study in miniature, offline on a CPU.
 
 synthetic corpus -> SentencePiece tokenizer -> tiny teacher pretraining ->
-the CPU grid of sweeps/cpu.py (baseline / kd / hldf / hldc x learning rate x
-temperature) at one FLOP budget -> evaluation (validation perplexity, the
-synthetic HellaSwag- and LAMBADA-style tasks) -> the analysis report.
+the CPU grid of the built-in sweep `cpu` (hldstudy/configs/sweeps/cpu.py: the
+study's methods x learning rate x temperature) at one FLOP budget ->
+evaluation (validation perplexity, the synthetic HellaSwag- and LAMBADA-style
+tasks) -> the analysis report. Every file it reads ships with the package.
 
-    hldstudy quickstart --workdir runs/quickstart
+    hldstudy quickstart --workdir runs/quickstart [--size tiny|small|medium|large]
 
 Writes DIR/teacher/ (the teacher run), DIR/runs/<run_id>/ (one run
 directory per grid point, DIR/runs/sweep.json lists them), DIR/report/
@@ -25,14 +26,18 @@ import sys
 import time
 from pathlib import Path
 
+from hldstudy.cli_common import EXPERIMENTS, SWEEPS
 from hldstudy.config import apply_overrides, load_experiment, validate
+from hldstudy.distill import methods as method_registry
 from hldstudy.errors import ConfigError
 
-ROOT = Path(__file__).resolve().parent.parent
-EXPERIMENTS = ROOT / "experiments"
-SWEEP_FILE = ROOT / "sweeps" / "cpu.py"
-# size -> teacher steps (the students' budget is in sweeps/cpu.py); "tiny" is for tests.
+SWEEP_FILE = SWEEPS / "cpu.py"
+# size -> teacher steps (the students' budget and eval items are SIZES in the sweep file).
 SIZES = {"tiny": 8, "small": 200, "medium": 800, "large": 3000}
+SIZE_HELP = ("tiny: a smoke test of the whole pipeline in a few minutes (8 teacher steps, "
+             "6-step student budget, 8 eval items: the numbers mean nothing); small (default): "
+             "the comparison in miniature; medium, large: longer teacher and student budgets, "
+             "more eval items")
 
 
 def _phase(timings: dict, name: str, t0: float) -> None:
@@ -81,6 +86,8 @@ def run_quickstart(workdir: Path, size: str = "small", methods: tuple[str, ...] 
 
     sweep = load_sweep(SWEEP_FILE, size=size, teacher=str(teacher_dir))
     if methods:
+        for m in methods:
+            method_registry.get(m, "--methods")
         sweep = dataclasses.replace(sweep, methods=tuple(methods))
     if grid:
         sweep = dataclasses.replace(sweep, **grid)
@@ -159,6 +166,17 @@ def _eval_cols(results: dict) -> list[tuple[str, str]]:
     return cols
 
 
+def _method_rank(name: str) -> tuple[int, int]:
+    """Table order: the reference method, the other teacher methods, then the rest
+    (the baseline), each in registration order; unknown names last."""
+    names = method_registry.names()
+    if name not in names:
+        return (3, 0)
+    if name == method_registry.REFERENCE:
+        return (0, 0)
+    return (1 if method_registry.get(name).needs_teacher else 2, names.index(name))
+
+
 def render(results: dict) -> str:
     t = results["teacher"]
     cols = _eval_cols(results)
@@ -171,8 +189,7 @@ def render(results: dict) -> str:
              "| method | run | steps | valid NLL | valid ppl | "
              + " | ".join(f"{task} {k}" for task, k in cols) + " |",
              "|---|---|---:|---:|---:|" + "---:|" * len(cols)]
-    order = ["kd", "hldf", "hldc", "patient", "baseline"]
-    for m in sorted(results["best"], key=lambda m: order.index(m) if m in order else 9):
+    for m in sorted(results["best"], key=_method_rank):
         b = results["best"][m]
         ev = b.get("eval") or {}
         vals = [ev.get(task, {}).get(k) for task, k in cols]
@@ -196,10 +213,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hldstudy quickstart", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workdir", default="runs/quickstart")
-    parser.add_argument("--size", default="small", choices=[s for s in SIZES if s != "tiny"])
+    parser.add_argument("--size", default="small", choices=list(SIZES), help=SIZE_HELP)
     parser.add_argument("--methods", default=None,
-                        help="comma-separated student methods (default: those of sweeps/cpu.py, "
-                             "baseline,kd,hldf,hldc)")
+                        help="comma-separated student methods, of "
+                             f"{', '.join(method_registry.names())} (default: the sweep's, "
+                             "STUDY_METHODS in hldstudy/configs/__init__.py)")
     parser.add_argument("--parallel", type=int, default=2,
                         help="worker processes for the grid (2: the tiny models leave a core idle "
                              "and compilation overlaps)")

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from hldstudy.analysis.runs import name_mismatches
+from hldstudy.cli_common import EXPERIMENTS, SWEEPS, find_builtin
 from hldstudy.config import config_to_dict, flatten, load_experiment
 from hldstudy.errors import ConfigError, InputError
 from hldstudy.flops import step_flops
@@ -17,12 +18,12 @@ from hldstudy.sweep.launch import prepare_workdir
 from hldstudy.sweep.spec import fmt_value, run_status
 
 ROOT = Path(__file__).resolve().parent.parent
-CPU = ROOT / "sweeps" / "cpu.py"
+CPU = SWEEPS / "cpu.py"
 TEACHER = preset("tiny-teacher")
 
 
 def _sweep(**kw) -> Sweep:
-    base = dict(name="t", base=load_experiment(ROOT / "experiments" / "tiny_distill.py"),
+    base = dict(name="t", base=load_experiment(EXPERIMENTS / "tiny_distill.py"),
                 methods=("baseline", "kd", "hldf", "hldc"), lr=(3e-3, 1e-2),
                 temperature=(1.0, 2.0), alpha=(0.5,), hidden_weight=(0.5, 1.0), seeds=(0,),
                 budget_baseline_steps=40, teacher_preset="tiny-teacher")
@@ -96,7 +97,7 @@ def test_dry_run_json_contract(capsys):
 
 
 def test_dry_run_table(capsys):
-    assert sweep_main([str(CPU), "--dry-run"]) == 0
+    assert sweep_main(["cpu", "--dry-run"]) == 0  # a built-in sweep, by name
     out = capsys.readouterr().out
     assert "14 run(s)" in out and "hldf_lr3e-3_T1_a0.5_s0" in out and "launch:" in out
 
@@ -219,12 +220,24 @@ def test_wandb_sweep_config_offline(tmp_path, capsys, monkeypatch):
 
 
 def test_sweep_files_load_and_expand():
-    for f in sorted((ROOT / "sweeps").glob("[!_]*.py")):
+    for f in sorted(SWEEPS.glob("[!_]*.py")):
         sweep = load_sweep(f)
         assert sweep.launch.startswith(("python -m hldstudy.sweep", "hldstudy ")), f
         runs = expand(sweep)
         assert runs and len({r.run_id for r in runs}) == len(runs)
         assert len({r.config.budget.flops for r in runs}) == 1
+
+
+def test_builtin_files_by_name(tmp_path, monkeypatch):
+    """`hldstudy sweep cpu` / `--config tiny`: a bare name finds the packaged file; an
+    existing path always wins; anything else is left for the loader to refuse."""
+    monkeypatch.chdir(tmp_path)
+    assert find_builtin("cpu", SWEEPS) == CPU
+    assert find_builtin("tiny.py", EXPERIMENTS) == EXPERIMENTS / "tiny.py"
+    assert find_builtin("nope", SWEEPS) == Path("nope")
+    assert find_builtin("sub/cpu.py", SWEEPS) == Path("sub/cpu.py")
+    Path("cpu.py").write_text("")
+    assert find_builtin("cpu.py", SWEEPS) == Path("cpu.py")
 
 
 def test_unknown_run_id(capsys):

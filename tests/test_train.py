@@ -107,7 +107,7 @@ def test_resume_refuses_a_different_experiment(tmp_path, tokenizer_path):
 
 def test_sigterm_saves_checkpoint_and_resume_continues(tmp_path, tokenizer_path):
     workdir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "hldstudy.train", "--config", str(ROOT / "experiments/tiny.py"),
+    cmd = [sys.executable, "-m", "hldstudy.train", "--config", "tiny",
            "--workdir", str(workdir), "--set", "train.steps=100000", "--set", "train.progress=false",
            "--set", "train.checkpoint_every=0", "--set", "train.log_every=1",
            "--set", f"data.tokenizer={tokenizer_path}", "--set", "model.vocab_size=384",

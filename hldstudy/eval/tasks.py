@@ -5,7 +5,7 @@ Three kinds of task names:
 * **lm-eval tasks** (`hellaswag`, `piqa`, `winogrande`, `lambada_openai`,
   `arc_easy`, `wikitext`, or any other built-in name): lm-eval's own task
   definitions. With offline data (`--offline-data DIR` or `$HLDSTUDY_EVAL_DATA`)
-  each task is an override YAML from `eval/overrides/<task>.yaml` that
+  each task is an override YAML from `hldstudy/eval/overrides/<task>.yaml` that
   `include`s the built-in YAML and reads `DIR/<task>.jsonl` (the split the task
   evaluates, in the original dataset's schema) through the `json` builder of
   `datasets`; nothing touches the hub. Without offline data the built-in task
@@ -26,9 +26,10 @@ from pathlib import Path
 
 from hldstudy.errors import InputError
 
-ROOT = Path(__file__).resolve().parents[2]
-OVERRIDES_DIR = ROOT / "eval" / "overrides"
-FIXTURES_DIR = ROOT / "eval" / "fixtures"
+# Package data (they ship with the package): the override YAMLs, and a few
+# hand-written items per paper task for smoke tests (`--offline-data` FIXTURES_DIR).
+OVERRIDES_DIR = Path(__file__).resolve().parent / "overrides"
+FIXTURES_DIR = Path(__file__).resolve().parent / "fixtures"
 DATA_ENV = "HLDSTUDY_EVAL_DATA"
 
 PAPER_TASKS = ("hellaswag", "piqa", "winogrande", "lambada_openai", "arc_easy", "wikitext")
@@ -58,7 +59,7 @@ def lm_eval_tasks_dir() -> Path:
 def offline_tasks() -> list[str]:
     """Tasks with an override YAML (readable from local files)."""
     if not OVERRIDES_DIR.is_dir():
-        raise InputError(f"{OVERRIDES_DIR} is missing (the override YAMLs ship with the repo)")
+        raise InputError(f"{OVERRIDES_DIR} is missing (the override YAMLs ship with the package)")
     return sorted(p.stem for p in OVERRIDES_DIR.glob("*.yaml") if p.stem not in SYNTHETIC_TASKS)
 
 
@@ -83,7 +84,7 @@ def check_offline_file(task: str, data_dir: Path) -> Path:
     if not path.is_file():
         raise InputError(f"{path}: missing offline data for task {task!r} (expected the split "
                          f"the task evaluates as JSONL with fields "
-                         f"{', '.join(SCHEMAS.get(task, ('...',)))}; see eval/README.md)")
+                         f"{', '.join(SCHEMAS.get(task, ('...',)))}; see hldstudy/eval/README.md)")
     with path.open() as fh:
         first = fh.readline()
     try:
@@ -95,13 +96,13 @@ def check_offline_file(task: str, data_dir: Path) -> Path:
     missing = [f for f in SCHEMAS.get(task, ()) if f not in rec]
     if missing:
         raise InputError(f"{path}:1: record lacks {', '.join(missing)} (schema of {task}: "
-                         f"{', '.join(SCHEMAS[task])}; see eval/README.md)")
+                         f"{', '.join(SCHEMAS[task])}; see hldstudy/eval/README.md)")
     return path
 
 
 def render_yaml(task: str, out_dir: Path, *, data_dir: Path | None = None,
                 synth_dir: Path | None = None) -> Path:
-    """Writes out_dir/<task>.yaml from eval/overrides/<task>.yaml."""
+    """Writes out_dir/<task>.yaml from OVERRIDES_DIR/<task>.yaml."""
     src = OVERRIDES_DIR / f"{task}.yaml"
     if not src.is_file():
         raise InputError(f"{src}: no override YAML for task {task!r}")
@@ -159,7 +160,7 @@ def classify(tasks: list[str], offline_dir: Path | None) -> tuple[list[str], lis
             unknown += [t for t in to_check if t not in known]
     if unknown:
         choices = sorted(local) + sorted(SYNTHETIC_TASKS) + list(CORPUS_TASKS)
-        where = (f": no eval/overrides/<task>.yaml to read it offline (offline tasks: "
+        where = (f": no hldstudy/eval/overrides/<task>.yaml to read it offline (offline tasks: "
                  f"{', '.join(choices)})"
                  if offline_dir is not None else
                  f" (ours: {', '.join(choices)}; or any lm-eval task name)")

@@ -1,4 +1,4 @@
-"""`python -m hldstudy.sweep SWEEP.py [--executor local|slurm|wandb] [--parallel N] [--dry-run]
+"""`python -m hldstudy.sweep SWEEP [--executor local|slurm|wandb] [--parallel N] [--dry-run]
 [--json] [--workdir DIR] [--set key=value ...] [--force]`.
 
 Expands the sweep file's grid into runs (one directory each under WORKDIR,
@@ -11,11 +11,13 @@ config.json no longer matches what the grid asks for is refused (the message
 names the field) unless --force, which moves it to WORKDIR/.sweep/stale/ and
 reruns it.
 
-    python -m hldstudy.sweep sweeps/cpu.py --dry-run
-    python -m hldstudy.sweep sweeps/cpu.py --parallel 2 --set teacher.checkpoint=runs/quickstart/teacher
-    python -m hldstudy.sweep sweeps/c4_123m.py --executor slurm --parallel 16 \
+SWEEP is a sweep file or the name of a built-in one (hldstudy/configs/sweeps/):
+
+    python -m hldstudy.sweep cpu --dry-run
+    python -m hldstudy.sweep cpu --parallel 2 --set teacher.checkpoint=runs/quickstart/teacher
+    python -m hldstudy.sweep c4_123m --executor slurm --parallel 16 \
         --slurm slurm_partition=gpu --slurm gpus_per_node=8 --set data.path=/data/tfds
-    python -m hldstudy.sweep sweeps/cpu.py --executor wandb
+    python -m hldstudy.sweep my_sweeps/grid.py --executor wandb
     python -m hldstudy.analysis runs/cpu --out runs/cpu/report
 """
 
@@ -39,7 +41,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=__doc__.split("\n\n", 1)[1])
-    p.add_argument("sweep", metavar="SWEEP", help="sweep file (sweeps/<name>.py) with get_sweep()")
+    p.add_argument("sweep", metavar="SWEEP",
+                   help="sweep file with get_sweep(), or the name of a built-in one "
+                        "(hldstudy/configs/sweeps/<name>.py, e.g. cpu)")
     p.add_argument("--executor", default="local", choices=EXECUTORS)
     p.add_argument("--parallel", type=int, default=1,
                    help="local: worker processes; slurm: jobs; wandb: agent processes")
@@ -129,11 +133,12 @@ def main(argv=None) -> int:
 
 
 def _main(args) -> int:
+    from hldstudy.cli_common import SWEEPS, find_builtin
     from hldstudy.sweep import executors
     from hldstudy.sweep.launch import prepare_workdir
     from hldstudy.sweep.spec import config_drift, expand, load_sweep, run_status
 
-    sweep_file = Path(args.sweep)
+    sweep_file = find_builtin(args.sweep, SWEEPS)
     sweep = load_sweep(sweep_file)
     warnings: list[str] = []
     runs = expand(sweep, args.overrides, check_paths=not args.dry_run, warnings=warnings)

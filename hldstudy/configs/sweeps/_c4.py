@@ -1,12 +1,13 @@
-"""Shared pieces of the study's C4 grids (sweeps/c4_123m.py, sweeps/c4_735m.py).
+"""Shared pieces of the study's C4 grids (c4_123m.py, c4_735m.py).
 
 Not a sweep file itself (no get_sweep); the leading underscore keeps it out of
-`sweeps/*.py` listings.
+the listings of sweep files.
 """
 
 import os
 
 from hldstudy.config import BudgetConfig, Config, DataConfig, DistillConfig, TrainConfig
+from hldstudy.configs import STUDY_METHODS
 from hldstudy.model.presets import preset
 from hldstudy.sweep import Sweep
 
@@ -32,7 +33,7 @@ def c4_sweep(name: str, student: str, *, batch_size: int, baseline_steps: int,
     return Sweep(
         name=name,
         base=base,
-        methods=("baseline", "kd", "hldf", "hldc"),
+        methods=STUDY_METHODS,
         lr=(3e-4, 1e-3, 3e-3),
         temperature=(1.0, 2.0),
         alpha=(0.1, 0.5),

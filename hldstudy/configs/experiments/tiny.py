@@ -1,7 +1,7 @@
 """The smallest CPU config: a 4-layer GQA student with local/global layers on the
 synthetic corpus. A few steps run in well under a minute.
 
-    python -m hldstudy.train --config experiments/tiny.py --workdir runs/tiny --set train.steps=20
+    python -m hldstudy.train --config tiny --workdir runs/tiny --set train.steps=20
 """
 
 from hldstudy.config import Config, DataConfig, TrainConfig

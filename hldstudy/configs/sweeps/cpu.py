@@ -7,18 +7,19 @@ the NLL weight and HLD weight fixed; evaluated on the synthetic HellaSwag-
 and LAMBADA-style tasks. `hldstudy quickstart` trains the teacher and runs
 this sweep; to run it by hand once a teacher exists:
 
-    python -m hldstudy.sweep sweeps/cpu.py --set teacher.checkpoint=runs/quickstart/teacher --workdir runs/cpu
+    python -m hldstudy.sweep cpu --set teacher.checkpoint=runs/quickstart/teacher --workdir runs/cpu
     python -m hldstudy.analysis runs/cpu --out runs/cpu/report
 """
 
 from pathlib import Path
 
 from hldstudy.config import load_experiment
+from hldstudy.configs import STUDY_METHODS
 from hldstudy.sweep import Sweep
 
-ROOT = Path(__file__).resolve().parent.parent
+EXPERIMENTS = Path(__file__).resolve().parent.parent / "experiments"
 
-# size -> (student budget in baseline steps, eval items per task); "tiny" is for tests.
+# size -> (student budget in baseline steps, eval items per task); "tiny": a smoke test.
 SIZES = {"tiny": (6, 8), "small": (120, 200), "medium": (400, 500), "large": (1500, 1000)}
 
 
@@ -26,8 +27,8 @@ def get_sweep(size: str = "small", teacher: str = "runs/quickstart/teacher") -> 
     steps, eval_items = SIZES[size]
     return Sweep(
         name="cpu",
-        base=load_experiment(ROOT / "experiments" / "tiny_distill.py"),
-        methods=("baseline", "kd", "hldf", "hldc"),
+        base=load_experiment(EXPERIMENTS / "tiny_distill.py"),
+        methods=STUDY_METHODS,
         lr=(3e-3, 1e-2),
         temperature=(1.0, 2.0),
         alpha=(0.5,),

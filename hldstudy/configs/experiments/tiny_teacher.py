@@ -1,6 +1,6 @@
 """The quickstart teacher: a 6-layer tiny-teacher pretrained on the synthetic corpus.
 
-    python -m hldstudy.train --config experiments/tiny_teacher.py --workdir runs/teacher
+    python -m hldstudy.train --config tiny_teacher --workdir runs/teacher
 """
 
 from hldstudy.config import Config, DataConfig, TrainConfig
