@@ -8,6 +8,7 @@
     hldstudy sweep ...     (same as python -m hldstudy.sweep)
     hldstudy analysis ...  (same as python -m hldstudy.analysis)
     hldstudy serve ...     (same as python -m hldstudy.teacher.serve)
+    hldstudy compress ...  (same as python -m hldstudy.compress)
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ def main(argv: list[str] | None = None) -> int:
         "sweep": "hldstudy.sweep.__main__",
         "analysis": "hldstudy.analysis.__main__",
         "serve": "hldstudy.teacher.serve",
+        "compress": "hldstudy.compress.__main__",
     }
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
         print(__doc__.strip())
