@@ -20,7 +20,71 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hldstudy.distill import methods
+from hldstudy.distill.pairs import parse_layer_pairs
 from hldstudy.errors import ConfigError, InputError
+
+# Written into every config.json; 1 = files written before the version existed.
+SCHEMA_VERSION = 2
+# Keys of a config.json that are about the file, not the run (never compared).
+FILE_KEYS = frozenset({"schema_version"})
+
+# --------------------------------------------------------------------------- #
+# Field rules
+# --------------------------------------------------------------------------- #
+#
+# Each field says, once, how the rest of the suite treats it (`knob`); every
+# list that used to be kept by hand is derived from these tags (`fields_where`):
+#
+#   resume         may differ when a run directory is resumed (the trainer refuses
+#                  any other change, naming the field);
+#   drift          a difference between a run directory and its sweep grid makes
+#                  the run stale (False: cadence, display, transport, mesh);
+#   analysis       "compare": a varying field is an extra dimension of the
+#                  comparison; "column": a column of its own; "ignore": never
+#                  changes what is compared;
+#   data_identity  part of what trainer and teacher replica must share for
+#                  `batch_at(step)` to be the same batch;
+#   relevant_if    (field, value): only matters when that field has that value.
+#
+# `operational=True` is the common case of a field that does not change what a
+# run computes (cadence, display, transport, device layout): resumable, no drift,
+# ignored by the analysis. A field without tags changes results: not resumable,
+# drift-checked, compared. Whether a distill.* field applies to a method is the
+# method's declaration (`hldstudy.distill.methods`), not a tag.
+
+_RULE_DEFAULTS = {"resume": False, "drift": True, "analysis": "compare",
+                  "data_identity": False, "relevant_if": None}
+
+
+def knob(default: Any = dataclasses.MISSING, *, factory: Any = dataclasses.MISSING,
+         operational: bool = False, **rules: Any) -> Any:
+    """A dataclass field with its rules (see above) in its metadata."""
+    unknown = set(rules) - set(_RULE_DEFAULTS)
+    if unknown:
+        raise TypeError(f"unknown field rules {sorted(unknown)}")
+    if operational:
+        rules = {"resume": True, "drift": False, "analysis": "ignore", **rules}
+    return field(default=default, default_factory=factory, metadata={"rules": rules})
+
+
+def field_rules(cls: type | None = None, prefix: str = "") -> dict[str, dict]:
+    """{dotted field: its rules, defaults filled in} for every leaf of `cls` (Config)."""
+    cls = cls or Config
+    out = {}
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            out.update(field_rules(hints[f.name], f"{prefix}{f.name}."))
+        else:
+            out[f"{prefix}{f.name}"] = {**_RULE_DEFAULTS, **f.metadata.get("rules", {})}
+    return out
+
+
+def fields_where(rule: str, value: Any = True) -> frozenset[str]:
+    """Dotted names of the fields whose `rule` equals `value`."""
+    return frozenset(k for k, r in field_rules().items() if r[rule] == value)
+
 
 # --------------------------------------------------------------------------- #
 # Sections
@@ -61,7 +125,7 @@ class ModelConfig:
     # for long sequences). All compute the same attention.
     attention: str = "dense"
     # Recompute each block in the backward pass (saves activation memory).
-    remat: bool = False
+    remat: bool = knob(False, analysis="ignore")
 
     def is_global_layer(self, i: int) -> bool:
         """0-based layer index i: True where attention sees the whole causal context."""
@@ -79,41 +143,41 @@ class ModelConfig:
 @dataclass(frozen=True)
 class DataConfig:
     # synthetic | text | jsonl | tfds | hf
-    source: str = "synthetic"
+    source: str = knob("synthetic", data_identity=True)
     # File, glob or directory for text/jsonl/hf; TFDS data_dir for tfds.
-    path: str | None = None
-    tfds_name: str = "c4/en"
-    text_field: str = "text"
-    train_split: str = "train"
+    path: str | None = knob(None, resume=True)
+    tfds_name: str = knob("c4/en", data_identity=True)
+    text_field: str = knob("text", data_identity=True)
+    train_split: str = knob("train", data_identity=True)
     valid_split: str = "validation"
     # SentencePiece model file; None -> train one on the training corpus into the run dir.
-    tokenizer: str | None = None
+    tokenizer: str | None = knob(None, resume=True)
     tokenizer_vocab_size: int = 512
-    seq_len: int = 128
-    batch_size: int = 8
-    seed: int = 0
+    seq_len: int = knob(128, data_identity=True)
+    batch_size: int = knob(8, data_identity=True)
+    seed: int = knob(0, data_identity=True, analysis="column")
     # Synthetic corpus size (documents) for the train / validation splits.
-    synthetic_docs: int = 20000
+    synthetic_docs: int = knob(20000, data_identity=True)
     synthetic_valid_docs: int = 500
     # Pack documents with segment ids (True) or cut a token stream at seq_len (False).
-    packing: bool = True
+    packing: bool = knob(True, data_identity=True)
     # Seed of the synthetic corpus itself (data.seed only shuffles), so runs with
     # different shuffles (e.g. teacher and student) share one corpus.
-    synthetic_seed: int = 0
+    synthetic_seed: int = knob(0, data_identity=True)
     # text/jsonl/hf: separate validation file/glob/dir; None -> hold out the last
     # `valid_holdout_docs` documents (at most 10%) of the training corpus.
     valid_path: str | None = None
     valid_holdout_docs: int = 500
     # Use at most this many documents of a source (0 = all).
-    max_docs: int = 0
+    max_docs: int = knob(0, data_identity=True)
     # Prepend BOS to every document (Gemma-style tokenizers expect it).
-    add_bos: bool = False
+    add_bos: bool = knob(False, data_identity=True)
 
 
 @dataclass(frozen=True)
 class TrainConfig:
-    steps: int = 100
-    lr: float = 3e-3
+    steps: int = knob(100, resume=True)
+    lr: float = knob(3e-3, analysis="column")
     warmup_steps: int = 10
     # cosine | linear | constant
     schedule: str = "cosine"
@@ -122,27 +186,27 @@ class TrainConfig:
     b1: float = 0.9
     b2: float = 0.95
     grad_clip: float = 1.0
-    seed: int = 0
-    log_every: int = 10
-    eval_every: int = 0
-    eval_batches: int = 8
-    checkpoint_every: int = 50
-    keep_checkpoints: int = 2
+    seed: int = knob(0, analysis="column")
+    log_every: int = knob(10, operational=True)
+    eval_every: int = knob(0, operational=True)
+    eval_batches: int = knob(8, resume=True, analysis="ignore")
+    checkpoint_every: int = knob(50, operational=True)
+    keep_checkpoints: int = knob(2, operational=True)
     # Mesh: data-parallel x FSDP. -1 on one axis takes the remaining devices.
-    mesh_data: int = -1
-    mesh_fsdp: int = 1
-    progress: bool = True
+    mesh_data: int = knob(-1, operational=True)
+    mesh_fsdp: int = knob(1, operational=True)
+    progress: bool = knob(True, operational=True)
 
 
 @dataclass(frozen=True)
 class DistillConfig:
     # baseline | kd | hldf | hldc | patient
-    method: str = "baseline"
-    alpha: float = 0.5  # NLL weight
-    temperature: float = 1.0
+    method: str = knob(methods.BASELINE, analysis="column")
+    alpha: float = knob(0.5, analysis="column")  # NLL weight
+    temperature: float = knob(1.0, analysis="column")
     # forward_kl | reverse_kl | jsd
     divergence: str = "forward_kl"
-    jsd_beta: float = 0.5
+    jsd_beta: float = knob(0.5, relevant_if=("distill.divergence", "jsd"))
     # Weight of the hidden-alignment NMSE (hldc, patient).
     hidden_weight: float = 1.0
     # "s:t,s:t" pairs of (student layer, teacher layer), 1-based block outputs.
@@ -154,42 +218,42 @@ class DistillConfig:
     # Share of the FLOP budget spent in HLDF stage 1, in (0, 1).
     hldf_stage1_share: float = 0.2
     # fused | materialized
-    loss_impl: str = "fused"
+    loss_impl: str = knob("fused", analysis="ignore")
     # auto | xla | pallas (only for loss_impl=fused)
-    fused_backend: str = "auto"
+    fused_backend: str = knob("auto", analysis="ignore")
 
 
 @dataclass(frozen=True)
 class TeacherConfig:
     # hldstudy run dir, GGUF file, HF safetensors dir, or remote://host:port[,...]
-    checkpoint: str | None = None
+    checkpoint: str | None = knob(None, resume=True)
     dtype: str = "float32"
     # Prefetch ring depth for a remote teacher.
-    ring_size: int = 4
-    timeout_s: float = 30.0
+    ring_size: int = knob(4, operational=True)
+    timeout_s: float = knob(30.0, operational=True)
 
 
 @dataclass(frozen=True)
 class BudgetConfig:
     # Total FLOP budget; 0 -> train.steps decides.
-    flops: float = 0.0
+    flops: float = knob(0.0, resume=True, analysis="column")
     # Count the teacher's forward in the budget (the study counts student-side only).
-    count_teacher: bool = False
+    count_teacher: bool = knob(False, analysis="column")
 
 
 @dataclass(frozen=True)
 class WandbConfig:
-    enabled: bool = False
-    project: str = "hldstudy"
-    entity: str | None = None
-    group: str | None = None
+    enabled: bool = knob(False, operational=True)
+    project: str = knob("hldstudy", operational=True)
+    entity: str | None = knob(None, operational=True)
+    group: str | None = knob(None, operational=True)
     # offline | online | disabled; WANDB_MODE in the environment wins.
-    mode: str = "offline"
+    mode: str = knob("offline", operational=True)
 
 
 @dataclass(frozen=True)
 class Config:
-    name: str = "run"
+    name: str = knob("run", resume=True, analysis="column")
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -205,7 +269,6 @@ class Config:
 
 DTYPES = ("float32", "bfloat16", "float16")
 SOURCES = ("synthetic", "text", "jsonl", "tfds", "hf")
-METHODS = ("baseline", "kd", "hldf", "hldc", "patient")
 DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")
 
 
@@ -284,7 +347,7 @@ def validate(cfg: Config, *, check_paths: bool = True) -> Config:
     _positive("train.keep_checkpoints", t.keep_checkpoints)
     if t.mesh_data == 0 or t.mesh_fsdp == 0 or (t.mesh_data < 0 and t.mesh_fsdp < 0):
         raise ConfigError("train.mesh_data", "mesh axes must be positive, or -1 on one axis")
-    _choice("distill.method", k.method, METHODS)
+    spec = methods.get(k.method)
     if not 0.0 <= k.alpha <= 1.0:
         raise ConfigError("distill.alpha", f"the NLL weight must be in [0, 1], got {k.alpha}")
     if not k.temperature > 0:
@@ -300,7 +363,7 @@ def validate(cfg: Config, *, check_paths: bool = True) -> Config:
     _choice("distill.fused_backend", k.fused_backend, ("auto", "xla", "pallas"))
     if k.layer_pairs:
         parse_layer_pairs(k.layer_pairs)
-    if k.method != "baseline" and not cfg.teacher.checkpoint:
+    if spec.needs_teacher and not cfg.teacher.checkpoint:
         raise ConfigError("teacher.checkpoint", f"method {k.method!r} needs a teacher",
                           "pass --set teacher.checkpoint=RUN_DIR (an hldstudy run) or a Gemma path")
     _choice("teacher.dtype", cfg.teacher.dtype, DTYPES)
@@ -308,20 +371,6 @@ def validate(cfg: Config, *, check_paths: bool = True) -> Config:
     _positive("budget.flops", cfg.budget.flops, allow_zero=True)
     _choice("wandb.mode", cfg.wandb.mode, ("offline", "online", "disabled"))
     return cfg
-
-
-def parse_layer_pairs(spec: str) -> tuple[tuple[int, int], ...]:
-    """'6:12,9:17' -> ((6, 12), (9, 17)). Raises ConfigError on bad syntax."""
-    pairs = []
-    for part in spec.split(","):
-        part = part.strip()
-        try:
-            s, t = part.split(":")
-            pairs.append((int(s), int(t)))
-        except ValueError:
-            raise ConfigError("distill.layer_pairs", f"bad pair {part!r}",
-                              "write student:teacher pairs like '6:12,9:17'") from None
-    return tuple(pairs)
 
 
 # --------------------------------------------------------------------------- #
@@ -354,6 +403,13 @@ def _build(cls: type, data: dict, prefix: str) -> Any:
 
 
 def config_from_dict(data: dict, cls: type = Config) -> Any:
+    """A config from its dict; a config.json's `schema_version` is read and dropped."""
+    if cls is Config and "schema_version" in data:
+        data = dict(data)
+        version = data.pop("schema_version")
+        if not isinstance(version, int) or version > SCHEMA_VERSION:
+            raise ConfigError("schema_version", f"{version!r} is newer than this hldstudy's "
+                              f"{SCHEMA_VERSION}", "upgrade hldstudy to read this run")
     return _build(cls, data, "")
 
 
@@ -466,7 +522,8 @@ def flatten(d: dict, prefix: str = "") -> dict:
 
 
 def save_config(cfg: Config, path: str | Path) -> None:
-    Path(path).write_text(json.dumps(config_to_dict(cfg), indent=2, sort_keys=True) + "\n")
+    data = {"schema_version": SCHEMA_VERSION, **config_to_dict(cfg)}
+    Path(path).write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
 def read_config(path: str | Path) -> Config:

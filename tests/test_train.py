@@ -126,3 +126,60 @@ def test_sigterm_saves_checkpoint_and_resume_continues(tmp_path, tokenizer_path)
     assert "checkpoint saved" in err
     steps = [int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit()]
     assert steps and max(steps) >= 3
+
+
+def test_resume_on_another_device_count_with_a_mesh_change(tmp_path, tokenizer_path):
+    """A run stopped on 1 device resumes on 2 with train.mesh_fsdp=2 (restored resharded)
+    and continues the uninterrupted run's losses."""
+    cfg = _cfg(steps=10, tokenizer=tokenizer_path)
+    Trainer(cfg, tmp_path / "full", devices=jax.devices()[:1]).run()
+    with pytest.raises(Interrupted):
+        Trainer(cfg, tmp_path / "moved", devices=jax.devices()[:1]).run(stop_at_step=5)
+    fsdp = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, mesh_data=1,
+                                                              mesh_fsdp=2))
+    trainer = Trainer(fsdp, tmp_path / "moved", devices=jax.devices()[:2])
+    assert trainer.mesh.shape == {"data": 1, "fsdp": 2}
+    trainer.run()
+    full, moved = _losses(tmp_path / "full"), _losses(tmp_path / "moved")
+    assert sorted(full) == sorted(moved) == list(range(1, 11))
+    assert all(full[s] == moved[s] for s in range(1, 6))  # before the move: bitwise
+    np.testing.assert_allclose([moved[s] for s in range(6, 11)],
+                               [full[s] for s in range(6, 11)], rtol=1e-5)
+
+
+def test_sweep_rerun_with_a_mesh_change_resumes(tmp_path, tokenizer_path, capsys):
+    """Rerunning a partly finished sweep with an explicit train.mesh_fsdp change (the
+    override sweeps/c4_735m.py's launch line uses) resumes the partial run."""
+    from helpers.sweep_stop import runs_stopped_at
+
+    from hldstudy.sweep.__main__ import main as sweep_main
+
+    f = tmp_path / "mesh_sweep.py"
+    f.write_text(f'''
+from hldstudy.config import Config, DataConfig, TrainConfig
+from hldstudy.model import preset
+from hldstudy.sweep import Sweep
+
+
+def get_sweep():
+    base = Config(name="m", model=preset("tiny", vocab_size=384),
+                  data=DataConfig(seq_len=64, batch_size=8, tokenizer_vocab_size=384,
+                                  synthetic_docs=600, synthetic_valid_docs=50,
+                                  tokenizer={tokenizer_path!r}),
+                  train=TrainConfig(warmup_steps=1, log_every=1, checkpoint_every=0,
+                                    eval_batches=1))
+    return Sweep(name="mesh", base=base, methods=("baseline",), lr=(3e-3,),
+                 budget_baseline_steps=6)
+''')
+    runs = tmp_path / "runs"
+    with runs_stopped_at({"baseline_lr3e-3_s0": 3}):
+        assert sweep_main([str(f), "--workdir", str(runs), "--no-progress"]) == 128 + 15
+    assert (runs / "baseline_lr3e-3_s0" / "checkpoints" / "3").is_dir()
+    rc = sweep_main([str(f), "--workdir", str(runs), "--no-progress",
+                     "--set", "train.mesh_fsdp=2"])
+    assert rc == 0, capsys.readouterr().err
+    res = json.loads((runs / "baseline_lr3e-3_s0" / "results.json").read_text())
+    assert res["status"] == "done" and res["steps"] == 6
+    assert sorted(_losses(runs / "baseline_lr3e-3_s0")) == list(range(1, 7))
+    cfg = json.loads((runs / "baseline_lr3e-3_s0" / "config.json").read_text())
+    assert cfg["train"]["mesh_fsdp"] == 2 and cfg["schema_version"] == 2

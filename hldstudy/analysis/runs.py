@@ -58,8 +58,10 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from hldstudy.config import Config, config_to_dict
+from hldstudy.config import FILE_KEYS, Config, config_to_dict, field_rules, fields_where
+from hldstudy.distill import methods
 from hldstudy.errors import InputError
+from hldstudy.rundir import has_run_files
 
 log = logging.getLogger("hldstudy.analysis")
 
@@ -67,33 +69,18 @@ CONFIG_FILE = "config.json"
 RESULTS_FILE = "results.json"
 SWEEP_FILE = "sweep.json"
 
-METHODS = ("baseline", "kd", "hldf", "hldc", "patient")
-REFERENCE = "kd"
-# Methods with a hidden-alignment term; their method-specific knobs define "arms".
-ARM_PARAMS = {
-    "hldf": ("distill.hidden_weight", "distill.hldf_stage1_share", "distill.layer_pairs"),
-    "hldc": ("distill.hidden_weight", "distill.layer_pairs"),
-    "patient": ("distill.hidden_weight", "distill.patient_pairs", "distill.layer_pairs"),
-}
+# Methods with their own knobs (hldf's stage-1 share, the alignment weight...) are
+# split into "arms" by those knobs: `hldstudy.distill.methods.arm_fields`.
 ARM_SHORT = {
     "distill.hidden_weight": "hw",
     "distill.hldf_stage1_share": "s1",
     "distill.layer_pairs": "pairs",
     "distill.patient_pairs": "np",
 }
-# Config leaves that are columns of their own or never change what is compared.
-HANDLED = {
-    "name", "distill.method", "train.lr", "train.seed", "distill.temperature", "distill.alpha",
-    "budget.flops", "budget.count_teacher", "data.seed",
-    *{p for ps in ARM_PARAMS.values() for p in ps},
-}
-IGNORED_PREFIXES = ("wandb.",)
-IGNORED = {
-    "train.progress", "train.log_every", "train.eval_every", "train.eval_batches",
-    "train.checkpoint_every", "train.keep_checkpoints", "train.mesh_data", "train.mesh_fsdp",
-    "model.remat", "teacher.ring_size", "teacher.timeout_s", "distill.loss_impl",
-    "distill.fused_backend",
-}
+# Config leaves that are columns of their own, or never change what is compared:
+# tagged analysis="column" / "ignore" in hldstudy.config.
+COLUMNS = fields_where("analysis", "column")
+IGNORED = fields_where("analysis", "ignore")
 BASE_COLUMNS = [
     "run_id", "dir", "status", "method", "arm", "lr", "temperature", "alpha", "hidden_weight",
     "seed", "budget", "count_teacher", "flops_budget", "flops_spent", "steps", "valid_ppl",
@@ -164,20 +151,16 @@ def _fmt_value(v: Any) -> str:
     return str(v)
 
 
-def _is_run_dir(p: Path) -> bool:
-    return p.is_dir() and ((p / CONFIG_FILE).exists() or (p / RESULTS_FILE).exists())
-
-
 def _discover(root: Path) -> list[Path]:
     found = []
     for child in sorted(root.iterdir()):
         if not child.is_dir() or child.name.startswith("."):
             continue
-        if _is_run_dir(child):
+        if has_run_files(child):
             found.append(child)
             continue
         for grand in sorted(child.iterdir()):
-            if not grand.name.startswith(".") and _is_run_dir(grand):
+            if not grand.name.startswith(".") and has_run_files(grand):
                 found.append(grand)
     return found
 
@@ -201,7 +184,12 @@ _KEY_RE = re.compile(
     rf"(?:^|{_SEP})({'|'.join(sorted(map(re.escape, _NAME_KEYS), key=len, reverse=True))})"
     rf"(?:=|-)?({_NUM})(?=$|{_SEP})"
 )
-_METHOD_RE = re.compile(rf"(?:^|[_,+/\s-])({'|'.join(METHODS)})(?=$|[_,+/\s-])")
+
+
+def _method_re() -> re.Pattern:
+    """Bare method names in a folder name (every registered method, longest first)."""
+    names = sorted(map(re.escape, methods.names()), key=len, reverse=True)
+    return re.compile(rf"(?:^|[_,+/\s-])({'|'.join(names)})(?=$|[_,+/\s-])")
 
 
 def _sig_digits(text: str) -> int:
@@ -235,9 +223,9 @@ def name_mismatches(name: str, flat_cfg: dict) -> list[str]:
         actual = _cfg_get(flat_cfg, field)
         if not _matches_at_precision(written, actual):
             problems.append(f"name says {key}={written} but {field}={_fmt_value(actual)}")
-    methods = set(_METHOD_RE.findall(name))
-    if len(methods) == 1:
-        (m,) = methods
+    named = set(_method_re().findall(name))
+    if len(named) == 1:
+        (m,) = named
         actual = _cfg_get(flat_cfg, "distill.method")
         if m != actual:
             problems.append(f"name says method {m} but distill.method={actual}")
@@ -355,7 +343,7 @@ def load_runs(runs_dir: str | Path, *, allow_mixed_budgets: bool = False,
         raise InputError(f"{root}: runs directory does not exist")
     if not root.is_dir():
         raise InputError(f"{root}: not a directory")
-    if _is_run_dir(root) and not (root / SWEEP_FILE).exists():
+    if has_run_files(root) and not (root / SWEEP_FILE).exists():
         raise InputError(f"{root} is a single run directory; pass the directory that holds the runs")
 
     warnings: list[str] = []
@@ -366,7 +354,7 @@ def load_runs(runs_dir: str | Path, *, allow_mixed_budgets: bool = False,
     if sweep is not None:
         for e in sweep:
             p = _resolve_entry_dir(root, e)
-            if _is_run_dir(p):
+            if has_run_files(p):
                 entries_by_dir[p.resolve()] = e
                 if p.resolve() not in {d.resolve() for d in dirs}:
                     dirs.append(p)
@@ -396,8 +384,9 @@ def load_runs(runs_dir: str | Path, *, allow_mixed_budgets: bool = False,
             raise InputError(f"{cfg_path}: expected a JSON object (config_to_dict(Config))")
         flat = _flatten(cfg)
         method = _cfg_get(flat, "distill.method")
-        if method not in METHODS:
-            raise InputError(f"{cfg_path}: distill.method={method!r} is not one of {', '.join(METHODS)}")
+        if method not in methods.names():
+            raise InputError(f"{cfg_path}: distill.method={method!r} is not one of "
+                             f"{', '.join(methods.names())}")
         res = _read_json(res_path) if res_path.exists() else None
         if res is not None and not isinstance(res, dict):
             raise InputError(f"{res_path}: expected a JSON object")
@@ -544,7 +533,7 @@ def _row(run_id: str, d: Path, root: Path, flat: dict, res: dict | None,
     method = _cfg_get(flat, "distill.method")
     flops = float(_cfg_get(flat, "budget.flops") or 0.0)
     count_teacher = bool(_cfg_get(flat, "budget.count_teacher"))
-    distills = method != "baseline"
+    distills = method in methods.teacher_methods()
     row: dict[str, Any] = {
         "run_id": run_id,
         "dir": _rel(root, d),
@@ -553,7 +542,7 @@ def _row(run_id: str, d: Path, root: Path, flat: dict, res: dict | None,
         "temperature": _num(_cfg_get(flat, "distill.temperature")) if distills else math.nan,
         "alpha": _num(_cfg_get(flat, "distill.alpha")) if distills else math.nan,
         "hidden_weight": (_num(_cfg_get(flat, "distill.hidden_weight"))
-                          if method in ARM_PARAMS else math.nan),
+                          if _applies(method, "distill.hidden_weight", flat) else math.nan),
         "seed": _cfg_get(flat, "train.seed"),
         "budget": _budget_label(flops, count_teacher),
         "budget_flops": flops,
@@ -607,12 +596,20 @@ def _fold_data_seed(df: pd.DataFrame, flats: list[dict], done: pd.Series) -> Non
     df["seed"] = [f"{t}/{d}" if f else t for t, d, f in zip(ts, ds, flats, strict=False)]
 
 
-def _applies(method: str, key: str, flat: dict) -> bool:
-    if method == "baseline" and key.startswith(("distill.", "teacher.")):
+def _applies(method: str | None, key: str, flat: dict) -> bool:
+    """Whether `key` changes what `method` trains, given the run's other fields."""
+    if method not in methods.names() or not methods.applies(key, method):
         return False
-    if key == "distill.jsd_beta" and _cfg_get(flat, "distill.divergence") != "jsd":
-        return False
-    return True
+    condition = field_rules().get(key, {}).get("relevant_if")
+    return condition is None or _cfg_get(flat, condition[0]) == condition[1]
+
+
+def _is_arm_field(key: str) -> bool:
+    return any(key in methods.arm_fields(m) for m in methods.names())
+
+
+def _arm_short(key: str) -> str:
+    return ARM_SHORT.get(key, key.rsplit(".", 1)[-1])
 
 
 def _extra_dims(df: pd.DataFrame, flats: list[dict], done: pd.Series) -> list[str]:
@@ -620,7 +617,7 @@ def _extra_dims(df: pd.DataFrame, flats: list[dict], done: pd.Series) -> list[st
     extras = []
     budgets = df["budget_flops"].fillna(0)
     for key in keys:
-        if key in HANDLED or key in IGNORED or key.startswith(IGNORED_PREFIXES):
+        if key in COLUMNS or key in IGNORED or key in FILE_KEYS or _is_arm_field(key):
             continue
         if key == "train.steps" and (budgets[done] > 0).all():
             continue  # steps follow from the FLOP budget
@@ -641,7 +638,8 @@ def _extra_dims(df: pd.DataFrame, flats: list[dict], done: pd.Series) -> list[st
 def _assign_arms(df: pd.DataFrame, flats: list[dict], done: pd.Series) -> None:
     arms = []
     varying: dict[str, list[str]] = {}
-    for method, params in ARM_PARAMS.items():
+    for method in methods.names():
+        params = methods.arm_fields(method)
         idx = [i for i in range(len(df)) if done.iloc[i] and df["method"].iloc[i] == method]
         varying[method] = [
             p for p in params
@@ -654,7 +652,7 @@ def _assign_arms(df: pd.DataFrame, flats: list[dict], done: pd.Series) -> None:
             continue
         vs = varying.get(method, [])
         if vs:
-            tag = ",".join(f"{ARM_SHORT[p]}={_fmt_value(_cfg_get(f, p))}" for p in vs)
+            tag = ",".join(f"{_arm_short(p)}={_fmt_value(_cfg_get(f, p))}" for p in vs)
             arms.append(f"{method}[{tag}]")
         else:
             arms.append(method)

@@ -6,10 +6,11 @@ learning rate x temperature x NLL weight x HLD weight x seeds (plus any
 other config field as an extra axis), and the evaluation tasks.
 
 ``expand(sweep)`` turns it into ``Run``s. An axis only multiplies the runs of
-the methods it applies to (``APPLIES``): the baseline has no temperature,
-NLL weight or HLD weight; HLDF's stage 1 is NMSE alone, so the HLD weight is
-not swept for it; only HLDC and Patient KD weigh the alignment term. So no
-two runs train the same thing. Each run gets its own directory
+the methods it applies to (``hldstudy.distill.methods.applies``: the fields
+each method declares): the baseline has no temperature, NLL weight or HLD
+weight; HLDF's stage 1 is NMSE alone, so the HLD weight is not swept for it;
+only HLDC and Patient KD weigh the alignment term. So no two runs train the
+same thing. Each run gets its own directory
 ``WORKDIR/<run_id>`` where the run id encodes the method and the swept
 values in the folder-name format ``hldstudy.analysis`` checks
 (``kd_lr3e-3_T2_a0.5_s0``, ``hldc_lr1e-2_T1_a0.5_hw1_s0``).
@@ -26,33 +27,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hldstudy import rundir
+from hldstudy.budget import plan_stages
 from hldstudy.config import (
+    FILE_KEYS,
     Config,
     apply_overrides,
     config_to_dict,
+    fields_where,
     flatten,
     import_entry_point,
     read_config,
     validate,
 )
+from hldstudy.distill import methods
 from hldstudy.errors import ConfigError, InputError
+from hldstudy.flops import step_flops
 
-METHODS = ("baseline", "kd", "hldf", "hldc", "patient")
-DISTILL_METHODS = ("kd", "hldf", "hldc", "patient")
-
-# Which methods a swept field changes. Fields not listed: train.*, data.*, model.*,
-# budget.* -> every method; other distill.* / teacher.* -> every method but the baseline.
-APPLIES: dict[str, tuple[str, ...]] = {
-    "distill.temperature": DISTILL_METHODS,
-    "distill.alpha": DISTILL_METHODS,
-    "distill.divergence": DISTILL_METHODS,
-    "distill.jsd_beta": DISTILL_METHODS,
-    "distill.hidden_weight": ("hldc", "patient"),
-    "distill.layer_pairs": ("hldf", "hldc", "patient"),
-    "distill.regressor": ("hldf", "hldc", "patient"),
-    "distill.hldf_stage1_share": ("hldf",),
-    "distill.patient_pairs": ("patient",),
-}
 # Short names in run ids; the first five are the ones hldstudy.analysis reads back.
 SHORT = {
     "train.lr": "lr",
@@ -65,20 +56,10 @@ SHORT = {
 STANDARD_AXES = ("train.lr", "distill.temperature", "distill.alpha", "distill.hidden_weight")
 
 # Config leaves that may differ between a run directory and the grid without it being
-# a different run (display, logging, checkpoint cadence, transport knobs).
-IGNORED_DRIFT = {"train.progress", "train.log_every", "train.checkpoint_every",
-                 "train.keep_checkpoints", "train.eval_every", "teacher.ring_size",
-                 "teacher.timeout_s", "train.mesh_data", "train.mesh_fsdp"}
-IGNORED_DRIFT_PREFIXES = ("wandb.",)
+# a different run (display, logging, checkpoint cadence, transport knobs, the mesh):
+# the fields tagged drift=False in hldstudy.config.
+IGNORED_DRIFT = fields_where("drift", False)
 PATH_FIELDS = ("teacher.checkpoint", "data.tokenizer", "data.path", "data.valid_path")
-
-
-def applies(key: str, method: str) -> bool:
-    if key in APPLIES:
-        return method in APPLIES[key]
-    if key.startswith(("distill.", "teacher.")):
-        return method != "baseline"
-    return True
 
 
 @dataclass(frozen=True)
@@ -86,12 +67,12 @@ class Sweep:
     """One student, one FLOP budget, one teacher, one grid.
 
     base: the student config every run starts from (its distill.method is replaced).
-    methods: the methods compared.
+    methods: the methods compared (default: every registered method).
     lr / temperature / alpha / hidden_weight / seeds: the grid axes (train.lr,
         distill.temperature, distill.alpha, distill.hidden_weight, train.seed).
         An empty tuple leaves that field at the base config's value (not swept).
     extra_axes: ((dotted config field, (values...)), ...) further axes; they apply
-        to the methods `APPLIES` says.
+        to the methods that declare them (`hldstudy.distill.methods.applies`).
     budget_flops: the FLOP budget of every run; or
     budget_baseline_steps: budget = this many steps of the baseline (exactly one is set).
     teacher: teacher.checkpoint for every distillation run (hldstudy run dir, GGUF file,
@@ -109,7 +90,7 @@ class Sweep:
 
     name: str
     base: Config
-    methods: tuple[str, ...] = ("baseline", "kd", "hldf", "hldc")
+    methods: tuple[str, ...] = field(default_factory=lambda: methods.names())
     lr: tuple[float, ...] = ()
     temperature: tuple[float, ...] = ()
     alpha: tuple[float, ...] = ()
@@ -277,27 +258,10 @@ def teacher_model_config(checkpoint: str | None, preset_name: str | None):
 
 
 def _stage_plan(cfg: Config, method: str, teacher_model) -> tuple[dict, dict]:
-    """(steps per stage, FLOPs per step per stage) exactly as the Trainer plans them."""
-    from hldstudy.flops import method_stages, step_flops
-
-    stages = method_stages(cfg, method)
-    steps, fps = {}, {}
-    start = 0
-    for i, (stage, share) in enumerate(stages):
-        per = step_flops(cfg, method, stage, teacher_model).total
-        if cfg.budget.flops > 0:
-            n = int(math.floor(cfg.budget.flops * share / per))
-        elif i == len(stages) - 1:
-            n = cfg.train.steps - start
-        else:
-            n = int(round(cfg.train.steps * share))
-        if n <= 0:
-            raise ConfigError("budget.flops" if cfg.budget.flops > 0 else "train.steps",
-                              f"stage {stage!r} of {method} gets no steps "
-                              f"({per:.3e} FLOPs per step)", "raise the budget")
-        steps[stage], fps[stage] = n, per
-        start += n
-    return steps, fps
+    """(steps per stage, FLOPs per step per stage), from the trainer's own planner."""
+    plans = plan_stages(cfg, teacher_model, method)
+    return ({p.stage.name: p.steps for p in plans},
+            {p.stage.name: p.flops_per_step for p in plans})
 
 
 def base_config(sweep: Sweep, overrides: tuple[str, ...] | list[str] = ()) -> Config:
@@ -313,10 +277,9 @@ def base_config(sweep: Sweep, overrides: tuple[str, ...] | list[str] = ()) -> Co
     if sweep.budget_flops > 0:
         budget = float(sweep.budget_flops)
     else:
-        from hldstudy.flops import step_flops
-
-        b = dataclasses.replace(cfg, distill=dataclasses.replace(cfg.distill, method="baseline"))
-        budget = sweep.budget_baseline_steps * step_flops(b, "baseline").total
+        b = dataclasses.replace(cfg, distill=dataclasses.replace(cfg.distill,
+                                                                 method=methods.BASELINE))
+        budget = sweep.budget_baseline_steps * step_flops(b, methods.BASELINE).total
     cfg = dataclasses.replace(cfg, budget=dataclasses.replace(cfg.budget, flops=budget))
     cfg = apply_overrides(cfg, list(overrides))
     # Absolute paths: a run directory must not depend on the launch directory.
@@ -324,10 +287,9 @@ def base_config(sweep: Sweep, overrides: tuple[str, ...] | list[str] = ()) -> Co
         cfg,
         teacher=dataclasses.replace(cfg.teacher, checkpoint=_abs_path(cfg.teacher.checkpoint)),
         data=dataclasses.replace(cfg.data, tokenizer=_abs_path(cfg.data.tokenizer)))
-    if sweep.shared_tokenizer and not cfg.data.tokenizer and cfg.teacher.checkpoint:
-        from hldstudy.teacher.colocated import teacher_tokenizer_path
-
-        tok = teacher_tokenizer_path(cfg.teacher.checkpoint)
+    if sweep.shared_tokenizer and not cfg.data.tokenizer and cfg.teacher.checkpoint \
+            and rundir.is_run_dir(cfg.teacher.checkpoint):
+        tok = rundir.tokenizer_path(cfg.teacher.checkpoint)
         if tok is not None:
             cfg = dataclasses.replace(cfg, data=dataclasses.replace(
                 cfg.data, tokenizer=str(Path(tok).absolute())))
@@ -341,9 +303,7 @@ def expand(sweep: Sweep, overrides: tuple[str, ...] | list[str] = (), *,
     if not sweep.methods:
         raise InputError(f"sweep {sweep.name!r}: the grid is empty (no methods)")
     for m in sweep.methods:
-        if m not in METHODS:
-            raise ConfigError(f"sweep {sweep.name}: methods",
-                              f"{m!r} is not one of {', '.join(METHODS)}")
+        methods.get(m, f"sweep {sweep.name}: methods")
     axes = sweep.axes()
     for key, values in axes:
         if not values:
@@ -354,7 +314,7 @@ def expand(sweep: Sweep, overrides: tuple[str, ...] | list[str] = (), *,
     runs: dict[str, Run] = {}
     deferred: dict[str, list[str]] = {}
     for method in dict.fromkeys(sweep.methods):
-        mine = [(k, v) for k, v in axes if applies(k, method)]
+        mine = [(k, v) for k, v in axes if methods.applies(k, method)]
         for combo in itertools.product(*[v for _, v in mine]):
             params = {k: val for (k, _), val in zip(mine, combo, strict=True)}
             ovr = [f"distill.method={method}"] + [f"{k}={_literal(v)}" for k, v in params.items()]
@@ -365,7 +325,7 @@ def expand(sweep: Sweep, overrides: tuple[str, ...] | list[str] = (), *,
                                 "kept once")
                 continue
             cfg = dataclasses.replace(cfg, name=f"{sweep.name}-{run_id}")
-            if method != "baseline" and teacher_model is None:
+            if methods.get(method).needs_teacher and teacher_model is None:
                 raise ConfigError("teacher.checkpoint",
                                   f"run {run_id} needs a teacher and the sweep names none "
                                   "(or its config cannot be read)",
@@ -419,7 +379,7 @@ def _norm(key: str, v: Any) -> Any:
 def config_drift(run: Run, run_dir: Path) -> list[tuple[str, Any, Any]]:
     """[(field, value in run_dir/config.json, value the grid asks for)]; [] when it matches.
 
-    For a finished run, fields its method does not use (`applies`: e.g. the baseline's
+    For a finished run, fields its method does not use (`methods.applies`: e.g. the baseline's
     distill.temperature) are not compared; a run still to be resumed is compared on every
     field, as the Trainer will when it resumes."""
     path = Path(run_dir) / "config.json"
@@ -433,11 +393,11 @@ def config_drift(run: Run, run_dir: Path) -> list[tuple[str, Any, Any]]:
     new = flatten(config_to_dict(run.config))
     out = []
     for key in sorted(set(old) | set(new)):
-        if key in IGNORED_DRIFT or key.startswith(IGNORED_DRIFT_PREFIXES):
+        if key in IGNORED_DRIFT or key in FILE_KEYS:
             continue
         if key == "train.steps" and run.config.budget.flops > 0:
             continue  # follows from the budget
-        if finished and key != "distill.method" and not applies(key, run.method):
+        if finished and not methods.applies(key, run.method):
             continue
         a, b = old.get(key), new.get(key)
         if _norm(key, a) != _norm(key, b):
@@ -449,24 +409,7 @@ def config_drift(run: Run, run_dir: Path) -> list[tuple[str, Any, Any]]:
 
 def run_status(run: Run, run_dir: Path, eval_tasks: tuple[str, ...] = ()) -> str:
     """done | trained (eval missing) | partial (has a checkpoint) | failed | new."""
-    run_dir = Path(run_dir)
-    res_path = run_dir / "results.json"
-    if res_path.exists():
-        try:
-            res = json.loads(res_path.read_text())
-        except json.JSONDecodeError:
-            res = {}
-        if res.get("status") == "done":
-            ev = res.get("eval") or {}
-            if all(t in ev for t in eval_tasks):
-                return "done"
-            return "trained"
-    ck = run_dir / "checkpoints"
-    if ck.is_dir() and any(p.name.isdigit() for p in ck.iterdir()):
-        return "partial"
-    if (run_dir / "error.txt").exists():
-        return "failed"
-    return "new"
+    return rundir.status(run_dir, eval_tasks)
 
 
 def steps_done(run_dir: Path) -> int:
