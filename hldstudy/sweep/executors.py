@@ -30,6 +30,7 @@ from pathlib import Path
 from hldstudy.errors import InputError
 from hldstudy.signals import StopSignals
 from hldstudy.sweep.spec import Run, Sweep, run_status, steps_done
+from hldstudy.wandb_online import wandb_online
 
 log = logging.getLogger("hldstudy.sweep")
 
@@ -455,28 +456,13 @@ def write_wandb_config(cfg: dict, workdir: Path) -> Path:
     return path
 
 
-def _wandb_online() -> tuple[bool, str]:
-    mode = os.environ.get("WANDB_MODE", "")
-    if mode in ("offline", "disabled", "dryrun"):
-        return False, f"WANDB_MODE={mode}"
-    try:
-        import wandb
-
-        key = wandb.api.api_key if hasattr(wandb, "api") else None
-    except Exception as e:  # noqa: BLE001
-        return False, f"wandb unavailable ({e})"
-    if not (key or os.environ.get("WANDB_API_KEY")):
-        return False, "no W&B API key (wandb login)"
-    return True, ""
-
-
 def run_wandb(runs: list[Run], sweep: Sweep, workdir: Path, *, sweep_file: Path,
               overrides: list[str], sweep_id: str | None = None, count: int | None = None,
               project: str | None = None, entity: str | None = None,
               parallel: int = 1) -> Outcome:
     cfg = wandb_sweep_config(sweep, runs, sweep_file, workdir, overrides)
     path = write_wandb_config(cfg, workdir)
-    online, why = _wandb_online()
+    online, why = wandb_online()
     base = runs[0].config.wandb
     project = project or base.project
     entity = entity or base.entity
