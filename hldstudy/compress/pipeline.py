@@ -350,7 +350,7 @@ def _write_report(out: Path, ccfg: CompressConfig, stages: list[dict], timings: 
 def render(report: dict) -> str:
     stages = report["stages"]
     base = stages[0]["valid_ppl"] if stages else None
-    extra = sorted({k for s in stages for k in s if "/" in k})
+    extra = sorted({k for s in stages for k in s if k.endswith(("/acc", "/acc_norm"))})
     head = ("| stage | valid ppl | vs dense | weight bytes | packed 2:4 bytes | sparsity | 2:4 | "
             + "".join(f"{k} | " for k in extra))
     lines = [f"# Compression of `{report['checkpoint']}`", "", head,

@@ -84,12 +84,14 @@ def _identity_like(shape_in: tuple[int, ...], dtype) -> jax.Array:
 
 def prune_model(model, method: str, batches: list[dict] | None = None, *, n: int = 2,
                 m: int = 4, names: tuple[str, ...] = LINEARS, blocksize: int = 128,
-                percdamp: float = 0.01, progress: bool = True) -> dict[str, np.ndarray]:
+                percdamp: float = 0.01, progress: bool = True,
+                max_layers: int | None = None, on_layer=None) -> dict[str, np.ndarray]:
     """Prunes `model` in place to N:M along the input dimension of every block linear.
 
     method: magnitude (no data), wanda or sparsegpt (need `batches`: dicts with
     tokens, positions, segment_ids, mask as the data pipeline yields them).
-    Returns {target key: bool mask [in, out]}.
+    Returns {target key: bool mask [in, out]}. `max_layers` stops after that many
+    blocks (benchmarks); `on_layer(layer)` is called when a block is done.
     """
     cfg = model.cfg
     check_prunable(cfg, m, names)
@@ -128,7 +130,7 @@ def prune_model(model, method: str, batches: list[dict] | None = None, *, n: int
     fwd = nnx.jit(lambda blk, x, p, seg: blk(x, p, seg))
     bar = tqdm(total=cfg.n_layers, desc=f"prune {method}", unit="layer", disable=not progress,
                leave=False)
-    for layer in range(cfg.n_layers):
+    for layer in range(cfg.n_layers if max_layers is None else max_layers):
         block = model.blocks[layer]
         want = {nm_: Target(layer, nm_) for nm_ in names}
 
@@ -174,6 +176,8 @@ def prune_model(model, method: str, batches: list[dict] | None = None, *, n: int
         # 5. the pruned block's output feeds the next block
         xs = [fwd(block, xs[i], pos[i], segs[i]) for i in range(len(batches))]
         bar.update(1)
+        if on_layer is not None:
+            on_layer(layer)
     bar.close()
     return masks
 
