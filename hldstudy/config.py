@@ -91,6 +91,14 @@ def fields_where(rule: str, value: Any = True) -> frozenset[str]:
 # --------------------------------------------------------------------------- #
 
 
+def layer_window(sliding_window: int | None, global_every: int, i: int) -> int | None:
+    """The attention window of 0-based layer i (None: global). Every `global_every`-th
+    layer (1-based) is global, the others local with `sliding_window` (Gemma 3: 6)."""
+    if sliding_window is None or global_every <= 1 or (i + 1) % global_every == 0:
+        return None
+    return sliding_window
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """A Gemma-style decoder. Field names follow DESIGN.md."""
@@ -129,12 +137,10 @@ class ModelConfig:
 
     def is_global_layer(self, i: int) -> bool:
         """0-based layer index i: True where attention sees the whole causal context."""
-        if self.sliding_window is None or self.global_every <= 1:
-            return True
-        return (i + 1) % self.global_every == 0
+        return layer_window(self.sliding_window, self.global_every, i) is None
 
     def window(self, i: int) -> int | None:
-        return None if self.is_global_layer(i) else self.sliding_window
+        return layer_window(self.sliding_window, self.global_every, i)
 
     def rope_base(self, i: int) -> float:
         return self.rope_base_global if self.is_global_layer(i) else self.rope_base_local

@@ -73,8 +73,10 @@ import sys
 from dataclasses import dataclass
 
 from hldstudy.config import Config, ModelConfig
+from hldstudy.distill import methods
 from hldstudy.errors import ConfigError, user_errors
-from hldstudy.flops import causal_context
+from hldstudy.flops import step_flops, trainable_params
+from hldstudy.shapes import ModelShape as PlanModel
 
 GB = 1e9
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2,
@@ -104,90 +106,6 @@ def dtype_bytes(name: str | int) -> int:
 # --------------------------------------------------------------------------- #
 # Model shapes (dense or mixture-of-experts)
 # --------------------------------------------------------------------------- #
-
-
-@dataclass(frozen=True)
-class PlanModel:
-    name: str
-    vocab_size: int
-    d_model: int
-    n_layers: int
-    n_heads: int
-    n_kv_heads: int
-    head_dim: int
-    d_ff: int  # dense FFN width (0 for a pure MoE layer)
-    tied_head: bool = True
-    n_experts: int = 0
-    experts_per_token: int = 0
-    shared_experts: int = 0
-    d_expert: int = 0
-    sliding_window: int | None = None
-    global_every: int = 1
-    qk_norm: bool = True
-
-    @classmethod
-    def from_model_config(cls, m: ModelConfig, name: str = "model") -> PlanModel:
-        return cls(name=name, vocab_size=m.vocab_size, d_model=m.d_model, n_layers=m.n_layers,
-                   n_heads=m.n_heads, n_kv_heads=m.n_kv_heads, head_dim=m.head_dim,
-                   d_ff=m.d_ff, tied_head=True, sliding_window=m.sliding_window,
-                   global_every=m.global_every, qk_norm=m.qk_norm)
-
-    @property
-    def is_moe(self) -> bool:
-        return self.n_experts > 0
-
-    def window(self, i: int) -> int | None:
-        if self.sliding_window is None or self.global_every <= 1:
-            return None
-        return None if (i + 1) % self.global_every == 0 else self.sliding_window
-
-    @property
-    def attn_params(self) -> int:
-        d, n, k, h = self.d_model, self.n_heads, self.n_kv_heads, self.head_dim
-        return 2 * d * n * h + 2 * d * k * h
-
-    @property
-    def ffn_width_active(self) -> int:
-        """FFN width a token passes through (dense d_ff + routed and shared experts)."""
-        return self.d_ff + (self.experts_per_token + self.shared_experts) * self.d_expert
-
-    def layer_params(self) -> int:
-        d = self.d_model
-        ffn = 3 * d * self.d_ff + 3 * d * self.d_expert * (self.n_experts + self.shared_experts)
-        router = d * self.n_experts
-        norms = 4 * d + (2 * self.head_dim if self.qk_norm else 0)
-        return self.attn_params + ffn + router + norms
-
-    def layer_matmul_params_active(self) -> int:
-        return self.attn_params + 3 * self.d_model * self.ffn_width_active + \
-            self.d_model * self.n_experts
-
-    @property
-    def embedding_params(self) -> int:
-        return self.vocab_size * self.d_model
-
-    @property
-    def head_params(self) -> int:
-        """Parameters of the LM head matrix (the embedding itself when tied)."""
-        return self.vocab_size * self.d_model
-
-    def total_params(self) -> int:
-        extra_head = 0 if self.tied_head else self.head_params
-        return self.n_layers * self.layer_params() + self.d_model + self.embedding_params + extra_head
-
-    def active_params(self) -> int:
-        extra_head = 0 if self.tied_head else self.head_params
-        per_layer = self.layer_params() - 3 * self.d_model * self.d_expert * (
-            self.n_experts - self.experts_per_token)
-        return self.n_layers * per_layer + self.d_model + self.embedding_params + extra_head
-
-    def forward_flops_per_token(self, seq_len: int, *, head: bool = True,
-                                n_layers: int | None = None) -> float:
-        n = self.n_layers if n_layers is None else n_layers
-        attn = 4.0 * self.n_heads * self.head_dim * sum(
-            causal_context(seq_len, self.window(i)) for i in range(n))
-        return 2.0 * n * self.layer_matmul_params_active() + attn + (
-            2.0 * self.d_model * self.vocab_size if head else 0.0)
 
 
 # Planner-local shapes (not model presets: hldstudy cannot train MoE layers).
@@ -510,15 +428,14 @@ def predict_step_memory(cfg: Config, teacher_model: ModelConfig | None = None, *
     method / stage default to the config's; layout: "colocated" or
     "disaggregated" (ignored for baseline).
     """
-    from hldstudy.flops import step_flops, trainable_params
-
-    method = method or cfg.distill.method
+    spec = methods.get(method or cfg.distill.method)
+    method = spec.name
     m = cfg.model
     s = PlanModel.from_model_config(m, "student")
     pb, cb = dtype_bytes(m.param_dtype), dtype_bytes(m.dtype)
     b, seq = cfg.data.batch_size, cfg.data.seq_len
     tok = b * seq
-    bd = step_flops(cfg, method, stage, teacher_model if method != "baseline" else None)
+    bd = step_flops(cfg, method, stage, teacher_model if spec.needs_teacher else None)
     d_t = teacher_model.d_model if teacher_model is not None else 0
     n_pairs = len(bd.layer_pairs)
     aux = n_pairs * (m.d_model * d_t + d_t) * 4  # float32 regressors
@@ -531,7 +448,7 @@ def predict_step_memory(cfg: Config, teacher_model: ModelConfig | None = None, *
     acts += n_pairs * 2 * tok * d_t * 4  # regressor outputs and their error
     if not bd.student_head:
         logits = 0.0
-    elif method == "baseline":
+    elif not bd.teacher_head:
         logits = logits_bytes_materialized(tok, m.vocab_size, with_teacher=False)
     elif cfg.distill.loss_impl == "fused":
         logits = logits_bytes_fused(tok, m.vocab_size, m.d_model, 64, 1 << 20)
@@ -541,7 +458,7 @@ def predict_step_memory(cfg: Config, teacher_model: ModelConfig | None = None, *
              "activations": acts, "logits": logits}
     argument = state + batch
     temp = trainable + acts + logits
-    if method != "baseline":
+    if spec.needs_teacher:
         t = PlanModel.from_model_config(teacher_model, "teacher")
         tpb = dtype_bytes(cfg.teacher.dtype)
         kept = tok * d_t * tpb * (len({tt for _, tt in bd.layer_pairs}) + int(bd.teacher_head))

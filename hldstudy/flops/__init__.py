@@ -37,11 +37,16 @@ the elementwise constants are fitted, so treat that term as +-10% (it is
 ~5% of the total on the tiny CPU shapes and well under 1% at real sizes).
 
 Compute matching: a budget C gives stage s `floor(C * share_s / flops_per_step_s)`
-steps (`steps_for_budget`), with `tokens per step = data.batch_size * data.seq_len`.
+steps (`hldstudy.budget.plan_stages`), with `tokens per step = data.batch_size
+* data.seq_len`.
 
-Checked against XLA (`xla_flops_for`, `--check-xla`): the trainer's real
-step of every method, colocated or disaggregated, is compiled from abstract
-shapes (`train_step_probe`) and XLA's `cost_analysis()["flops"]` is compared
+What a step runs comes from the method's declaration
+(`hldstudy.distill.methods`): its stage's loss terms and depth decide the
+student layers and head, the teacher layers and head, and the regressors.
+
+Checked against XLA (`hldstudy.train.probe.xla_flops_for`, `--check-xla`):
+the trainer's real step of every method, colocated or disaggregated, is
+compiled from abstract shapes (`train_step_probe`) and XLA's `cost_analysis()["flops"]` is compared
 with the hardware figure (tests: within 5%; measured 0.97-1.004). One XLA
 limitation matters: HloCostAnalysis counts a while-loop (scan) body once, so
 the fused KD loss's row-window scan is undercounted above 64 tokens per step
@@ -53,17 +58,14 @@ CLI: `python -m hldstudy.flops --config experiments/X.py --method kd
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
-import math
-import sys
 from dataclasses import dataclass, field
-from pathlib import Path
 
-from hldstudy.config import METHODS, Config, ModelConfig, apply_overrides, load_experiment
+from hldstudy.config import Config, ModelConfig
+from hldstudy.distill import methods
 from hldstudy.distill.pairs import resolve_layer_pairs
-from hldstudy.errors import ConfigError, user_errors
+from hldstudy.errors import ConfigError
+from hldstudy.shapes import ModelShape, causal_context, count_params
 
 # --------------------------------------------------------------------------- #
 # Per-token forward counts
@@ -72,17 +74,7 @@ from hldstudy.errors import ConfigError, user_errors
 
 def matmul_params_per_layer(m: ModelConfig) -> int:
     """Weights of q, k, v, o, gate, up, down in one block (norm scales excluded)."""
-    d, n, k, h, f = m.d_model, m.n_heads, m.n_kv_heads, m.head_dim, m.d_ff
-    return 2 * d * n * h + 2 * d * k * h + 3 * d * f
-
-
-def causal_context(seq_len: int, window: int | None) -> float:
-    """Average number of keys a query attends to: mean over t of min(t + 1, W)."""
-    t = seq_len
-    if window is None or window >= t:
-        return (t + 1) / 2
-    w = window
-    return (w * (w + 1) / 2 + (t - w) * w) / t
+    return ModelShape.from_model_config(m).layer_matmul_params_active()
 
 
 def layer_contexts(m: ModelConfig, seq_len: int, attention: str = "causal",
@@ -171,8 +163,6 @@ def elementwise_per_token(m: ModelConfig, seq_len: int, *, n_layers: int | None 
 def trainable_params(m: ModelConfig, n_layers: int | None = None) -> int:
     """Parameters the optimizer updates: all of them, or (HLDF stage 1) the
     embedding and the first `n_layers` blocks (the rest and the final norm are frozen)."""
-    from hldstudy.model.transformer import count_params
-
     c = count_params(m)
     if n_layers is None:
         return c["total"]
@@ -183,9 +173,6 @@ def trainable_params(m: ModelConfig, n_layers: int | None = None) -> int:
 # --------------------------------------------------------------------------- #
 # Per-step counts
 # --------------------------------------------------------------------------- #
-
-KD_METHODS = ("kd", "hldc", "patient")  # plus hldf stage 2
-
 
 @dataclass(frozen=True)
 class FlopBreakdown:
@@ -240,27 +227,6 @@ class FlopBreakdown:
         return d
 
 
-def method_stages(cfg: Config, method: str | None = None) -> list[tuple[str, float]]:
-    """[(stage, share of the budget)]: hldf has two stages, the others one ("main")."""
-    method = method or cfg.distill.method
-    if method == "hldf":
-        s = cfg.distill.hldf_stage1_share
-        return [("stage1", s), ("stage2", 1.0 - s)]
-    return [("main", 1.0)]
-
-
-def _resolve_stage(cfg: Config, method: str, stage: str | None) -> str:
-    names = [s for s, _ in method_stages(cfg, method)]
-    if stage is None:
-        if len(names) > 1:
-            raise ConfigError("stage", f"method {method!r} has stages {', '.join(names)}; name one")
-        return names[0]
-    if stage not in names:
-        raise ConfigError("stage", f"{stage!r} is not a stage of {method!r}",
-                          f"stages: {', '.join(names)}")
-    return stage
-
-
 def fused_loss_recomputes(cfg: Config) -> bool:
     """Whether the configured fused KD loss recomputes logits in its backward.
 
@@ -290,29 +256,28 @@ def step_flops(cfg: Config, method: str | None = None, stage: str | None = None,
     fused_recompute: whether the fused KD loss rebuilds logit chunks in its
         backward (hardware figure only); None -> `fused_loss_recomputes(cfg)`.
     """
-    method = method or cfg.distill.method
-    if method not in METHODS:
-        raise ConfigError("distill.method", f"{method!r} is not one of {', '.join(METHODS)}")
-    stage = _resolve_stage(cfg, method, stage)
+    spec = methods.get(method or cfg.distill.method)
+    method = spec.name
+    st = spec.stage(cfg, stage)
+    stage = st.name
     count_teacher = cfg.budget.count_teacher if count_teacher is None else count_teacher
-    if method != "baseline" and teacher_model is None:
+    if spec.needs_teacher and teacher_model is None:
         raise ConfigError("teacher", f"method {method!r} needs the teacher's model config",
                           "pass teacher_model= (CLI: --teacher-preset NAME, or a teacher "
                           "checkpoint that is an hldstudy run directory)")
     s, t = cfg.model, teacher_model
     seq, tokens = cfg.data.seq_len, cfg.data.batch_size * cfg.data.seq_len
-    pairs = resolve_layer_pairs(cfg, t, method) if method in ("hldc", "patient") or (
-        method == "hldf" and stage == "stage1") else ()
+    pairs = resolve_layer_pairs(cfg, t, method) if st.spec.aligns else ()
 
-    # What runs.
-    s_layers, s_head = s.n_layers, True
-    t_layers, t_head = (t.n_layers if t is not None else 0), method != "baseline"
-    kd_loss = method in KD_METHODS or (method == "hldf" and stage == "stage2")
-    if method == "hldf" and stage == "stage1":
-        s_layers, s_head = max(p[0] for p in pairs), False
-        t_layers, t_head = max(p[1] for p in pairs), False
-    if method == "baseline":
-        t_layers = 0
+    # What runs: the student up to its deepest aligned layer when the stage says so
+    # (then without its head); the whole teacher and its head for the KD term, else
+    # the teacher up to its deepest aligned layer.
+    s_layers, s_head = s.n_layers, st.spec.student_head
+    if st.spec.depth == "aligned":
+        s_layers = max(p[0] for p in pairs)
+    t_head = st.spec.teacher_head
+    t_layers = t.n_layers if t_head else (max(p[1] for p in pairs) if pairs else 0)
+    kd_loss = st.spec.kd
 
     fs = flops_per_token(s, seq, n_layers=s_layers, head=s_head)
     nonemb, deembed, attention = (3.0 * tokens * fs[k] for k in ("nonemb", "deembed", "attention"))
@@ -368,21 +333,6 @@ def step_flops(cfg: Config, method: str | None = None, stage: str | None = None,
         teacher_head_flops=teacher_head_flops, hardware=hw, hardware_total=hardware_total)
 
 
-def steps_for_budget(cfg: Config, budget_flops: float | None = None,
-                     teacher_model: ModelConfig | None = None,
-                     method: str | None = None) -> dict[str, int]:
-    """{stage: floor(budget * share / flops_per_step(stage))}; budget defaults to budget.flops."""
-    budget = cfg.budget.flops if budget_flops is None else budget_flops
-    if not budget > 0:
-        raise ConfigError("budget.flops", f"a FLOP budget must be > 0, got {budget}")
-    method = method or cfg.distill.method
-    out = {}
-    for stage, share in method_stages(cfg, method):
-        per_step = step_flops(cfg, method, stage, teacher_model).total
-        out[stage] = int(math.floor(budget * share / per_step))
-    return out
-
-
 # --------------------------------------------------------------------------- #
 # XLA's count
 # --------------------------------------------------------------------------- #
@@ -399,217 +349,6 @@ FUSED_XLA_ROW_BLOCK = 64
 
 def xla_count_is_complete(cfg: Config, method: str, stage: str) -> bool:
     """False where XLA would count the fused loss's row-window scan body only once."""
-    kd = method in KD_METHODS or (method == "hldf" and stage == "stage2")
+    kd = methods.get(method).stage(cfg, stage).spec.kd
     tokens = cfg.data.batch_size * cfg.data.seq_len
     return not (kd and cfg.distill.loss_impl == "fused" and tokens > FUSED_XLA_ROW_BLOCK)
-
-
-def cost_analysis(compiled) -> dict:
-    """`compiled.cost_analysis()` as one dict (older jax returns a list of dicts)."""
-    ca = compiled.cost_analysis()
-    if isinstance(ca, (list, tuple)):
-        ca = ca[0] if ca else {}
-    return dict(ca or {})
-
-
-def xla_step_flops(fn, *args, **kwargs) -> float:
-    """FLOPs XLA counts for `jit(fn)(*args)`; args may be `jax.ShapeDtypeStruct`s."""
-    import jax
-
-    return float(cost_analysis(jax.jit(fn).lower(*args, **kwargs).compile()).get("flops", 0.0))
-
-
-def _abstract_batch(cfg: Config):
-    import jax
-    import jax.numpy as jnp
-
-    shape = (cfg.data.batch_size, cfg.data.seq_len)
-    i32 = jax.ShapeDtypeStruct(shape, jnp.int32)
-    return {"tokens": i32, "positions": i32, "segment_ids": i32, "targets": i32,
-            "mask": jax.ShapeDtypeStruct(shape, jnp.bool_)}
-
-
-def train_step_probe(cfg: Config, method: str | None = None, stage: str | None = None,
-                     teacher_model: ModelConfig | None = None, *, layout: str = "colocated"):
-    """`(step, state, batch, teacher_in)` of the trainer's real step, all abstract.
-
-    Built from the trainer's public pieces (`make_strategy`,
-    `hldstudy.train.step.make_train_step`, `make_optimizer`), so XLA compiles
-    exactly what `python -m hldstudy.train` runs; nothing is allocated.
-    layout: "colocated" (the teacher's params are an argument and its forward
-    runs inside the step, as `ColocatedTeacher` does) or "disaggregated" (the
-    streamed `TeacherOutputs` are the argument).
-    """
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-
-    from hldstudy.distill import make_strategy
-    from hldstudy.distill.base import TeacherOutputs
-    from hldstudy.model.transformer import Transformer
-    from hldstudy.teacher.colocated import teacher_forward_fn
-    from hldstudy.train.optim import make_optimizer
-    from hldstudy.train.step import make_train_step, split_params
-
-    method = method or cfg.distill.method
-    stage = _resolve_stage(cfg, method, stage)
-    cfg = dataclasses.replace(cfg, distill=dataclasses.replace(cfg.distill, method=method))
-    if method != "baseline" and teacher_model is None:
-        raise ConfigError("teacher", f"method {method!r} needs the teacher's model config")
-    strategy = make_strategy(cfg, cfg.model, teacher_model if method != "baseline" else None)
-    st = next(s for s in strategy.stages() if s.name == stage)
-
-    def build():
-        return (Transformer(cfg.model, rngs=nnx.Rngs(0)), strategy.init_aux(st, nnx.Rngs(1)))
-
-    graphdefs, params = split_params(*nnx.eval_shape(build))
-    optimizer = make_optimizer(cfg.train, cfg.train.steps,
-                               trainable_layers=strategy.trainable_student_layers(st))
-    state = jax.eval_shape(lambda p: {"params": p, "opt_state": optimizer.init(p),
-                                      "step": jnp.zeros((), jnp.int32)}, params)
-    batch = _abstract_batch(cfg)
-    teacher_forward = teacher_in = None
-    if strategy.needs_teacher:
-        tdt = jnp.dtype(cfg.teacher.dtype)
-        tcfg = dataclasses.replace(teacher_model, dtype=cfg.teacher.dtype, remat=False)
-        layers, needs_head = strategy.teacher_layers(st), strategy.teacher_needs_head(st)
-        shape = (cfg.data.batch_size, cfg.data.seq_len, tcfg.d_model)
-        if layout == "colocated":
-            t_gd, t_params = nnx.split(nnx.eval_shape(
-                lambda: Transformer(tcfg, rngs=nnx.Rngs(2))), nnx.Param)
-            teacher_in = jax.tree_util.tree_map(
-                lambda x: jax.ShapeDtypeStruct(x.shape, tdt), t_params)
-            teacher_forward = teacher_forward_fn(t_gd, layers, needs_head)
-        elif layout == "disaggregated":
-            teacher_in = TeacherOutputs(
-                final_hidden=jax.ShapeDtypeStruct(shape, tdt) if needs_head else None,
-                hidden={layer: jax.ShapeDtypeStruct(shape, tdt) for layer in layers},
-                head_weight=(jax.ShapeDtypeStruct((tcfg.d_model, tcfg.vocab_size), tdt)
-                             if needs_head else None))
-        else:
-            raise ConfigError("layout", f"{layout!r} is not one of colocated, disaggregated")
-    step = make_train_step(strategy, st, graphdefs, optimizer, teacher_forward)
-    return step, state, batch, teacher_in
-
-
-def baseline_train_step(cfg: Config):
-    """(step_fn(state, batch), abstract_state, abstract_batch) of the baseline step."""
-    step, state, batch, _ = train_step_probe(cfg, "baseline", "main")
-    return (lambda state, batch: step(state, batch, None)), state, batch
-
-
-def xla_flops_for(cfg: Config, method: str | None = None, stage: str | None = None,
-                  teacher_model: ModelConfig | None = None, *,
-                  layout: str = "colocated") -> float:
-    """XLA's count of the compiled train step of (method, stage)."""
-    step, state, batch, teacher_in = train_step_probe(cfg, method, stage, teacher_model,
-                                                      layout=layout)
-    return xla_step_flops(step, state, batch, teacher_in)
-
-
-# --------------------------------------------------------------------------- #
-# CLI
-# --------------------------------------------------------------------------- #
-
-
-def teacher_model_from_config(cfg: Config) -> ModelConfig | None:
-    """The teacher's ModelConfig when `teacher.checkpoint` is an hldstudy run dir; else None."""
-    ckpt = cfg.teacher.checkpoint
-    if not ckpt or ckpt.startswith("remote://"):
-        return None
-    path = Path(ckpt) / "config.json"
-    if not path.is_file():
-        return None
-    from hldstudy.config import read_config
-
-    return read_config(path).model
-
-
-def _fmt(x: float) -> str:
-    return f"{x:.4g}"
-
-
-def _stage_report(cfg, method, stage, share, teacher_model, budget, check_xla,
-                  layout="colocated") -> dict:
-    b = step_flops(cfg, method, stage, teacher_model)
-    rep = {"share": share, "analytic_flops_per_step": b.total,
-           "hardware_flops_per_step": b.hardware_flops(layout), "breakdown": b.as_dict()}
-    if budget:
-        rep["steps"] = int(math.floor(budget * share / b.total))
-    if check_xla:
-        x = xla_flops_for(cfg, method, stage, teacher_model, layout=layout)
-        rep["xla_flops_per_step"] = x
-        rep["xla_over_hardware"] = x / b.hardware_flops(layout)
-        rep["xla_over_analytic"] = x / b.total
-        if not xla_count_is_complete(cfg, method, stage):
-            rep["xla_warning"] = (f"XLA counts the fused loss's row-window loop body once; "
-                                  f"its figure is low for more than {FUSED_XLA_ROW_BLOCK} "
-                                  f"tokens per step (use --set distill.loss_impl=materialized)")
-    return rep
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m hldstudy.flops", description=__doc__.split("\n")[0])
-    ap.add_argument("--config", required=True, help="experiments/<file>.py")
-    ap.add_argument("--method", choices=METHODS, default=None)
-    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="K=V")
-    ap.add_argument("--budget", type=float, default=None, help="FLOP budget (default budget.flops)")
-    ap.add_argument("--teacher-preset", default=None, help="teacher model preset name")
-    ap.add_argument("--count-teacher", action="store_true", default=None,
-                    help="count the teacher forward in the budget (default budget.count_teacher)")
-    ap.add_argument("--check-xla", action="store_true", help="compile the step, compare with XLA")
-    ap.add_argument("--layout", choices=("colocated", "disaggregated"), default="colocated",
-                    help="teacher layout of the hardware figure and of --check-xla")
-    ap.add_argument("--json", action="store_true")
-    ap.add_argument("--debug", action="store_true")
-    args = ap.parse_args(argv)
-    with user_errors(args.debug, prog="hldstudy.flops"):
-        cfg = apply_overrides(load_experiment(args.config), args.overrides)
-        method = args.method or cfg.distill.method
-        cfg = dataclasses.replace(cfg, distill=dataclasses.replace(cfg.distill, method=method))
-        if args.count_teacher:
-            cfg = dataclasses.replace(cfg, budget=dataclasses.replace(cfg.budget,
-                                                                      count_teacher=True))
-        if args.teacher_preset:
-            from hldstudy.model.presets import preset
-
-            teacher_model = preset(args.teacher_preset)
-        else:
-            teacher_model = teacher_model_from_config(cfg)
-        if method != "baseline" and teacher_model is None:
-            raise ConfigError("teacher", f"method {method!r} needs the teacher's shape",
-                              "pass --teacher-preset NAME, or a teacher.checkpoint run directory")
-        budget = args.budget if args.budget is not None else (cfg.budget.flops or None)
-        stages = {st: _stage_report(cfg, method, st, share, teacher_model, budget, args.check_xla,
-                                    args.layout)
-                  for st, share in method_stages(cfg, method)}
-        result = {"method": method, "layout": args.layout,
-                  "tokens_per_step": cfg.data.batch_size * cfg.data.seq_len,
-                  "count_teacher": cfg.budget.count_teacher, "budget": budget, "stages": stages}
-        if len(stages) == 1:
-            only = next(iter(stages.values()))
-            result.update({k: v for k, v in only.items() if k != "share"})
-        if args.json:
-            print(json.dumps(result, indent=None, sort_keys=True))
-            return 0
-        print(f"method {method}  tokens/step {result['tokens_per_step']}  "
-              f"teacher counted in budget: {cfg.budget.count_teacher}")
-        cols = ("nonemb", "deembed", "attention", "regressor", "teacher", "total")
-        print(f"{'stage':8s} {'share':>6s} " + " ".join(f"{c:>11s}" for c in cols)
-              + f" {'hardware':>11s} {'xla':>11s} {'steps':>10s}")
-        for st, rep in stages.items():
-            bd = rep["breakdown"]
-            print(f"{st:8s} {rep['share']:6.3f} " + " ".join(f"{_fmt(bd[c]):>11s}" for c in cols)
-                  + f" {_fmt(rep['hardware_flops_per_step']):>11s}"
-                  + f" {_fmt(rep['xla_flops_per_step']) if 'xla_flops_per_step' in rep else '-':>11s}"
-                  + f" {rep.get('steps', '-')!s:>10s}")
-        for st, rep in stages.items():
-            if "xla_warning" in rep:
-                print(f"warning ({st}): {rep['xla_warning']}")
-        print("total = model FLOPs (causal attention, no recompute) = the budget figure; "
-              f"hardware = executed estimate ({args.layout} teacher), compared with XLA")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

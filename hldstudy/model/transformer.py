@@ -19,6 +19,8 @@ from flax import nnx, struct
 from hldstudy.config import ModelConfig
 from hldstudy.errors import ConfigError
 from hldstudy.model.layers import Block, RMSNorm
+from hldstudy.numerics import softcap
+from hldstudy.shapes import count_params  # noqa: F401  (re-exported)
 
 
 @struct.dataclass
@@ -26,10 +28,6 @@ class ModelOutput:
     logits: jax.Array | None  # [B, T, V] float32, soft-capped if configured
     final_hidden: jax.Array | None  # [B, T, D], input of the LM head
     hidden: dict  # {layer: [B, T, D]} for the requested layers
-
-
-def softcap(logits: jax.Array, cap: float | None) -> jax.Array:
-    return logits if cap is None else jnp.tanh(logits / cap) * cap
 
 
 class Transformer(nnx.Module):
@@ -106,22 +104,6 @@ class Transformer(nnx.Module):
                                 preferred_element_type=jnp.float32)
             logits = softcap(logits, cfg.final_softcap)
         return ModelOutput(logits=logits, final_hidden=final_BxTxD, hidden=hidden)
-
-
-def count_params(cfg: ModelConfig) -> dict[str, int]:
-    """Total and non-embedding parameter counts from the config (closed form).
-
-    The tied head is counted once (in the embedding).
-    """
-    d, n, k, h, f = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff
-    attn = d * n * h + 2 * d * k * h + n * h * d + (2 * h if cfg.qk_norm else 0)
-    mlp = 3 * d * f
-    norms = 4 * d
-    per_layer = attn + mlp + norms
-    non_embedding = cfg.n_layers * per_layer + d  # + final norm
-    embedding = cfg.vocab_size * d
-    return {"total": non_embedding + embedding, "non_embedding": non_embedding,
-            "embedding": embedding}
 
 
 def count_module_params(model: nnx.Module) -> int:

@@ -1,0 +1,118 @@
+"""The one shape arithmetic: parameter counts, matmul widths and attention context.
+
+Pure functions of a model's shape, shared by the model (`count_params`), the
+FLOP accounting (`hldstudy.flops`) and the memory/network planner
+(`hldstudy.plan`), so a parameter or a FLOP is counted the same way
+everywhere. `ModelShape` is a dense Gemma-style decoder (`from_model_config`)
+or, for the planner, a mixture-of-experts one (routed and shared experts,
+untied head); a dense shape's counts equal the model's own (tested against
+`Transformer`'s parameters).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hldstudy.config import ModelConfig, layer_window
+
+
+def causal_context(seq_len: int, window: int | None) -> float:
+    """Average number of keys a query attends to: mean over t of min(t + 1, W)."""
+    t = seq_len
+    if window is None or window >= t:
+        return (t + 1) / 2
+    w = window
+    return (w * (w + 1) / 2 + (t - w) * w) / t
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    name: str
+    vocab_size: int
+    d_model: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    d_ff: int  # dense FFN width (0 for a pure MoE layer)
+    tied_head: bool = True
+    n_experts: int = 0
+    experts_per_token: int = 0
+    shared_experts: int = 0
+    d_expert: int = 0
+    sliding_window: int | None = None
+    global_every: int = 1
+    qk_norm: bool = True
+
+    @classmethod
+    def from_model_config(cls, m: ModelConfig, name: str = "model") -> ModelShape:
+        return cls(name=name, vocab_size=m.vocab_size, d_model=m.d_model, n_layers=m.n_layers,
+                   n_heads=m.n_heads, n_kv_heads=m.n_kv_heads, head_dim=m.head_dim,
+                   d_ff=m.d_ff, tied_head=True, sliding_window=m.sliding_window,
+                   global_every=m.global_every, qk_norm=m.qk_norm)
+
+    @property
+    def is_moe(self) -> bool:
+        return self.n_experts > 0
+
+    def window(self, i: int) -> int | None:
+        return layer_window(self.sliding_window, self.global_every, i)
+
+    @property
+    def attn_params(self) -> int:
+        d, n, k, h = self.d_model, self.n_heads, self.n_kv_heads, self.head_dim
+        return 2 * d * n * h + 2 * d * k * h
+
+    @property
+    def ffn_width_active(self) -> int:
+        """FFN width a token passes through (dense d_ff + routed and shared experts)."""
+        return self.d_ff + (self.experts_per_token + self.shared_experts) * self.d_expert
+
+    def layer_params(self) -> int:
+        d = self.d_model
+        ffn = 3 * d * self.d_ff + 3 * d * self.d_expert * (self.n_experts + self.shared_experts)
+        router = d * self.n_experts
+        norms = 4 * d + (2 * self.head_dim if self.qk_norm else 0)
+        return self.attn_params + ffn + router + norms
+
+    def layer_matmul_params_active(self) -> int:
+        return self.attn_params + 3 * self.d_model * self.ffn_width_active + \
+            self.d_model * self.n_experts
+
+    @property
+    def embedding_params(self) -> int:
+        return self.vocab_size * self.d_model
+
+    @property
+    def head_params(self) -> int:
+        """Parameters of the LM head matrix (the embedding itself when tied)."""
+        return self.vocab_size * self.d_model
+
+    def total_params(self) -> int:
+        extra_head = 0 if self.tied_head else self.head_params
+        return self.n_layers * self.layer_params() + self.d_model + self.embedding_params + extra_head
+
+    def active_params(self) -> int:
+        extra_head = 0 if self.tied_head else self.head_params
+        per_layer = self.layer_params() - 3 * self.d_model * self.d_expert * (
+            self.n_experts - self.experts_per_token)
+        return self.n_layers * per_layer + self.d_model + self.embedding_params + extra_head
+
+    def forward_flops_per_token(self, seq_len: int, *, head: bool = True,
+                                n_layers: int | None = None) -> float:
+        n = self.n_layers if n_layers is None else n_layers
+        attn = 4.0 * self.n_heads * self.head_dim * sum(
+            causal_context(seq_len, self.window(i)) for i in range(n))
+        return 2.0 * n * self.layer_matmul_params_active() + attn + (
+            2.0 * self.d_model * self.vocab_size if head else 0.0)
+
+
+def count_params(cfg: ModelConfig) -> dict[str, int]:
+    """Total and non-embedding parameter counts from the config (closed form).
+
+    The tied head is counted once (in the embedding).
+    """
+    shape = ModelShape.from_model_config(cfg)
+    embedding = shape.embedding_params
+    return {"total": shape.total_params(), "non_embedding": shape.total_params() - embedding,
+            "embedding": embedding}
