@@ -16,8 +16,8 @@ from hldstudy.losses.kd import (
     nll_from_logits,
     nll_per_token,
     reverse_kl_per_token,
-    softcap,
 )
+from hldstudy.numerics import softcap
 
 __all__ = [
     "Regressor",

@@ -42,14 +42,27 @@ Metrics (`nll`, `kl`) are returned under `stop_gradient`: differentiate `loss`.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
+from hldstudy.losses import pallas_kd
 from hldstudy.losses.kd import flatten_tokens, validate_kd_args
+from hldstudy.losses.kd_chunks import (
+    KDConfig,
+    cap_and_mask,
+    chunk_columns,
+    chunk_layout,
+    finalize_stats,
+    init_stats,
+    logit_grad,
+    row_max,
+    row_sum,
+    update_stats,
+)
+from hldstudy.numerics import softcap
 
 FUSED_DIVERGENCES = ("forward_kl", "reverse_kl")
 # "pallas" picks the kernel family by platform; the explicit ones are for tests.
@@ -60,139 +73,6 @@ BACKENDS = ("xla", "pallas", "pallas_triton", "pallas_mosaic")
 # (64 rows was ~1.5x slower at V = 262144, 256 no faster and twice the memory).
 CPU_ROW_BLOCK = 128
 CPU_VOCAB_BLOCK = 1 << 20  # >= any real vocabulary: one chunk (no recompute)
-
-
-@dataclasses.dataclass(frozen=True)
-class KDConfig:
-    """Static (hashable) description of one fused KD loss computation."""
-
-    temperature: float
-    alpha: float
-    divergence: str
-    softcap: float | None
-    row_block: int
-    vocab_block: int
-    vocab: int
-    backend: str  # one of BACKENDS
-    interpret: bool = False  # Pallas interpret mode (CPU testing)
-
-
-# ---------------------------------------------------------------------------
-# Per-chunk building blocks (shared in spirit with the Pallas kernels).
-
-
-def cap_and_mask(cfg: KDConfig, z_s_RxC, z_t_RxC, valid_1xC):
-    """Soft-caps raw chunk logits and sets invalid columns to -inf (never 0).
-
-    Returns (z_s, z_t, cap_grad) with cap_grad = d capped / d raw (None if no cap).
-    """
-    cap_grad = None
-    if cfg.softcap is not None:
-        c = cfg.softcap
-        z_s_RxC = c * jnp.tanh(z_s_RxC / c)
-        z_t_RxC = c * jnp.tanh(z_t_RxC / c)
-        cap_grad = 1.0 - jnp.square(z_s_RxC / c)
-    neg_inf = jnp.float32(-jnp.inf)
-    z_s_RxC = jnp.where(valid_1xC, z_s_RxC, neg_inf)
-    z_t_RxC = jnp.where(valid_1xC, z_t_RxC, neg_inf)
-    return z_s_RxC, z_t_RxC, cap_grad
-
-
-# Per-row statistics are kept as [R, 1] columns (keepdims) everywhere, so the
-# same code runs in XLA and inside Pallas kernels (2-D tiles only).
-N_STATS = 9  # m_a, S_a, U_f, m_b, S_b, U_r, m_z, S_z, z_y
-
-
-def init_stats(rows: int):
-    neg_inf = jnp.full((rows, 1), -jnp.inf, jnp.float32)
-    zero = jnp.zeros((rows, 1), jnp.float32)
-    return (neg_inf, zero, zero, neg_inf, zero, zero, neg_inf, zero, zero)
-
-
-def _row_max(x):
-    return jnp.max(x, axis=-1, keepdims=True)
-
-
-def _row_sum(x):
-    return jnp.sum(x, axis=-1, keepdims=True)
-
-
-def update_stats(cfg: KDConfig, stats, z_s, z_t, valid_1xC, is_label_RxC):
-    """One online log-sum-exp step over a chunk of (capped, masked) logits."""
-    m_a, s_a, u_f, m_b, s_b, u_r, m_z, s_z, z_y = stats
-    inv_tau = 1.0 / cfg.temperature
-    a, b = z_t * inv_tau, z_s * inv_tau
-    # a - b is nan on masked columns (-inf - -inf): select, never multiply.
-    a_minus_b = jnp.where(valid_1xC, a - b, 0.0)
-
-    m_a_new = jnp.maximum(m_a, _row_max(a))
-    e_a = jnp.exp(a - m_a_new)
-    scale_a = jnp.exp(m_a - m_a_new)
-    s_a = s_a * scale_a + _row_sum(e_a)
-    m_b_new = jnp.maximum(m_b, _row_max(b))
-    e_b = jnp.exp(b - m_b_new)
-    scale_b = jnp.exp(m_b - m_b_new)
-    s_b = s_b * scale_b + _row_sum(e_b)
-    if cfg.divergence == "forward_kl":
-        u_f = u_f * scale_a + _row_sum(e_a * a_minus_b)
-    else:
-        u_r = u_r * scale_b - _row_sum(e_b * a_minus_b)
-    if cfg.temperature == 1.0:  # NLL logits are the tempered student logits
-        m_z_new, s_z = m_b_new, s_b
-    else:
-        m_z_new = jnp.maximum(m_z, _row_max(z_s))
-        s_z = s_z * jnp.exp(m_z - m_z_new) + _row_sum(jnp.exp(z_s - m_z_new))
-    z_y = z_y + _row_sum(jnp.where(is_label_RxC, z_s, 0.0))
-    return (m_a_new, s_a, u_f, m_b_new, s_b, u_r, m_z_new, s_z, z_y)
-
-
-def finalize_stats(cfg: KDConfig, stats):
-    """Per-row (lse_a, lse_b, lse_z, kl, nll) from the running sums."""
-    m_a, s_a, u_f, m_b, s_b, u_r, m_z, s_z, z_y = stats
-    lse_a = m_a + jnp.log(s_a)
-    lse_b = m_b + jnp.log(s_b)
-    lse_z = m_z + jnp.log(s_z)
-    if cfg.divergence == "forward_kl":
-        kl = u_f / s_a - lse_a + lse_b
-    else:
-        kl = u_r / s_b - lse_b + lse_a
-    nll = lse_z - z_y
-    return lse_a, lse_b, lse_z, kl, nll
-
-
-def logit_grad(cfg: KDConfig, z_s, z_t, cap_grad, valid_1xC, is_label_RxC, row_stats, coef_nll, coef_kl):
-    """dLoss/dz_raw for one chunk: coef_nll * dNLL + coef_kl * dKL (per-row [R, 1] coefs)."""
-    lse_a, lse_b, lse_z, kl = row_stats
-    inv_tau = 1.0 / cfg.temperature
-    a, b = z_t * inv_tau, z_s * inv_tau
-    p_s = jnp.exp(b - lse_b)
-    p_z = p_s if cfg.temperature == 1.0 else jnp.exp(z_s - lse_z)
-    g_nll = p_z - is_label_RxC.astype(jnp.float32)
-    if cfg.divergence == "forward_kl":
-        g_kl = (p_s - jnp.exp(a - lse_a)) * inv_tau
-    else:
-        # log(p_s / p_t) = (b - a) - lse_b + lse_a; masked columns have p_s = 0.
-        log_ratio = jnp.where(valid_1xC, b - a, 0.0) - (lse_b - lse_a)
-        g_kl = p_s * (log_ratio - kl) * inv_tau
-    g = coef_nll * g_nll + coef_kl * g_kl
-    g = jnp.where(valid_1xC, g, 0.0)
-    if cap_grad is not None:
-        g = g * cap_grad
-    return g
-
-
-def chunk_layout(vocab: int, vocab_block: int):
-    """(chunk width, number of chunks) with the width clamped to the vocabulary."""
-    width = min(vocab_block, vocab)
-    return width, -(-vocab // width)
-
-
-def chunk_columns(j, width: int, vocab: int):
-    """Clamped start of chunk j, its validity mask and global column ids."""
-    nominal = j * width
-    start = jnp.minimum(nominal, vocab - width)
-    cols_1xC = start + jnp.arange(width)[None, :]
-    return start, cols_1xC >= nominal, cols_1xC
 
 
 # ---------------------------------------------------------------------------
@@ -255,27 +135,27 @@ def _xla_window_stats_and_grads(cfg, h_s_RxD, h_t_RxE, labels_R, mask_R, w_s, w_
     cap_grad = None
     if cfg.softcap is not None:
         c = cfg.softcap
-        z_s, z_t = c * jnp.tanh(z_s / c), c * jnp.tanh(z_t / c)
+        z_s, z_t = softcap(z_s, c), softcap(z_t, c)
         cap_grad = 1.0 - jnp.square(z_s / c)
     inv_tau = 1.0 / cfg.temperature
     a, b = z_t * inv_tau, z_s * inv_tau
 
     def softmax_and_lse(x):
-        m = _row_max(x)
+        m = row_max(x)
         e = jnp.exp(x - m)
-        s = _row_sum(e)
+        s = row_sum(e)
         return e / s, m + jnp.log(s)
 
     p_t, lse_a = softmax_and_lse(a)
     p_s, lse_b = softmax_and_lse(b)
     p_z, lse_z = (p_s, lse_b) if cfg.temperature == 1.0 else softmax_and_lse(z_s)
     is_label = jnp.arange(cfg.vocab)[None, :] == labels_R[:, None]
-    nll = lse_z - _row_sum(jnp.where(is_label, z_s, 0.0))
+    nll = lse_z - row_sum(jnp.where(is_label, z_s, 0.0))
     if cfg.divergence == "forward_kl":
-        kl = _row_sum(p_t * (a - b)) - lse_a + lse_b
+        kl = row_sum(p_t * (a - b)) - lse_a + lse_b
     else:
         log_ratio = (b - a) - (lse_b - lse_a)
-        kl = _row_sum(p_s * log_ratio)
+        kl = row_sum(p_s * log_ratio)
 
     coef_nll, coef_kl = _loss_coefs(cfg, mask_R, inv_count, 1.0)
     g_nll = p_z - is_label.astype(jnp.float32)
@@ -344,16 +224,12 @@ def _xla_stats_and_grads(cfg, h_s, w_s, h_t, w_t, labels, mask, inv_count):
 
 def _stats(cfg, h_s, w_s, h_t, w_t, labels):
     if cfg.backend.startswith("pallas"):
-        from hldstudy.losses import pallas_kd
-
         return pallas_kd.stats(cfg, h_s, w_s, h_t, w_t, labels)
     return _xla_stats(cfg, h_s, w_s, h_t, w_t, labels)
 
 
 def _grads(cfg, h_s, w_s, h_t, w_t, labels, row_stats, coef_nll, coef_kl):
     if cfg.backend.startswith("pallas"):
-        from hldstudy.losses import pallas_kd
-
         return pallas_kd.grads(cfg, h_s, w_s, h_t, w_t, labels, row_stats, coef_nll, coef_kl)
     return _xla_grads(cfg, h_s, w_s, h_t, w_t, labels, row_stats, coef_nll, coef_kl)
 
@@ -463,8 +339,6 @@ def fused_kd_loss(
         raise ValueError(f"w_t: vocabulary {w_t.shape[-1]} differs from w_s's {vocab}")
 
     if backend.startswith("pallas"):
-        from hldstudy.losses import pallas_kd
-
         default_rows, default_vocab = pallas_kd.default_blocks(h_s.shape[-1], vocab, backend)
     else:
         default_rows, default_vocab = CPU_ROW_BLOCK, CPU_VOCAB_BLOCK

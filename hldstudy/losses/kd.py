@@ -22,6 +22,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from hldstudy import numerics
+
 DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")
 
 
@@ -37,13 +39,6 @@ def masked_mean(values_T: jax.Array, mask_T: jax.Array) -> jax.Array:
     # `where` (not multiply) so that NaN/inf in masked rows cannot leak through.
     total = jnp.sum(jnp.where(mask_T.astype(bool), values_T, 0.0))
     return total / jnp.maximum(count, 1.0)
-
-
-def softcap(logits: jax.Array, cap: float | None) -> jax.Array:
-    """Gemma-2 final-logit soft-cap `cap * tanh(logits / cap)`; identity if cap is None."""
-    if cap is None:
-        return logits
-    return cap * jnp.tanh(logits / cap)
 
 
 def nll_per_token(logits_TxV: jax.Array, labels_T: jax.Array) -> jax.Array:
@@ -195,8 +190,9 @@ def materialized_kd_loss(
     logit_dtype = jnp.promote_types(h_s_TxD.dtype, jnp.float32)
     z_s_TxV = jnp.dot(h_s_TxD, w_s, preferred_element_type=logit_dtype)
     z_t_TxV = jnp.dot(h_t_TxD, w_t, preferred_element_type=logit_dtype)
-    z_s_TxV = _softcap(z_s_TxV, softcap)
-    z_t_TxV = _softcap(z_t_TxV, softcap)
+    # (the `softcap` argument shadows the function here)
+    z_s_TxV = numerics.softcap(z_s_TxV, softcap)
+    z_t_TxV = numerics.softcap(z_t_TxV, softcap)
     nll = nll_from_logits(z_s_TxV, labels_T, mask_T)
     kl = masked_mean(
         divergence_per_token(divergence, z_s_TxV, z_t_TxV, temperature, jsd_beta), mask_T
@@ -204,6 +200,3 @@ def materialized_kd_loss(
     loss = alpha * nll + (1.0 - alpha) * temperature**2 * kl
     return loss, {"nll": nll, "kl": kl}
 
-
-# `softcap` is shadowed by the keyword argument inside materialized_kd_loss.
-_softcap = softcap

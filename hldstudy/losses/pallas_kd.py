@@ -39,8 +39,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from jax.experimental.pallas import triton as plgpu
 
-from hldstudy.losses import fused
+from hldstudy.losses import kd_chunks
 
 # (row_block, vocab_block) defaults per kernel family, untuned starting points:
 # Triton tiles of 64 x 128 logits (x2 for the teacher) fit registers with
@@ -124,11 +126,11 @@ def _triton_stats_kernel(cfg, d_block, n_chunks, h_s_ref, h_t_ref, labels_ref, w
         cols, valid = _tile_columns(j, width, cfg.vocab)
         z_s = _triton_dot_kloop(h_s_ref, w_s_ref, j * width, width, d_block)
         z_t = _triton_dot_kloop(h_t_ref, w_t_ref, j * width, width, d_block)
-        z_s, z_t, _ = fused.cap_and_mask(cfg, z_s, z_t, valid)
+        z_s, z_t, _ = kd_chunks.cap_and_mask(cfg, z_s, z_t, valid)
         is_label = (cols == labels) & valid
-        return fused.update_stats(cfg, stats, z_s, z_t, valid, is_label)
+        return kd_chunks.update_stats(cfg, stats, z_s, z_t, valid, is_label)
 
-    stats = lax.fori_loop(0, n_chunks, chunk, fused.init_stats(h_s_ref.shape[0]))
+    stats = lax.fori_loop(0, n_chunks, chunk, kd_chunks.init_stats(h_s_ref.shape[0]))
     for ref, value in zip(stat_refs, stats, strict=True):
         ref[...] = value
 
@@ -143,10 +145,10 @@ def _triton_grads_kernel(cfg, d_block, h_s_ref, h_t_ref, labels_ref, lse_a_ref, 
     cols, valid = _tile_columns(j, width, cfg.vocab)
     z_s = _triton_dot_kloop(h_s_ref, w_s_ref, col0, width, d_block)
     z_t = _triton_dot_kloop(h_t_ref, w_t_ref, col0, width, d_block)
-    z_s, z_t, cap_grad = fused.cap_and_mask(cfg, z_s, z_t, valid)
+    z_s, z_t, cap_grad = kd_chunks.cap_and_mask(cfg, z_s, z_t, valid)
     is_label = (cols == labels_ref[...]) & valid
     row_stats = (lse_a_ref[...], lse_b_ref[...], lse_z_ref[...], kl_ref[...])
-    g = fused.logit_grad(cfg, z_s, z_t, cap_grad, valid, is_label, row_stats,
+    g = kd_chunks.logit_grad(cfg, z_s, z_t, cap_grad, valid, is_label, row_stats,
                          coef_nll_ref[...], coef_kl_ref[...])
     row_slice = pl.ds(pl.multiple_of(i * rows, rows), rows)
     col_slice = pl.ds(pl.multiple_of(col0, width), width)
@@ -166,16 +168,12 @@ def _triton_grads_kernel(cfg, d_block, h_s_ref, h_t_ref, labels_ref, lse_a_ref, 
 
 
 def _atomic_add(ref, idx, value):
-    from jax.experimental.pallas import triton as plgpu
-
     plgpu.atomic_add(ref, idx, value)
 
 
 def _triton_compiler_params(cfg):
     if cfg.interpret:
         return None
-    from jax.experimental.pallas import triton as plgpu
-
     return plgpu.CompilerParams(num_warps=4, num_stages=2)
 
 
@@ -193,13 +191,13 @@ def _triton_stats(cfg, h_s, w_s, h_t, w_t, labels_Tx1):
         functools.partial(_triton_stats_kernel, cfg, d_block, n_chunks),
         grid=(n_rows // rows,),
         in_specs=[row_spec(h_s.shape[1]), row_spec(h_t.shape[1]), row_spec(1), full_spec(w_s), full_spec(w_t)],
-        out_specs=[row_spec(1)] * fused.N_STATS,
-        out_shape=[stat_shape] * fused.N_STATS,
+        out_specs=[row_spec(1)] * kd_chunks.N_STATS,
+        out_shape=[stat_shape] * kd_chunks.N_STATS,
         interpret=cfg.interpret,
         compiler_params=_triton_compiler_params(cfg),
         name="fused_kd_stats_triton",
     )(h_s, h_t, labels_Tx1, w_s, w_t)
-    return fused.finalize_stats(cfg, tuple(stats))
+    return kd_chunks.finalize_stats(cfg, tuple(stats))
 
 
 def _triton_grads(cfg, h_s, w_s, h_t, w_t, labels_Tx1, row_stats, coef_nll, coef_kl):
@@ -237,8 +235,6 @@ def _triton_grads(cfg, h_s, w_s, h_t, w_t, labels_Tx1, row_stats, coef_nll, coef
 def _mosaic_compiler_params(cfg, semantics):
     if cfg.interpret:
         return None
-    from jax.experimental.pallas import tpu as pltpu
-
     return pltpu.CompilerParams(dimension_semantics=semantics)
 
 
@@ -246,7 +242,7 @@ def _mosaic_tile_logits(cfg, h_s_ref, h_t_ref, w_s_ref, w_t_ref, j):
     cols, valid = _tile_columns(j, cfg.vocab_block, cfg.vocab)
     z_s = _dot(h_s_ref[...], w_s_ref[...])
     z_t = _dot(h_t_ref[...], w_t_ref[...])
-    z_s, z_t, cap_grad = fused.cap_and_mask(cfg, z_s, z_t, valid)
+    z_s, z_t, cap_grad = kd_chunks.cap_and_mask(cfg, z_s, z_t, valid)
     return z_s, z_t, cap_grad, cols, valid
 
 
@@ -255,12 +251,12 @@ def _mosaic_stats_kernel(cfg, h_s_ref, h_t_ref, labels_ref, w_s_ref, w_t_ref, *s
 
     @pl.when(j == 0)
     def _init():
-        for ref, value in zip(stat_refs, fused.init_stats(h_s_ref.shape[0]), strict=True):
+        for ref, value in zip(stat_refs, kd_chunks.init_stats(h_s_ref.shape[0]), strict=True):
             ref[...] = value
 
     z_s, z_t, _, cols, valid = _mosaic_tile_logits(cfg, h_s_ref, h_t_ref, w_s_ref, w_t_ref, j)
     is_label = (cols == labels_ref[...]) & valid
-    stats = fused.update_stats(cfg, tuple(r[...] for r in stat_refs), z_s, z_t, valid, is_label)
+    stats = kd_chunks.update_stats(cfg, tuple(r[...] for r in stat_refs), z_s, z_t, valid, is_label)
     for ref, value in zip(stat_refs, stats, strict=True):
         ref[...] = value
 
@@ -270,7 +266,7 @@ def _mosaic_grad_tile(cfg, j, h_s_ref, h_t_ref, labels_ref, lse_a_ref, lse_b_ref
     z_s, z_t, cap_grad, cols, valid = _mosaic_tile_logits(cfg, h_s_ref, h_t_ref, w_s_ref, w_t_ref, j)
     is_label = (cols == labels_ref[...]) & valid
     row_stats = (lse_a_ref[...], lse_b_ref[...], lse_z_ref[...], kl_ref[...])
-    return fused.logit_grad(cfg, z_s, z_t, cap_grad, valid, is_label, row_stats,
+    return kd_chunks.logit_grad(cfg, z_s, z_t, cap_grad, valid, is_label, row_stats,
                             coef_nll_ref[...], coef_kl_ref[...])
 
 
@@ -311,13 +307,13 @@ def _mosaic_stats(cfg, h_s, w_s, h_t, w_t, labels_Tx1):
         grid=(n_rows // rows, w_s.shape[1] // width),
         in_specs=[row_spec(h_s.shape[1]), row_spec(h_t.shape[1]), row_spec(1),
                   col_spec(w_s.shape[0]), col_spec(w_t.shape[0])],
-        out_specs=[row_spec(1)] * fused.N_STATS,
-        out_shape=[stat_shape] * fused.N_STATS,
+        out_specs=[row_spec(1)] * kd_chunks.N_STATS,
+        out_shape=[stat_shape] * kd_chunks.N_STATS,
         interpret=cfg.interpret,
         compiler_params=_mosaic_compiler_params(cfg, ("parallel", "arbitrary")),
         name="fused_kd_stats_mosaic",
     )(h_s, h_t, labels_Tx1, w_s, w_t)
-    return fused.finalize_stats(cfg, tuple(stats))
+    return kd_chunks.finalize_stats(cfg, tuple(stats))
 
 
 def _mosaic_grads(cfg, h_s, w_s, h_t, w_t, labels_Tx1, row_stats, coef_nll, coef_kl):
