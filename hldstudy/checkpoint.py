@@ -2,7 +2,8 @@
 
 Orbax writes to a temporary directory and renames it when complete, so a
 crash mid-save leaves the previous checkpoint intact; `max_to_keep` keeps
-the last k.
+the last k. Below both the trainer (which saves and resumes) and the model
+loader (which reads a run's student parameters); it knows no model.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from pathlib import Path
 
 import jax
 import orbax.checkpoint as ocp
+
+from hldstudy.errors import InputError
 
 
 class Checkpointer:
@@ -52,33 +55,21 @@ def abstract_like(tree, shardings):
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
 
 
-def load_run_model(run_dir: str | Path, step: int | None = None):
-    """(Config, Transformer) from an hldstudy run directory's latest (or given) checkpoint.
-
-    Reads only the student's parameters (no optimizer state), onto the
-    first local device; the result is an ordinary NNX module.
-    """
-    from flax import nnx
-
-    from hldstudy.config import read_config
-    from hldstudy.errors import InputError
-    from hldstudy.model import Transformer
-
-    run_dir = Path(run_dir)
-    cfg = read_config(run_dir / "config.json")
-    if not (run_dir / "checkpoints").is_dir():
-        raise InputError(f"{run_dir} has no checkpoints/ (train it first)")
-    manager = ocp.CheckpointManager((run_dir / "checkpoints").absolute())
-    step = manager.latest_step() if step is None else step
-    if step is None:
-        raise InputError(f"{run_dir}/checkpoints holds no complete checkpoint")
-    abstract = nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(0)))
-    graphdef, abstract_params = nnx.split(abstract, nnx.Param)
-    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-    target = {"params": {"student": jax.tree_util.tree_map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), abstract_params)}}
-    restored = manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
-        item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
-        partial_restore=True)))
-    manager.close()
-    return cfg, nnx.merge(graphdef, restored.state["params"]["student"])
+def restore_partial(directory: str | Path, target, step: int | None = None):
+    """The part of a saved train state that `target` (a pytree of ShapeDtypeStructs, e.g.
+    `{"params": {"student": ...}}`) names, from the latest (or given) step; nothing else
+    (no optimizer state) is read."""
+    directory = Path(directory).absolute()
+    if not directory.is_dir():
+        raise InputError(f"{directory.parent} has no {directory.name}/ (train it first)")
+    manager = ocp.CheckpointManager(directory)
+    try:
+        step = manager.latest_step() if step is None else step
+        if step is None:
+            raise InputError(f"{directory} holds no complete checkpoint")
+        restored = manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+            item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+            partial_restore=True)))
+    finally:
+        manager.close()
+    return restored.state

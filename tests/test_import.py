@@ -17,16 +17,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from safetensors.numpy import load_file, save_file
 
 from hldstudy.errors import InputError
 from hldstudy.model import Transformer, preset
 from hldstudy.model.importers import (
     export_hf,
+    gguf_model_config,
+    hf_model_config,
     load_gguf,
     load_hf,
     load_pretrained,
-    read_safetensors,
-    write_safetensors,
 )
 
 CFG = dataclasses.replace(preset("tiny"), max_seq_len=64)  # GQA 4q/2kv, local:global 1:1, window 32
@@ -182,6 +183,7 @@ def test_gguf_config_keys(tiny_model, tmp_path):
     })
     model, _ = load_pretrained(path)
     assert model.cfg == dataclasses.replace(CFG, query_pre_attn_scalar=float(CFG.head_dim))
+    assert gguf_model_config(path) == model.cfg  # from the header alone
     _assert_same_params(tiny_model, nnx.state(model, nnx.Param))
 
 
@@ -237,17 +239,20 @@ def test_gguf_errors(tiny_model, tmp_path):
 # ---- HF safetensors -----------------------------------------------------------------------
 
 
-def test_safetensors_roundtrip(tmp_path):
-    import ml_dtypes
+def test_exported_safetensors_file(tiny_model, tmp_path):
+    """export_hf writes a file transformers reads (the safetensors package, format "pt"); a
+    file that is not safetensors is an InputError naming it."""
+    from safetensors import safe_open
 
-    arrays = {"a": np.arange(6, dtype=np.float32).reshape(2, 3),
-              "b": np.array([1.5, -2.0], ml_dtypes.bfloat16), "c": np.arange(3, dtype=np.int64)}
-    write_safetensors(tmp_path / "x.safetensors", arrays)
-    back = read_safetensors(tmp_path / "x.safetensors")
-    assert set(back) == set(arrays)
-    for k, v in arrays.items():
-        assert back[k].dtype == v.dtype
-        np.testing.assert_array_equal(back[k], v)
+    export_hf(tiny_model, tmp_path, dtype="bfloat16")
+    with safe_open(tmp_path / "model.safetensors", "np") as f:
+        assert f.metadata() == {"format": "pt"}
+        assert str(f.get_tensor("model.embed_tokens.weight").dtype) == "bfloat16"
+    assert hf_model_config(tmp_path) == hf_model_config(tmp_path / "config.json")
+    assert hf_model_config(tmp_path).n_layers == CFG.n_layers
+    (tmp_path / "model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(InputError, match="model.safetensors: not a readable safetensors"):
+        load_hf(tmp_path)
 
 
 def test_hf_roundtrip_exact(tiny_model, tiny_gguf, tmp_path):
@@ -293,10 +298,9 @@ def test_hf_config_formats(tiny_model, tmp_path):
         "sliding_attention": {"rope_type": "default", "rope_theta": 45.0}}
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gemma3",
                                                       "text_config": raw}))
-    weights = read_safetensors(tmp_path / "model.safetensors")
-    write_safetensors(tmp_path / "model.safetensors",
-                      {k.replace("model.", "model.language_model.", 1): np.array(v)
-                       for k, v in weights.items()})
+    weights = load_file(tmp_path / "model.safetensors")
+    save_file({k.replace("model.", "model.language_model.", 1): np.array(v)
+               for k, v in weights.items()}, tmp_path / "model.safetensors")
     cfg, state, _ = load_hf(tmp_path)
     assert (cfg.rope_base_global, cfg.rope_base_local, cfg.global_every) == (123.0, 45.0, 2)
     _assert_same_params(tiny_model, state)
@@ -324,14 +328,42 @@ def test_hf_errors(tiny_model, tmp_path):
         load_hf(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps(raw))
 
-    weights = read_safetensors(tmp_path / "model.safetensors")
-    write_safetensors(tmp_path / "model.safetensors",
-                      {k: np.array(v) for k, v in weights.items()
-                       if k != "model.layers.2.self_attn.k_norm.weight"})
+    weights = load_file(tmp_path / "model.safetensors")
+    save_file({k: np.array(v) for k, v in weights.items()
+               if k != "model.layers.2.self_attn.k_norm.weight"}, tmp_path / "model.safetensors")
     with pytest.raises(InputError, match="layers.2.self_attn.k_norm"):
         load_hf(tmp_path)
     weights = {k: np.array(v) for k, v in weights.items()}
     weights["model.layers.0.mlp.up_proj.weight"] = weights["model.layers.0.mlp.up_proj.weight"][:-1]
-    write_safetensors(tmp_path / "model.safetensors", weights)
+    save_file(weights, tmp_path / "model.safetensors")
     with pytest.raises(InputError, match="shape"):
         load_pretrained(tmp_path)
+
+
+# ---- one loader: run directory, GGUF, HF ---------------------------------------------------
+
+
+def test_load_model_and_model_config_of_every_kind(tiny_model, tiny_gguf, tmp_path):
+    from hldstudy.eval.testing import tiny_config, tiny_run_dir
+    from hldstudy.model.loading import load_model, model_config_of
+
+    run = tiny_run_dir(tmp_path / "run", tiny_config(vocab_size=CFG.vocab_size))
+    hf = export_hf(tiny_model, tmp_path / "hf")
+    tokens = jax.random.randint(jax.random.key(2), (1, 24), 0, CFG.vocab_size)
+    for path, kind in ((run, "run"), (tiny_gguf, "gguf"), (hf, "hf")):
+        loaded = load_model(path)
+        assert loaded.kind == kind and loaded.source == str(path)
+        assert model_config_of(path) == loaded.model.cfg
+        assert (loaded.config is not None) == (kind == "run")
+        assert loaded.model(tokens).logits.shape == (1, 24, CFG.vocab_size)
+    assert load_model(run).tokenizer is not None and load_model(hf).tokenizer is None
+    assert model_config_of(None) is None and model_config_of("remote://h:1") is None
+    assert model_config_of(tmp_path / "not-yet-trained") is None
+    untrained = tmp_path / "untrained"
+    untrained.mkdir()
+    (untrained / "config.json").write_text((run / "config.json").read_text())
+    assert model_config_of(untrained) == load_model(run).model.cfg
+    with pytest.raises(InputError, match="has no checkpoints/"):
+        load_model(untrained)
+    with pytest.raises(InputError, match="does not exist"):
+        load_model(tmp_path / "nope")

@@ -1,8 +1,8 @@
 """lm-eval adapter: `HLDStudyLM`, registered with lm-eval as model type `hldstudy`.
 
 Loads an hldstudy run directory (`config.json` + `checkpoints/` + tokenizer)
-or an imported Gemma checkpoint (GGUF file / Hugging Face directory, through
-`hldstudy.model.importers.load_pretrained`) and answers lm-eval's three
+or an imported Gemma checkpoint (GGUF file / Hugging Face directory), through
+`hldstudy.model.loading.load_model`, and answers lm-eval's three
 request types:
 
 * `loglikelihood(context, continuation)` -> (log p(continuation | context),
@@ -61,9 +61,12 @@ import numpy as np
 from flax import nnx
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
+from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm.auto import tqdm
 
+from hldstudy import rundir
 from hldstudy.errors import InputError
+from hldstudy.model.loading import load_model
 
 MIN_BUCKET = 32
 # Default model length for imported checkpoints (Gemma 3 allows 32k; the study's
@@ -78,48 +81,25 @@ CHUNK_ELEMENTS = 1 << 26
 # --------------------------------------------------------------------------- #
 
 
-def _run_tokenizer(run_dir: Path, cfg):
-    from hldstudy.data.tokenizer import Tokenizer
-
-    candidates = [run_dir / "tokenizer.model"]
-    if cfg.data.tokenizer:
-        candidates.append(Path(cfg.data.tokenizer))
-    for path in candidates:
-        if path.is_file():
-            return Tokenizer.load(path)
-    raise InputError(f"{run_dir}: checkpoint has no tokenizer (looked for "
-                     f"{' and '.join(str(p) for p in candidates)}); copy the run's "
-                     "SentencePiece model there")
-
-
-def is_run_dir(path: str | Path) -> bool:
-    path = Path(path)
-    return path.is_dir() and (path / "config.json").is_file() and (
-        (path / "checkpoints").is_dir() or not (path / "model.safetensors").exists()
-        and not any(path.glob("*.safetensors")))
-
-
 def load_checkpoint(path: str | Path) -> dict[str, Any]:
     """{model, tokenizer, max_length, add_bos, config, kind} for a run dir or an import."""
     path = Path(path)
     if not path.exists():
         raise InputError(f"--checkpoint {path} does not exist")
-    if is_run_dir(path):
-        from hldstudy.config import read_config
-        from hldstudy.train.checkpoint import load_run_model
-
-        tokenizer = _run_tokenizer(path, read_config(path / "config.json"))
-        cfg, model = load_run_model(path)
-        return {"model": model, "tokenizer": tokenizer, "config": cfg, "kind": "run",
-                "max_length": min(cfg.data.seq_len, cfg.model.max_seq_len),
-                "add_bos": bool(cfg.data.add_bos)}
-    from hldstudy.model.importers import load_pretrained
-
-    model, tokenizer = load_pretrained(path)
-    if tokenizer is None:
+    loaded = load_model(path)
+    model, cfg = loaded.model, loaded.config
+    if loaded.tokenizer is None:
+        if cfg is not None:
+            looked = " and ".join(str(p) for p in rundir.tokenizer_candidates(path, cfg))
+            raise InputError(f"{path}: checkpoint has no tokenizer (looked for {looked}); copy "
+                             "the run's SentencePiece model there")
         raise InputError(f"{path}: checkpoint has no tokenizer (no tokenizer.model next to the "
                          "weights / no tokenizer metadata in the GGUF file)")
-    return {"model": model, "tokenizer": tokenizer, "config": None, "kind": "import",
+    if cfg is not None:
+        return {"model": model, "tokenizer": loaded.tokenizer, "config": cfg, "kind": "run",
+                "max_length": min(cfg.data.seq_len, cfg.model.max_seq_len),
+                "add_bos": bool(cfg.data.add_bos)}
+    return {"model": model, "tokenizer": loaded.tokenizer, "config": None, "kind": "import",
             "max_length": min(int(model.cfg.max_seq_len), IMPORT_MAX_LENGTH), "add_bos": True}
 
 
@@ -374,8 +354,6 @@ class HLDStudyLM(LM):
 
     def rolling_windows(self, ids: list[int]) -> list[tuple[list[int], list[int]]]:
         """(context, continuation) token windows covering `ids` once (see module docstring)."""
-        from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
-
         if not ids:
             return []
         return [make_disjoint_window(w) for w in get_rolling_token_windows(

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from hldstudy import rundir
 from hldstudy.errors import InputError
 from hldstudy.eval import tasks as task_lib
 
@@ -152,14 +153,11 @@ def evaluate(checkpoint: str | Path | None, tasks: list[str] | str, *, limit: in
 
 
 def _check_corpora(checkpoint, corpus_tasks: list[str]) -> None:
-    from hldstudy.eval.adapter import is_run_dir
     from hldstudy.eval.perplexity import corpus_data_config
 
     base = None
-    if is_run_dir(checkpoint):
-        from hldstudy.config import read_config
-
-        base = read_config(Path(checkpoint) / "config.json").data
+    if rundir.is_run_dir(checkpoint):
+        base = rundir.read_config(checkpoint).data
     for t in corpus_tasks:
         corpus_data_config(t, base)
 

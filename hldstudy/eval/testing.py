@@ -62,7 +62,7 @@ def tiny_run_dir(directory: str | Path, cfg: Config | None = None, *, seed: int 
     initialized model (no training)."""
     from flax import nnx
 
-    from hldstudy.train.checkpoint import Checkpointer
+    from hldstudy.checkpoint import Checkpointer
 
     cfg = cfg or tiny_config()
     d = Path(directory)

@@ -28,7 +28,11 @@ API:
   load_hf(path, **overrides) -> (ModelConfig, nnx.State, Tokenizer | None)
   load_pretrained(path, **overrides) -> (Transformer, Tokenizer | None)
   export_hf(model, path, *, tokenizer=None, dtype="float32") -> Path
-  read_safetensors(path) / write_safetensors(path, tensors, metadata=None)
+  checkpoint_format(path) -> "gguf" | "hf"
+  gguf_model_config(path) / hf_model_config(path) -> ModelConfig (the header only)
+
+Safetensors files are read and written by the `safetensors` package
+(`safetensors.numpy`; bfloat16 through ml_dtypes).
 
 `overrides` replace ModelConfig fields after the checkpoint's own values
 (e.g. `dtype="bfloat16"`, `max_seq_len=4096`); shape fields cannot be
@@ -40,28 +44,34 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-import struct
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import gguf
 import jax
 import jax.numpy as jnp
-import ml_dtypes
+import ml_dtypes  # noqa: F401 - registers bfloat16 with numpy (safetensors reads it by name)
 import numpy as np
 from flax import nnx
+from gguf.quants import dequantize
+from safetensors import SafetensorError
+from safetensors.numpy import load_file, save_file
 
 from hldstudy.config import ModelConfig
-from hldstudy.errors import InputError
+from hldstudy.data.tokenizer import Tokenizer
+from hldstudy.errors import ConfigError, InputError
 from hldstudy.model.gguf_tokenizer import sp_proto_from_gguf, tokenizer_from_proto
+from hldstudy.model.transformer import Transformer
 
 __all__ = [
+    "checkpoint_format",
     "export_hf",
+    "gguf_model_config",
+    "hf_model_config",
     "load_gguf",
     "load_hf",
     "load_pretrained",
-    "read_safetensors",
-    "write_safetensors",
 ]
 
 _SHAPE_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
@@ -206,8 +216,6 @@ def _pure_to_hf(model) -> dict[str, np.ndarray]:
 
 
 def _abstract_model(cfg: ModelConfig):
-    from hldstudy.model.transformer import Transformer
-
     return nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
 
 
@@ -256,8 +264,6 @@ def _global_every_from_flags(is_global: list[bool], source: str) -> int:
 
 
 def _gguf_reader(path: Path):
-    import gguf
-
     if not path.is_file():
         raise InputError(f"{path}: GGUF file not found")
     try:
@@ -346,8 +352,6 @@ def _gguf_config(reader, source: str) -> ModelConfig:
 
 def _gguf_hf_weights(reader, source: str) -> Callable[[str], np.ndarray | None]:
     """GGUF tensors renamed to HF names, lazily dequantized, norms un-folded (-1)."""
-    from gguf.quants import dequantize
-
     tensors = {}
     for t in reader.tensors:
         for pat, hf in _GGUF_PATTERNS:
@@ -389,63 +393,17 @@ def load_gguf(path: str | Path, **overrides) -> tuple[ModelConfig, nnx.State, An
 
 
 # --------------------------------------------------------------------------------------
-# safetensors (minimal, dependency-free reader/writer; bf16/fp8 via ml_dtypes)
-# --------------------------------------------------------------------------------------
-
-_ST_DTYPES = {
-    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
-    "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,
-    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
-    "BOOL": np.bool_,
-}
-_ST_NAMES = {np.dtype(v): k for k, v in _ST_DTYPES.items()}
-
-
-def read_safetensors(path: str | Path) -> dict[str, np.ndarray]:
-    """Memory-mapped arrays of one .safetensors file."""
-    path = Path(path)
-    try:
-        with path.open("rb") as fh:
-            (hlen,) = struct.unpack("<Q", fh.read(8))
-            header = json.loads(fh.read(hlen))
-        buf = np.memmap(path, np.uint8, "r", offset=8 + hlen)
-    except (OSError, ValueError, struct.error) as e:
-        raise InputError(f"{path}: not a readable safetensors file ({e})") from None
-    out = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        if info["dtype"] not in _ST_DTYPES:
-            raise InputError(f"{path}: tensor {name!r} has unsupported dtype {info['dtype']}")
-        begin, end = info["data_offsets"]
-        out[name] = buf[begin:end].view(_ST_DTYPES[info["dtype"]]).reshape(info["shape"])
-    return out
-
-
-def write_safetensors(path: str | Path, tensors: dict[str, np.ndarray],
-                      metadata: dict[str, str] | None = None) -> None:
-    header: dict[str, Any] = {"__metadata__": dict(metadata or {"format": "pt"})}
-    offset, arrays = 0, []
-    for name, arr in tensors.items():
-        arr = np.ascontiguousarray(arr)
-        if arr.dtype not in _ST_NAMES:
-            raise ValueError(f"safetensors: unsupported dtype {arr.dtype} for {name}")
-        header[name] = {"dtype": _ST_NAMES[arr.dtype], "shape": list(arr.shape),
-                        "data_offsets": [offset, offset + arr.nbytes]}
-        offset += arr.nbytes
-        arrays.append(arr)
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)
-    with Path(path).open("wb") as fh:
-        fh.write(struct.pack("<Q", len(blob)))
-        fh.write(blob)
-        for arr in arrays:
-            fh.write(arr.tobytes())
-
-
-# --------------------------------------------------------------------------------------
 # Hugging Face directories
 # --------------------------------------------------------------------------------------
+
+def _read_safetensors(path: Path) -> dict[str, np.ndarray]:
+    try:
+        return load_file(path)
+    except (OSError, SafetensorError) as e:
+        raise InputError(f"{path}: not a readable safetensors file ({e})") from None
+    except (TypeError, AttributeError) as e:  # a dtype numpy does not know (e.g. float8)
+        raise InputError(f"{path}: unsupported tensor dtype ({e})") from None
+
 
 # Prefixes under which Gemma 3 text weights appear (CausalLM, multimodal checkpoints).
 _HF_PREFIXES = ("model.language_model.", "language_model.model.", "model.")
@@ -531,20 +489,12 @@ def load_hf(path: str | Path, **overrides) -> tuple[ModelConfig, nnx.State, Any]
     the directory has one.
     """
     path = Path(path)
-    if not path.is_dir():
-        raise InputError(f"{path}: Hugging Face checkpoint directory not found")
-    cfg_file = path / "config.json"
-    if not cfg_file.is_file():
-        raise InputError(f"{path}: no config.json (not a Hugging Face checkpoint directory)")
-    try:
-        raw = json.loads(cfg_file.read_text())
-    except ValueError as e:
-        raise InputError(f"{cfg_file}: invalid JSON ({e})") from None
-    cfg = _apply_overrides(_hf_config(raw, str(cfg_file)), overrides, str(path))
+    raw = _read_hf_config(path)
+    cfg = _apply_overrides(_hf_config(raw, str(path / "config.json")), overrides, str(path))
 
     tensors: dict[str, np.ndarray] = {}
     for f in _hf_files(path):
-        for name, arr in read_safetensors(f).items():
+        for name, arr in _read_safetensors(f).items():
             if name == "language_model.lm_head.weight":  # older multimodal checkpoints
                 name = "lm_head.weight"
             for prefix in _HF_PREFIXES:
@@ -563,8 +513,6 @@ def load_hf(path: str | Path, **overrides) -> tuple[ModelConfig, nnx.State, Any]
     tokenizer = None
     sp_file = path / "tokenizer.model"
     if sp_file.is_file():
-        from hldstudy.data.tokenizer import Tokenizer
-
         tokenizer = Tokenizer.load(sp_file)
     return cfg, state, tokenizer
 
@@ -580,8 +528,6 @@ def export_hf(model, path: str | Path, *, tokenizer=None, dtype: str = "float32"
     and 5.x (which converts those keys). `tokenizer`: a SentencePiece processor or
     anything with `serialized_model_proto()` / `.sp`; written as tokenizer.model.
     """
-    from hldstudy.errors import ConfigError
-
     cfg: ModelConfig = model.cfg
     if not cfg.qk_norm:
         raise ConfigError("model.qk_norm", "Gemma 3 (HF) always has QK-norm",
@@ -625,7 +571,7 @@ def export_hf(model, path: str | Path, *, tokenizer=None, dtype: str = "float32"
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     np_dtype = np.dtype(jnp.dtype(dtype))
     weights = {k: v.astype(np_dtype) for k, v in _pure_to_hf(model).items()}
-    write_safetensors(path / "model.safetensors", weights)
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
     return path
 
 
@@ -642,20 +588,57 @@ def _is_gguf(path: Path) -> bool:
         return False
 
 
+def checkpoint_format(path: str | Path) -> str:
+    """"gguf" (a GGUF file) or "hf" (a Hugging Face directory, or its config.json or
+    *.safetensors file); InputError for anything else."""
+    path = Path(path)
+    if not path.exists():
+        raise InputError(f"{path}: checkpoint not found (expected a .gguf file or a Hugging "
+                         f"Face directory)")
+    if path.is_file() and (path.suffix == ".gguf" or _is_gguf(path)):
+        return "gguf"
+    if path.is_dir() or path.name == "config.json" or path.suffix == ".safetensors":
+        return "hf"
+    raise InputError(f"{path}: neither a GGUF file nor a Hugging Face checkpoint directory")
+
+
+def _hf_dir(path: Path) -> Path:
+    return path if path.is_dir() else path.parent
+
+
+def _read_hf_config(path: Path) -> dict:
+    if not path.is_dir():
+        raise InputError(f"{path}: Hugging Face checkpoint directory not found")
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise InputError(f"{path}: no config.json (not a Hugging Face checkpoint directory)")
+    try:
+        return json.loads(cfg_file.read_text())
+    except ValueError as e:
+        raise InputError(f"{cfg_file}: invalid JSON ({e})") from None
+
+
+def hf_model_config(path: str | Path) -> ModelConfig:
+    """The ModelConfig of a Hugging Face Gemma 3 directory (or its config.json), weights unread."""
+    path = _hf_dir(Path(path))
+    return _hf_config(_read_hf_config(path), str(path / "config.json"))
+
+
+def gguf_model_config(path: str | Path) -> ModelConfig:
+    """The ModelConfig of a gemma3 GGUF file, from its header (tensors are not read)."""
+    path = Path(path)
+    return _gguf_config(_gguf_reader(path), str(path))
+
+
 def load_pretrained(path: str | Path, **overrides):
     """(Transformer, tokenizer | None) from a GGUF file or a Hugging Face directory.
 
     A path to a directory's config.json or *.safetensors file means that directory.
     """
     path = Path(path)
-    if not path.exists():
-        raise InputError(f"{path}: checkpoint not found (expected a .gguf file or a Hugging "
-                         f"Face directory)")
-    if path.is_file() and (path.suffix == ".gguf" or _is_gguf(path)):
+    if checkpoint_format(path) == "gguf":
         cfg, state, tok = load_gguf(path, **overrides)
-    elif path.is_dir() or path.name == "config.json" or path.suffix == ".safetensors":
-        cfg, state, tok = load_hf(path if path.is_dir() else path.parent, **overrides)
     else:
-        raise InputError(f"{path}: neither a GGUF file nor a Hugging Face checkpoint directory")
+        cfg, state, tok = load_hf(_hf_dir(path), **overrides)
     graphdef, _ = nnx.split(_abstract_model(cfg), nnx.Param)
     return nnx.merge(graphdef, state), tok

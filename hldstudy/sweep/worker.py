@@ -17,6 +17,7 @@ import time
 import traceback
 from pathlib import Path
 
+from hldstudy.rundir import write_json_atomic
 from hldstudy.sweep.spec import Run, run_status
 
 log = logging.getLogger("hldstudy.sweep")
@@ -27,12 +28,6 @@ COUNT_KEYS = ("tokens", "samples", "n", "items", "docs")
 
 class EvalUnavailable(RuntimeError):
     pass
-
-
-def _write_json_atomic(path: Path, data: dict) -> None:
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    os.replace(tmp, path)
 
 
 class Worker:
@@ -103,12 +98,12 @@ class Worker:
         results = json.loads((run_dir / "results.json").read_text())
         results["train_seconds"] = results.get("train_seconds") or round(time.time() - t0, 1)
         results.update(self._identity(run, run_dir))
-        _write_json_atomic(run_dir / "results.json", results)
+        write_json_atomic(run_dir / "results.json", results)
         if self.eval_tasks and not all(t in (results.get("eval") or {}) for t in self.eval_tasks):
             t1 = time.time()
             results["eval"] = {**(results.get("eval") or {}), **self.evaluate(run_dir)}
             results["eval_seconds"] = round(time.time() - t1, 1)
-            _write_json_atomic(run_dir / "results.json", results)
+            write_json_atomic(run_dir / "results.json", results)
         return results
 
     def _identity(self, run: Run, run_dir: Path) -> dict:

@@ -1,0 +1,120 @@
+"""What a run directory is, and how its files are read and written (no jax).
+
+A run directory (`python -m hldstudy.train --workdir DIR`, one run of a sweep) holds
+
+    config.json     the resolved config (written when the run starts)
+    checkpoints/    Orbax checkpoints, one folder per saved step
+    metrics.jsonl   one JSON record per logged step
+    results.json    written when the run finishes: {"status": "done", ...}
+    error.txt       the traceback of a failed run (sweeps)
+    tokenizer.model the SentencePiece model it trained, when data.tokenizer is unset
+
+Every module that asks "is this a run?", "what is its config / tokenizer /
+status?" or writes one of its JSON files asks here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+from hldstudy.config import Config, config_to_dict
+from hldstudy.config import read_config as _read_config_file
+
+CONFIG_FILE = "config.json"
+RESULTS_FILE = "results.json"
+CHECKPOINTS_DIR = "checkpoints"
+ERROR_FILE = "error.txt"
+TOKENIZER_FILE = "tokenizer.model"
+
+
+def is_run_dir(path: str | Path) -> bool:
+    """A run that has started training: config.json and checkpoints/ (what can be loaded)."""
+    path = Path(path)
+    return path.is_dir() and (path / CONFIG_FILE).is_file() and (path / CHECKPOINTS_DIR).is_dir()
+
+
+def has_run_files(path: str | Path) -> bool:
+    """A run in any state (configured, failed, finished): config.json or results.json."""
+    path = Path(path)
+    return path.is_dir() and ((path / CONFIG_FILE).is_file() or (path / RESULTS_FILE).is_file())
+
+
+def read_config(run_dir: str | Path) -> Config:
+    """The run's resolved config (InputError when it has none)."""
+    return _read_config_file(Path(run_dir) / CONFIG_FILE)
+
+
+def read_results(run_dir: str | Path) -> dict | None:
+    """results.json, or None when the run has not finished (or the file is unreadable)."""
+    path = Path(run_dir) / RESULTS_FILE
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def checkpoint_steps(run_dir: str | Path) -> list[int]:
+    """Steps of the saved checkpoints, ascending ([] when none)."""
+    ck = Path(run_dir) / CHECKPOINTS_DIR
+    if not ck.is_dir():
+        return []
+    return sorted(int(p.name) for p in ck.iterdir() if p.is_dir() and p.name.isdigit())
+
+
+def status(run_dir: str | Path, eval_tasks: tuple[str, ...] = ()) -> str:
+    """done | trained (evaluations in `eval_tasks` missing) | partial (has a checkpoint)
+    | failed (error.txt) | new."""
+    run_dir = Path(run_dir)
+    res = read_results(run_dir) if (run_dir / RESULTS_FILE).exists() else None
+    if res is not None and res.get("status") == "done":
+        ev = res.get("eval") or {}
+        return "done" if all(t in ev for t in eval_tasks) else "trained"
+    if checkpoint_steps(run_dir):
+        return "partial"
+    if (run_dir / ERROR_FILE).exists():
+        return "failed"
+    return "new"
+
+
+def tokenizer_path(run_dir: str | Path, cfg: Config | None = None) -> Path | None:
+    """The tokenizer file a run trained with, if it is still there: `data.tokenizer` when
+    the config sets it, else the run's own tokenizer.model."""
+    run_dir = Path(run_dir)
+    cfg = cfg if cfg is not None else read_config(run_dir)
+    for path in tokenizer_candidates(run_dir, cfg):
+        if path.is_file():
+            return path
+    return None
+
+
+def tokenizer_candidates(run_dir: str | Path, cfg: Config) -> list[Path]:
+    """Where a run's tokenizer is looked for, in order (for error messages)."""
+    out = [Path(cfg.data.tokenizer)] if cfg.data.tokenizer else []
+    return out + [Path(run_dir) / TOKENIZER_FILE]
+
+
+def write_json_atomic(path: str | Path, data: Any, *, indent: int | None = 2,
+                      sort_keys: bool = False) -> None:
+    """Writes `data` as JSON so that readers see the old file or the new one, never a part:
+    a temporary file in the same directory, flushed to disk, then renamed over `path`."""
+    path = Path(path)
+    text = json.dumps(data, indent=indent, sort_keys=sort_keys) + "\n"
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    try:
+        with open(tmp, "w") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def write_config(run_dir: str | Path, cfg: Config) -> None:
+    """Writes the run's config.json (atomically)."""
+    write_json_atomic(Path(run_dir) / CONFIG_FILE, config_to_dict(cfg), sort_keys=True)
