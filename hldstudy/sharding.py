@@ -1,4 +1,5 @@
-"""Device mesh and shardings: a (data, fsdp) mesh over all devices.
+"""Device mesh and shardings: a (data, fsdp) mesh over all devices (below the trainer and
+the teacher, which both place arrays on it).
 
 Parameters are sharded FSDP-style: each array's largest dimension that
 divides the fsdp axis size is split over "fsdp"; the rest is replicated.

@@ -456,7 +456,7 @@ def test_killed_replica_mid_run(env):
     workdir = env["root"] / "killed"
     # ring_size=1: step 3 (b's) is requested only after b is dead.
     cfg = _student("kd", _remote(env), env["tokenizer"], ring_size=1, timeout_s=5.0)
-    original = remote_mod.RemoteFeeder.__call__
+    original = remote_mod.RemoteFeeder.inputs
 
     def feed(self, step, batch):
         out = original(self, step, batch)
@@ -464,11 +464,11 @@ def test_killed_replica_mid_run(env):
             b.kill()
         return out
 
-    remote_mod.RemoteFeeder.__call__ = feed
+    remote_mod.RemoteFeeder.inputs = feed
     try:
         Trainer(cfg, workdir, devices=jax.devices()[:1]).run()
     finally:
-        remote_mod.RemoteFeeder.__call__ = original
+        remote_mod.RemoteFeeder.inputs = original
     assert b.proc.poll() is not None
     assert _losses(workdir) == col
     log = [json.loads(line) for line in (workdir / "teacher_steps.log").read_text().splitlines()]
@@ -477,9 +477,36 @@ def test_killed_replica_mid_run(env):
 
 
 @pytest.mark.slow
+def test_replica_that_dies_mid_stream(env):
+    """A replica that exits when asked for its second step (a test double of the server,
+    tests/helpers/faulty_server.py): its steps move to the other replica, every step trains
+    once, and the losses still equal the colocated run's."""
+    from hldstudy.train.loop import Trainer
+
+    col, _, _, _ = _run_pair(env, "kd")
+    _ready(env)
+    a = env["replicas"][0]
+    faulty = Replica(env["config"], env["root"] / "faulty", "--layers", "final,3",
+                     "--exit-after-steps", 1)
+    faulty.args[1:3] = [str(Path(__file__).parent / "helpers" / "faulty_server.py")]
+    faulty.start().ready()
+    try:
+        workdir = env["root"] / "faulty_run"
+        cfg = _student("kd", _remote(env, [a, faulty]), env["tokenizer"], ring_size=1,
+                       timeout_s=5.0)
+        Trainer(cfg, workdir, devices=jax.devices()[:1]).run()
+        assert faulty.proc.wait(timeout=30) == 3
+    finally:
+        faulty.kill()
+    assert _losses(workdir) == col
+    log = [json.loads(line) for line in (workdir / "teacher_steps.log").read_text().splitlines()]
+    assert [r["step"] for r in log] == [0, 1, 2, 3, 4]
+    assert [r["replica"] for r in log] == [0, 1, 0, 0, 0]  # its step 3 went to the other
+
+
+@pytest.mark.slow
 def test_restarted_replica_rejoins_a_live_stream(env):
-    from hldstudy.distill import make_strategy
-    from hldstudy.distill.base import Stage
+    from hldstudy.distill.base import make_strategy
 
     _ready(env)
     b = env["replicas"][1]
@@ -490,7 +517,7 @@ def test_restarted_replica_rejoins_a_live_stream(env):
     teacher = RemoteTeacher.connect(cfg)  # b is still starting: a alone answers
     teacher.rejoin_s = 0.1
     strategy = make_strategy(cfg, cfg.model, teacher.model_cfg)
-    _, feeder = teacher.step_inputs(strategy, Stage("main", 1.0), None)
+    feeder = teacher.stage_feed(strategy, strategy.stages()[0], None)
     feeder.begin(0, 10_000)
     served, deadline = [], time.time() + 120
     try:

@@ -1,5 +1,9 @@
-"""Teachers: colocated (in the student's step) and disaggregated (streamed hidden states)."""
+"""Teachers: colocated (in the student's step) and disaggregated (streamed hidden states),
+both behind the `Teacher` protocol (`hldstudy.teacher.base`)."""
 
-from hldstudy.teacher.colocated import ColocatedTeacher, load_teacher, with_teacher_tokenizer
+from hldstudy.teacher.base import NO_FEED, StageFeed, Teacher
+from hldstudy.teacher.colocated import ColocatedTeacher
+from hldstudy.teacher.load import load_teacher, with_teacher_tokenizer
 
-__all__ = ["ColocatedTeacher", "load_teacher", "with_teacher_tokenizer"]
+__all__ = ["NO_FEED", "ColocatedTeacher", "StageFeed", "Teacher", "load_teacher",
+           "with_teacher_tokenizer"]

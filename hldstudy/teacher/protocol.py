@@ -30,7 +30,10 @@ import hashlib
 import json
 import struct
 
+import jax.numpy as jnp
 import numpy as np
+
+from hldstudy.config import fields_where
 
 SERVICE = "hldstudy.teacher.v1.Teacher"
 INFO, HEAD, STREAM, STATS = "Info", "Head", "Stream", "Stats"
@@ -65,13 +68,22 @@ def batch_digest(tokens, segment_ids) -> str:
     return h.hexdigest()
 
 
+def data_identity(cfg_data, train_stream=None) -> dict:
+    """What must agree between trainer and replica for `batch_at(step)` to be the same batch
+    (the `data` entry of `Info`): the data fields tagged `data_identity` in the config."""
+    keys = sorted(f.partition(".")[2] for f in fields_where("data_identity")
+                  if f.startswith("data."))
+    out = {k: getattr(cfg_data, k) for k in keys}
+    if train_stream is not None:
+        out["stream_fingerprint"] = getattr(train_stream, "fingerprint", None)
+    return out
+
+
 def tensor_names(layers, final: bool) -> list[str]:
     return (["final"] if final else []) + [f"layer:{i}" for i in sorted(layers)]
 
 
 def np_dtype(name: str) -> np.dtype:
-    import jax.numpy as jnp
-
     return np.dtype(jnp.dtype(name))
 
 

@@ -9,12 +9,13 @@ ConfigError naming teacher.checkpoint. Only the teacher's embedding (its tied
 head) is fetched, and only for stages that need the head: the trainer never
 holds the teacher's blocks.
 
-Per stage, `step_inputs` returns `(teacher_forward, feeder)`: the loop calls
-`feeder(step, batch)` every step and gets the step's streamed hidden states
-from a `PrefetchRing`; `teacher_forward` turns them plus the embedding into
-`TeacherOutputs` inside the student's jitted step (the head is `E^T`, built
-the same way the colocated teacher builds it, so the losses match bitwise
-when the dtypes match). Each consumed step is appended to
+`RemoteTeacher` implements the `Teacher` protocol (`hldstudy.teacher.base`).
+Per stage, `stage_feed` returns a `RemoteFeeder`: the loop calls
+`feeder.inputs(step, batch)` every step and gets the step's streamed hidden
+states from a `PrefetchRing`; `feeder.forward` turns them plus the embedding
+into `TeacherOutputs` inside the student's jitted step (the head is `E^T`,
+built the same way the colocated teacher builds it, so the losses match
+bitwise when the dtypes match). Each consumed step is appended to
 `<workdir>/teacher_steps.log` (`{"step", "replica", "stall_s"}`), truncated
 to the resume step when a run resumes, so the log holds each trained step once.
 """
@@ -28,24 +29,34 @@ import threading
 from pathlib import Path
 from urllib.parse import parse_qs
 
+import jax
 import numpy as np
 
+from hldstudy import rundir, sharding
 from hldstudy.config import Config, ModelConfig, config_from_dict
-from hldstudy.distill.base import Stage, Strategy, TeacherOutputs
+from hldstudy.distill.base import Batch, Strategy, TeacherOutputs, make_strategy
+from hldstudy.distill.methods import Stage
 from hldstudy.errors import ConfigError
 from hldstudy.teacher import protocol as proto
+from hldstudy.teacher.base import StageFeed, method_needs, stage_needs
 from hldstudy.teacher.ring import PrefetchRing
 
 log = logging.getLogger(__name__)
 FIELD = "teacher.checkpoint"
 STEPS_LOG = "teacher_steps.log"
+SCHEME = "remote://"
+
+
+def is_remote(spec: str | None) -> bool:
+    """Whether `teacher.checkpoint` names replicas (remote://...) rather than a local path."""
+    return bool(spec) and spec.startswith(SCHEME)
 
 
 def parse_spec(spec: str) -> tuple[list[str], dict]:
     """`remote://h:p,h:p?fingerprint=abc` -> (["h:p", "h:p"], {"fingerprint": "abc"})."""
-    if not spec.startswith("remote://"):
+    if not is_remote(spec):
         raise ConfigError(FIELD, f"{spec!r} is not a remote:// address")
-    rest = spec[len("remote://"):]
+    rest = spec[len(SCHEME):]
     rest, _, query = rest.partition("?")
     addrs = [a.strip() for a in rest.split(",") if a.strip()]
     if not addrs or any(":" not in a for a in addrs):
@@ -177,12 +188,12 @@ class GrpcLink:
 
 
 class RemoteFeeder:
-    """`feeder(step, batch) -> dict` for the trainer loop, over one stage's ring."""
+    """One stage's `StageFeed`: the streamed hidden states of each step, over a ring."""
 
     def __init__(self, teacher: RemoteTeacher, final: bool, layers: tuple[int, ...], mesh,
-                 embedding):
+                 embedding_VxD):
         self.teacher, self.final, self.layers, self.mesh = teacher, final, layers, mesh
-        self.embedding = embedding
+        self.embedding_VxD = embedding_VxD
         self.ring: PrefetchRing | None = None
         self.links: list[GrpcLink] = []
         self.workdir: Path | None = None
@@ -224,21 +235,26 @@ class RemoteFeeder:
                                  timeout_s=t.timeout_s, transform=self._place,
                                  connected=connected, rejoin_s=t.rejoin_s)
 
+    def forward(self, t_in: dict, batch: Batch) -> TeacherOutputs:
+        """Inside the student's step: the streamed states and the head as TeacherOutputs
+        (the head is E^T in the teacher dtype, as `model.head_weight()` of the colocated
+        teacher)."""
+        return TeacherOutputs(final_hidden=t_in["final"], hidden=t_in["hidden"],
+                              head_weight=t_in["embedding"].T if self.final else None)
+
     def _place(self, tensors: dict):
         """Host arrays -> device arrays sharded like the batch (runs on the receiver thread)."""
-        import jax
 
-        from hldstudy.train import mesh as mesh_lib
-
-        def put(a):  # like the batch itself (each process keeps its devices' rows)
+        def put(x_BxTxD):  # like the batch itself (each process keeps its devices' rows)
             if self.mesh is None:
-                return jax.device_put(a)
-            return mesh_lib.put_batch({"x": a}, self.mesh)["x"]
+                return jax.device_put(x_BxTxD)
+            return sharding.put_batch({"x": x_BxTxD}, self.mesh)["x"]
 
         return {"final": put(tensors["final"]) if self.final else None,
                 "hidden": {i: put(tensors[f"layer:{i}"]) for i in self.layers}}
 
-    def __call__(self, step: int, batch: dict):
+    def inputs(self, step: int, batch: Batch) -> dict:
+        """The step's streamed states: {"final", "hidden": {layer: [B, T, D]}, "embedding"}."""
         if self.ring is None:
             raise RuntimeError("RemoteFeeder.begin(start, end) was not called")
         got = self.ring.get(step)
@@ -257,7 +273,7 @@ class RemoteFeeder:
             self._log.write(json.dumps({"step": step, "replica": got.replica,
                                         "stall_s": round(got.stall_s, 6)}) + "\n")
             self._log.flush()
-        return {**got.payload, "embedding": self.embedding}
+        return {**got.payload, "embedding": self.embedding_VxD}
 
     def metrics(self) -> dict:
         """Stall since the last call (for the trainer's metrics record)."""
@@ -277,7 +293,8 @@ class RemoteFeeder:
 
 
 class RemoteTeacher:
-    """Same interface as ColocatedTeacher (model_cfg, check_tokenizer, step_inputs)."""
+    """A teacher served by replicas (`python -m hldstudy.teacher.serve`): implements the
+    `Teacher` protocol over gRPC streams of hidden states."""
 
     rejoin_s = 0.5
 
@@ -353,9 +370,7 @@ class RemoteTeacher:
                                   f"has data.{key}={mine}",
                                   "start the replica with the student's --config")
         mine = {k: v for k, v in data.items() if k != "stream_fingerprint"}
-        from hldstudy.teacher.serve import data_identity
-
-        expected = data_identity(cfg.data, None)
+        expected = proto.data_identity(cfg.data, None)
         if mine != expected:
             diff = sorted(k for k in expected if expected[k] != mine.get(k))
             raise ConfigError(FIELD, f"{address} reproduces a different batch sequence "
@@ -369,9 +384,9 @@ class RemoteTeacher:
                               f"{_fmt(ref['final'], ref['layers'])}")
 
     def _check_layers(self) -> None:
-        from hldstudy.teacher.serve import needed_layers
-
-        final, layers = needed_layers(self.cfg, self.model_cfg)
+        needs = method_needs(make_strategy(self.cfg, self.cfg.model, self.model_cfg),
+                             self.model_cfg)
+        final, layers = needs.final, needs.layers
         ref = self.reference
         if (final and not ref["final"]) or not set(layers) <= set(ref["layers"]):
             raise ConfigError(FIELD, f"the replicas serve layers {_fmt(ref['final'], ref['layers'])}"
@@ -398,13 +413,13 @@ class RemoteTeacher:
                                   f"replicas serve {self.fingerprint}",
                                   "serve the original checkpoint or use a new --workdir")
             return
-        path.write_text(json.dumps({"fingerprint": self.fingerprint,
-                                    "checkpoint": self.reference["checkpoint"],
-                                    "model": self.reference["model"]}, indent=2) + "\n")
+        rundir.write_json_atomic(path, {"fingerprint": self.fingerprint,
+                                        "checkpoint": self.reference["checkpoint"],
+                                        "model": self.reference["model"]})
 
     # --------------------------------------------------------------- stages
 
-    def embedding(self):
+    def embedding(self) -> np.ndarray:
         """The teacher's tied embedding `[V, D]` in the stream dtype (fetched once)."""
         if self._embedding is None:
             for addr in self.addresses:
@@ -422,32 +437,17 @@ class RemoteTeacher:
                 raise ConfigError(FIELD, "no replica answers to send the teacher's head")
         return self._embedding
 
-    def step_inputs(self, strategy: Strategy, stage: Stage, mesh):
-        import jax
-
-        from hldstudy.train import mesh as mesh_lib
-
-        layers = tuple(sorted(strategy.teacher_layers(stage)))
-        needs_head = bool(strategy.teacher_needs_head(stage))
-        for layer in layers:
-            if not 1 <= layer <= self.model_cfg.n_layers:
-                raise ConfigError("distill.layer_pairs",
-                                  f"teacher layer {layer} is out of range 1..{self.model_cfg.n_layers}")
-        embedding = None
-        if needs_head:
-            emb = self.embedding()
-            embedding = jax.device_put(emb, mesh_lib.tree_shardings(mesh, emb)) \
-                if mesh is not None else jax.device_put(emb)
+    def stage_feed(self, strategy: Strategy, stage: Stage, mesh) -> StageFeed:
+        needs = stage_needs(strategy, stage, self.model_cfg)
+        embedding_VxD = None
+        if needs.final:
+            emb_VxD = self.embedding()
+            embedding_VxD = jax.device_put(emb_VxD, sharding.tree_shardings(mesh, emb_VxD)) \
+                if mesh is not None else jax.device_put(emb_VxD)
         self.close()
-        feeder = RemoteFeeder(self, needs_head, layers, mesh, embedding)
+        feeder = RemoteFeeder(self, needs.final, needs.layers, mesh, embedding_VxD)
         self._feeders.append(feeder)
-
-        def teacher_forward(t_in, batch) -> TeacherOutputs:
-            # Same head as ColocatedTeacher (`model.head_weight()` = E^T, in the teacher dtype).
-            return TeacherOutputs(final_hidden=t_in["final"], hidden=t_in["hidden"],
-                                  head_weight=t_in["embedding"].T if needs_head else None)
-
-        return teacher_forward, feeder
+        return feeder
 
     def close(self) -> None:
         for f in self._feeders:

@@ -29,14 +29,23 @@ import queue
 import sys
 import tempfile
 import threading
-import time
 from concurrent import futures
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
+from hldstudy.cli_common import quiet_libraries
+from hldstudy.config import apply_overrides, load_experiment, read_config
+from hldstudy.data import prepare_data
+from hldstudy.distill.base import make_strategy
 from hldstudy.errors import ConfigError, InputError, user_errors
+from hldstudy.model.loading import load_model
 from hldstudy.teacher import protocol as proto
+from hldstudy.teacher.base import check_layers, method_needs, stage_needs
+from hldstudy.teacher.colocated import ColocatedTeacher
+from hldstudy.teacher.load import with_teacher_tokenizer
 
 log = logging.getLogger("hldstudy.teacher.serve")
 
@@ -59,31 +68,7 @@ def format_layers(final: bool, layers) -> str:
     return ",".join((["final"] if final else []) + [str(i) for i in sorted(layers)])
 
 
-def needed_layers(cfg, teacher_model_cfg) -> tuple[bool, tuple[int, ...]]:
-    """(final needed, union of block layers) over every stage of the student's method."""
-    from hldstudy.distill import make_strategy
-
-    strategy = make_strategy(cfg, cfg.model, teacher_model_cfg)
-    final, layers = False, set()
-    for stage in strategy.stages():
-        final |= bool(strategy.teacher_needs_head(stage))
-        layers |= set(strategy.teacher_layers(stage))
-    return final, tuple(sorted(layers))
-
-
-def data_identity(cfg_data, train_stream) -> dict:
-    """What must agree between trainer and replica for `batch_at(step)` to be the same batch."""
-    keys = ("source", "seq_len", "batch_size", "seed", "packing", "add_bos", "synthetic_docs",
-            "synthetic_seed", "max_docs", "train_split", "tfds_name", "text_field")
-    out = {k: getattr(cfg_data, k) for k in keys}
-    if train_stream is not None:
-        out["stream_fingerprint"] = getattr(train_stream, "fingerprint", None)
-    return out
-
-
 def params_fingerprint(model_cfg, params) -> str:
-    import jax
-
     h = hashlib.sha256(json.dumps(dataclasses.asdict(model_cfg), sort_keys=True).encode())
     for path, leaf in sorted(jax.tree_util.tree_leaves_with_path(params),
                              key=lambda kv: jax.tree_util.keystr(kv[0])):
@@ -97,20 +82,18 @@ class TeacherServer:
 
     def __init__(self, cfg, checkpoint: str, *, layers: str | None = None,
                  dtype: str | None = None, step: int | None = None,
-                 workdir: str | Path | None = None, exit_after_steps: int = 0,
-                 hang_after_steps: int = 0, delay_s: float = 0.0):
-        import jax
-
-        from hldstudy.data import prepare_data
-        from hldstudy.teacher.colocated import ColocatedTeacher, with_teacher_tokenizer
-
+                 workdir: str | Path | None = None):
         dtype = dtype or cfg.teacher.dtype
         cfg = dataclasses.replace(cfg, teacher=dataclasses.replace(
             cfg.teacher, checkpoint=checkpoint, dtype=dtype))
         cfg = with_teacher_tokenizer(cfg)
         self.cfg, self.dtype, self.checkpoint = cfg, dtype, checkpoint
-        model, tokenizer = _load_model(checkpoint, step)
-        self.teacher = ColocatedTeacher(model, tokenizer, dtype=dtype, source=checkpoint)
+        if not Path(checkpoint).exists():
+            raise ConfigError("--checkpoint", f"{checkpoint} does not exist",
+                              "give an hldstudy run directory, a .gguf file or an HF directory")
+        loaded = load_model(checkpoint, step)
+        self.teacher = ColocatedTeacher(loaded.model, loaded.tokenizer, dtype=dtype,
+                                        source=checkpoint)
         self.model_cfg = self.teacher.model_cfg
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix="hldstudy-teacher-"))
         self.data = prepare_data(cfg.data, self.workdir)
@@ -118,11 +101,10 @@ class TeacherServer:
         if layers:
             self.final, self.layers = parse_layers(layers)
         else:
-            self.final, self.layers = needed_layers(cfg, self.model_cfg)
-        for layer in self.layers:
-            if not 0 <= layer <= self.model_cfg.n_layers:
-                raise ConfigError("--layers", f"layer {layer} is out of range "
-                                  f"0..{self.model_cfg.n_layers} of the teacher")
+            needs = method_needs(make_strategy(cfg, cfg.model, self.model_cfg), self.model_cfg)
+            self.final, self.layers = needs.final, needs.layers
+        check_layers(self.layers, self.model_cfg.n_layers, "--layers", first=0,
+                     what="teacher layer")
         self.fingerprint = params_fingerprint(self.model_cfg, self.teacher.params)
         self.params = jax.device_put(self.teacher.params)
         self._jits: dict = {}
@@ -130,8 +112,6 @@ class TeacherServer:
         self._stats_lock = threading.Lock()
         self.stats = {"steps": 0, "payload_bytes": 0, "frame_bytes": 0, "head_bytes": 0,
                       "streams": 0}
-        self.exit_after_steps, self.hang_after_steps = exit_after_steps, hang_after_steps
-        self.delay_s = delay_s
         self._server = None
         self.port = None
 
@@ -144,11 +124,10 @@ class TeacherServer:
                 "final": self.final, "layers": list(self.layers),
                 "tokenizer": {"fingerprint": self.data.tokenizer.fingerprint(),
                               "vocab_size": self.data.tokenizer.vocab_size},
-                "data": data_identity(self.cfg.data, self.data.train), "pid": os.getpid()}
+                "data": proto.data_identity(self.cfg.data, self.data.train),
+                "pid": os.getpid()}
 
     def _forward(self, final: bool, layers: tuple[int, ...]):
-        import jax
-
         key = (final, layers)
         if key not in self._jits:
             fn = self.teacher.forward_fn(layers, final)
@@ -162,8 +141,6 @@ class TeacherServer:
 
     def compute(self, step: int, final: bool, layers: tuple[int, ...]):
         """(digest, [(name, array)]) of one step, in protocol order."""
-        import jax.numpy as jnp
-
         batch = self.data.train.batch_at(step)
         digest = proto.batch_digest(batch["tokens"], batch["segment_ids"])
         inputs = {k: jnp.asarray(batch[k]) for k in ("tokens", "positions", "segment_ids")}
@@ -171,8 +148,6 @@ class TeacherServer:
             final_h, hidden = self._forward(final, layers)(self.params, inputs)
             tensors = ([("final", np.asarray(final_h))] if final else []) + \
                 [(f"layer:{i}", np.asarray(hidden[i])) for i in sorted(layers)]
-        if self.delay_s:
-            time.sleep(self.delay_s)
         return digest, tensors
 
     def head(self) -> np.ndarray:
@@ -240,18 +215,6 @@ class TeacherServer:
             step = steps.get()
             if step is None or not context.is_active():
                 return
-            with self._stats_lock:
-                done = self.stats["steps"]
-            if self.exit_after_steps and done >= self.exit_after_steps:
-                log.warning("exiting on purpose (--exit-after-steps %d) before step %d",
-                            self.exit_after_steps, step)
-                os._exit(3)
-            if self.hang_after_steps and done >= self.hang_after_steps:
-                log.warning("hanging on purpose (--hang-after-steps %d) at step %d",
-                            self.hang_after_steps, step)
-                while context.is_active():
-                    time.sleep(0.1)
-                return
             digest, tensors = self.compute(step, final, layers)
             payload = frame_bytes = 0
             for frame, n in proto.step_frames(step, digest, tensors):
@@ -287,15 +250,12 @@ class TeacherServer:
         served set), so no first request runs into the trainer's teacher.timeout_s."""
         sets = {(self.final, self.layers)}
         try:
-            from hldstudy.distill import make_strategy
-
             strategy = make_strategy(self.cfg, self.cfg.model, self.model_cfg)
             for stage in strategy.stages():
-                final = bool(strategy.teacher_needs_head(stage))
-                layers = tuple(sorted(strategy.teacher_layers(stage)))
-                if (final or layers) and self.check_open(
-                        {"final": final, "layers": list(layers)}) is None:
-                    sets.add((final, layers))
+                needs = stage_needs(strategy, stage, self.model_cfg)
+                if (needs.final or needs.layers) and self.check_open(
+                        {"final": needs.final, "layers": list(needs.layers)}) is None:
+                    sets.add((needs.final, needs.layers))
         except Exception:  # noqa: BLE001 - a config the trainer will refuse anyway
             pass
         for final, layers in sorted(sets):
@@ -324,8 +284,6 @@ class SyntheticTeacherServer(TeacherServer):
         self._stats_lock = threading.Lock()
         self.stats = {"steps": 0, "payload_bytes": 0, "frame_bytes": 0, "head_bytes": 0,
                       "streams": 0}
-        self.exit_after_steps = self.hang_after_steps = 0
-        self.delay_s = 0.0
         self._server = None
         self.port = None
 
@@ -343,28 +301,7 @@ class SyntheticTeacherServer(TeacherServer):
         return self._array[0]
 
 
-def _load_model(checkpoint: str, step: int | None):
-    from hldstudy.teacher.colocated import _is_run_dir, teacher_tokenizer_path
-
-    path = Path(checkpoint)
-    if not path.exists():
-        raise ConfigError("--checkpoint", f"{checkpoint} does not exist",
-                          "give an hldstudy run directory, a .gguf file or an HF directory")
-    if _is_run_dir(path):
-        from hldstudy.data.tokenizer import Tokenizer
-        from hldstudy.train.checkpoint import load_run_model
-
-        _, model = load_run_model(path, step)
-        tok = teacher_tokenizer_path(checkpoint)
-        return model, (Tokenizer.load(tok) if tok else None)
-    from hldstudy.model.importers import load_pretrained
-
-    return load_pretrained(path)
-
-
 def load_student_config(spec: str, overrides: list[str]):
-    from hldstudy.config import apply_overrides, load_experiment, read_config
-
     path = Path(spec)
     if path.is_dir():
         cfg = read_config(path / "config.json")
@@ -375,9 +312,10 @@ def load_student_config(spec: str, overrides: list[str]):
     return apply_overrides(cfg, overrides)
 
 
-def main(argv: list[str] | None = None) -> int:
-    from hldstudy.cli_common import quiet_libraries
-
+def main(argv: list[str] | None = None, server_cls: type[TeacherServer] = TeacherServer,
+         **server_kwargs) -> int:
+    """The command line; `server_cls(cfg, checkpoint, ..., **server_kwargs)` is the replica
+    (a subclass may change how it serves)."""
     parser = argparse.ArgumentParser(prog="python -m hldstudy.teacher.serve", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", default=None, help="teacher checkpoint (local path)")
@@ -392,12 +330,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--workdir", default=None, help="data cache directory (default: temp)")
     parser.add_argument("--no-warmup", action="store_true", help="compile on the first request")
-    parser.add_argument("--exit-after-steps", type=int, default=0,
-                        help="fault injection: die (exit 3) when asked for one step more")
-    parser.add_argument("--hang-after-steps", type=int, default=0,
-                        help="fault injection: stop answering after this many steps")
-    parser.add_argument("--delay-s", type=float, default=0.0,
-                        help="extra seconds per step (benchmarks: a slower teacher)")
     parser.add_argument("--debug", action="store_true")
     args = parser.parse_args(argv)
     quiet_libraries()
@@ -408,10 +340,8 @@ def main(argv: list[str] | None = None) -> int:
         if not checkpoint or checkpoint.startswith("remote://"):
             raise ConfigError("--checkpoint", "no local teacher checkpoint given",
                               "pass --checkpoint RUN_DIR (or a .gguf / HF directory)")
-        server = TeacherServer(cfg, checkpoint, layers=args.layers, dtype=args.dtype,
-                               step=args.step, workdir=args.workdir,
-                               exit_after_steps=args.exit_after_steps,
-                               hang_after_steps=args.hang_after_steps, delay_s=args.delay_s)
+        server = server_cls(cfg, checkpoint, layers=args.layers, dtype=args.dtype,
+                            step=args.step, workdir=args.workdir, **server_kwargs)
         if not args.no_warmup:
             server.warmup()
         port = server.start(args.port, args.host)

@@ -20,13 +20,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from hldstudy import sharding as mesh_lib
+from hldstudy.checkpoint import Checkpointer, abstract_like
 from hldstudy.config import Config, config_to_dict, flatten, read_config, save_config, validate
 from hldstudy.distill import Stage, make_strategy
 from hldstudy.errors import ConfigError
 from hldstudy.model import Transformer
 from hldstudy.signals import StopSignals
-from hldstudy.train import mesh as mesh_lib
-from hldstudy.train.checkpoint import Checkpointer, abstract_like
+from hldstudy.teacher.base import NO_FEED, StageFeed
 from hldstudy.train.metrics import MetricsLogger
 from hldstudy.train.optim import make_optimizer
 from hldstudy.train.step import GraphDefs, make_eval_step, make_train_step, split_params
@@ -165,10 +166,10 @@ class Trainer:
         state = jax.jit(init, out_shardings=shardings)(student_params)
         return graphdefs, optimizer, state, shardings
 
-    def _teacher_args(self, plan: StagePlan):
+    def _teacher_feed(self, plan: StagePlan) -> StageFeed:
         if self.teacher is None:
-            return None, None
-        return self.teacher.step_inputs(self.strategy, plan.stage, self.mesh)
+            return NO_FEED
+        return self.teacher.stage_feed(self.strategy, plan.stage, self.mesh)
 
     def evaluate(self, graphdefs: GraphDefs, params, n_batches: int) -> dict:
         eval_step = jax.jit(make_eval_step(graphdefs))
@@ -215,7 +216,7 @@ class Trainer:
         finally:
             logger.close()
             self.ckpt.close()
-            if hasattr(self.teacher, "close"):  # a remote teacher's streams
+            if self.teacher is not None:
                 self.teacher.close()
         return result
 
@@ -223,11 +224,10 @@ class Trainer:
         cfg = self.cfg
         end = plan.start + plan.steps
         step = int(state["step"])
-        teacher_forward, teacher_in = self._teacher_args(plan)
-        if callable(teacher_in) and hasattr(teacher_in, "begin"):  # remote: stream [step, end)
-            teacher_in.begin(step, end, self.workdir)
+        feed = self._teacher_feed(plan)
+        feed.begin(step, end, self.workdir)
         train_step = jax.jit(
-            make_train_step(self.strategy, plan.stage, graphdefs, optimizer, teacher_forward),
+            make_train_step(self.strategy, plan.stage, graphdefs, optimizer, feed.forward),
             out_shardings=(shardings, None), donate_argnums=(0,))
         tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
         bar = None
@@ -239,8 +239,7 @@ class Trainer:
         t_last, steps_since = time.perf_counter(), 0
         while step < end:
             batch = mesh_lib.put_batch(self.data.train.batch_at(step), self.mesh)
-            t_in = teacher_in(step, batch) if callable(teacher_in) else teacher_in
-            state, metrics = train_step(state, batch, t_in)
+            state, metrics = train_step(state, batch, feed.inputs(step, batch))
             step += 1
             steps_since += 1
             flops_spent += plan.flops_per_step
@@ -250,8 +249,7 @@ class Trainer:
                 record = {"step": step, "stage": plan.stage.name, **metrics,
                           "tokens_per_s": steps_since * tokens_per_step / max(dt, 1e-9),
                           "flops_spent": flops_spent,
-                          **(teacher_in.metrics() if callable(teacher_in) and hasattr(teacher_in, "metrics")
-                             else {})}
+                          **feed.metrics()}
                 if not math.isfinite(metrics["loss"]):
                     raise FloatingPointError(f"loss became {metrics['loss']} at step {step}; "
                                              "lower train.lr or check the data")

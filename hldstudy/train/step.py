@@ -2,10 +2,13 @@
 
 The train state is a plain pytree `{"params": {"student": State, "aux":
 State | None}, "opt_state": ..., "step": int32}` so orbax, optax and
-shardings all see ordinary arrays. The teacher enters as an argument:
-colocated, `teacher_forward(teacher_params, batch)` runs inside the same
-compiled step; remote, the streamed `TeacherOutputs` are passed straight in
-(`teacher_forward=None`).
+shardings all see ordinary arrays. The teacher enters as the step's third
+argument `teacher_in`, whatever the teacher's `StageFeed.inputs` gives (the
+colocated teacher's parameters, a remote teacher's streamed hidden states),
+and `teacher_forward(teacher_in, batch) -> TeacherOutputs` (the feed's
+`forward`) turns it into the loss's teacher outputs inside the same compiled
+step, under stop_gradient. With `teacher_forward=None`, `teacher_in` already is
+the `TeacherOutputs` (or None: no teacher).
 """
 
 from __future__ import annotations
