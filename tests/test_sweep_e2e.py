@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers.sweep_stop import runs_stopped_at
 
 from hldstudy.config import Config, DataConfig, TrainConfig
 from hldstudy.model import preset
@@ -72,8 +73,8 @@ def test_sweep_interrupted_resumed_and_reported_once(tmp_path, teacher_dir, monk
     total = next(r["steps"] for r in listing if r["run_id"] == victim)
 
     # 1st launch: the victim is stopped at step 3 exactly as a SIGTERM would stop it.
-    monkeypatch.setenv("HLDSTUDY_SWEEP_STOP_AT", f"{victim}:3")
-    rc = sweep_main([str(sweep), "--workdir", str(runs_dir), "--no-progress"])
+    with runs_stopped_at({victim: 3}):
+        rc = sweep_main([str(sweep), "--workdir", str(runs_dir), "--no-progress"])
     assert rc == 128 + signal.SIGTERM
     err = capsys.readouterr().err
     assert f"{victim}: interrupted (checkpoint at step 3)" in err
@@ -86,7 +87,6 @@ def test_sweep_interrupted_resumed_and_reported_once(tmp_path, teacher_dir, monk
     assert [e["run_id"] for e in expected["runs"]] == ids
 
     # 2nd launch: finished runs skipped, the victim resumes from its checkpoint.
-    monkeypatch.delenv("HLDSTUDY_SWEEP_STOP_AT")
     rc = sweep_main([str(sweep), "--workdir", str(runs_dir), "--no-progress"])
     assert rc == 0
     err = capsys.readouterr().err
@@ -137,13 +137,12 @@ def test_slurm_executor_through_submitit_debug_resumes(tmp_path, monkeypatch):
     rid = "baseline_lr3e-3_s0"
     args = [str(sweep), "--workdir", str(runs_dir), "--executor", "slurm", "--cluster", "debug",
             "--no-progress", "--slurm", "timeout_min=5"]
-    monkeypatch.setenv("HLDSTUDY_SWEEP_STOP_AT", f"{rid}:2")
-    assert sweep_main(args) == 128 + signal.SIGTERM
+    with runs_stopped_at({rid: 2}):
+        assert sweep_main(args) == 128 + signal.SIGTERM
     assert _last_launch(runs_dir)["interrupted"] == [rid]
     assert (runs_dir / rid / "checkpoints" / "2").is_dir()
     jobs = json.loads((runs_dir / ".sweep" / "jobs.json").read_text())
     assert jobs[0]["runs"] == [rid]
-    monkeypatch.delenv("HLDSTUDY_SWEEP_STOP_AT")
     assert sweep_main(args) == 0
     assert _last_launch(runs_dir)["done"] == [rid]
     res = json.loads((runs_dir / rid / "results.json").read_text())

@@ -181,7 +181,6 @@ def run_many(runs: list[Run], kwargs: dict, report=None, stop: _Stop | None = No
     out = Outcome()
     report = report or (lambda *a: None)
     workdir = Path(kwargs["workdir"])
-    stop_at = _test_stop_hook()
     for run in runs:
         if stop is not None and stop.signum is not None:
             out.signum = stop.signum
@@ -192,7 +191,7 @@ def run_many(runs: list[Run], kwargs: dict, report=None, stop: _Stop | None = No
             continue
         report("start", run.run_id, "")
         try:
-            res = worker.run(run, stop_at_step=stop_at.get(run.run_id))
+            res = worker.run(run)
         except Interrupted as e:
             out.interrupted.append(run.run_id)
             out.signum = e.signum
@@ -211,17 +210,6 @@ def run_many(runs: list[Run], kwargs: dict, report=None, stop: _Stop | None = No
         out.done.append(run.run_id)
         report("done", run.run_id, _detail(res))
     out.teacher_loads = worker.teacher_loads
-    return out
-
-
-def _test_stop_hook() -> dict[str, int]:
-    """HLDSTUDY_SWEEP_STOP_AT=run_id:step[,run_id:step]: stop that run at that step exactly as a
-    SIGTERM would (checkpoint, then exit 143). For tests of interruption and resume."""
-    spec = os.environ.get("HLDSTUDY_SWEEP_STOP_AT", "")
-    out = {}
-    for part in filter(None, spec.split(",")):
-        rid, _, step = part.rpartition(":")
-        out[rid] = int(step)
     return out
 
 
