@@ -22,7 +22,7 @@ import numpy as np
 from flax import nnx
 
 from hldstudy.config import Config, DataConfig, TrainConfig
-from hldstudy.distill import make_strategy
+from hldstudy.distill.base import make_strategy
 from hldstudy.flops import step_flops
 from hldstudy.model import Transformer, preset
 from hldstudy.train.optim import make_optimizer

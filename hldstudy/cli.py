@@ -21,7 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     commands = {
         "quickstart": "hldstudy.quickstart",
         "train": "hldstudy.train.__main__",
-        "flops": "hldstudy.flops",
+        "flops": "hldstudy.flops.__main__",
         "plan": "hldstudy.plan",
         "eval": "hldstudy.eval.__main__",
         "sweep": "hldstudy.sweep.__main__",

@@ -8,7 +8,7 @@ import jax
 import pytest
 
 from hldstudy.config import Config, DataConfig, DistillConfig, TrainConfig
-from hldstudy.distill import make_strategy
+from hldstudy.distill.base import make_strategy
 from hldstudy.errors import ConfigError
 from hldstudy.model import preset
 from hldstudy.train.loop import Interrupted, Trainer

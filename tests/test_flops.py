@@ -5,19 +5,19 @@ import json
 
 import pytest
 
-from hldstudy.config import BudgetConfig, Config, DataConfig, DistillConfig
-from hldstudy.distill.pairs import default_layer_pairs, resolve_layer_pairs
+from hldstudy.budget import plan_stages
+from hldstudy.config import BudgetConfig, Config, DataConfig, DistillConfig, TrainConfig
+from hldstudy.distill import methods
+from hldstudy.distill.pairs import PAIR_RULES, resolve_layer_pairs
 from hldstudy.errors import ConfigError
 from hldstudy.flops import (
     causal_context,
     flops_per_token,
-    main,
     matmul_params_per_layer,
-    method_stages,
     step_flops,
-    steps_for_budget,
-    xla_flops_for,
 )
+from hldstudy.flops.__main__ import main
+from hldstudy.train.probe import xla_flops_for
 from hldstudy.model import preset
 
 TINY = preset("tiny")  # 4 layers, d 64, 4 heads / 2 KV, head_dim 16, d_ff 192, V 512, W 32, global_every 2
@@ -82,7 +82,8 @@ def test_kd_teacher_switch():
 
 def test_hldf_stage1_runs_half_the_student_no_head():
     cfg = cfg_for("hldf")
-    assert method_stages(cfg) == [("stage1", 0.2), ("stage2", pytest.approx(0.8))]
+    stages = methods.get("hldf").resolve_stages(cfg)
+    assert [(s.name, s.share) for s in stages] == [("stage1", 0.2), ("stage2", pytest.approx(0.8))]
     s1 = step_flops(cfg, stage="stage1", teacher_model=TEACHER, count_teacher=True)
     assert s1.layer_pairs == ((2, 3),) and s1.student_layers == 2 and not s1.student_head
     f = flops_per_token(TINY, 64, n_layers=2, head=False)
@@ -114,9 +115,10 @@ def test_layer_pair_errors():
         with pytest.raises(ConfigError, match="layer_pairs"):
             resolve_layer_pairs(cfg_for("hldc", layer_pairs=spec), TEACHER)
     with pytest.raises(ConfigError, match="patient_pairs"):
-        default_layer_pairs("patient", 4, 6, patient_pairs=4)
+        PAIR_RULES["patient"](4, 6, cfg_for("patient", patient_pairs=4))
     assert resolve_layer_pairs(cfg_for("kd"), TEACHER) == ()
-    assert default_layer_pairs("patient", 18, 34, 1) == default_layer_pairs("hldf", 18, 34)
+    assert PAIR_RULES["patient"](18, 34, cfg_for("patient", patient_pairs=1)) == \
+        PAIR_RULES["middle"](18, 34, cfg_for("hldf"))
 
 
 def test_steps_for_budget_floor():
@@ -124,12 +126,20 @@ def test_steps_for_budget_floor():
     s1 = step_flops(cfg, stage="stage1", teacher_model=TEACHER).total
     s2 = step_flops(cfg, stage="stage2", teacher_model=TEACHER).total
     budget = 1e12
-    steps = steps_for_budget(cfg, budget, teacher_model=TEACHER)
-    assert steps == {"stage1": int(budget * 0.25 // s1), "stage2": int(budget * 0.75 // s2)}
-    base = steps_for_budget(cfg_for(), budget)
-    assert base == {"main": int(budget // step_flops(cfg_for()).total)}
-    with pytest.raises(ConfigError):
-        steps_for_budget(cfg_for(), 0.0)
+    plans = plan_stages(cfg, TEACHER, budget_flops=budget)
+    assert {p.stage.name: p.steps for p in plans} == {"stage1": int(budget * 0.25 // s1),
+                                                       "stage2": int(budget * 0.75 // s2)}
+    assert plans[1].start == plans[0].steps and plans[0].flops_per_step == s1
+    base = plan_stages(cfg_for(), budget_flops=budget)
+    assert [(p.stage.name, p.steps) for p in base] == [
+        ("main", int(budget // step_flops(cfg_for()).total))]
+    with pytest.raises(ConfigError, match="budget.flops"):
+        plan_stages(cfg_for(), budget_flops=-1.0)
+    with pytest.raises(ConfigError, match="gets no steps"):
+        plan_stages(cfg_for(), budget_flops=1.0)
+    # Without a budget, train.steps is split by share; the last stage takes the rest.
+    by_steps = dataclasses.replace(cfg, train=TrainConfig(steps=10))
+    assert [p.steps for p in plan_stages(by_steps, TEACHER)] == [2, 8]
 
 
 def test_hardware_terms():

@@ -143,7 +143,7 @@ XLA_CASES = [
 def test_predict_step_memory_matches_xla(model, b, t):
     import jax
 
-    from hldstudy.flops import baseline_train_step
+    from hldstudy.train.probe import baseline_train_step
 
     cfg = Config(model=model, data=DataConfig(batch_size=b, seq_len=t))
     fn, state, batch = baseline_train_step(cfg)
@@ -169,7 +169,7 @@ def test_predict_step_memory_matches_xla_distill(method, stage, layout, distill)
     import jax
 
     from hldstudy.config import DistillConfig
-    from hldstudy.flops import train_step_probe
+    from hldstudy.train.probe import train_step_probe
 
     teacher = preset("tiny-teacher")
     cfg = Config(model=preset("tiny"), data=DataConfig(batch_size=4, seq_len=64),

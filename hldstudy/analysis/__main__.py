@@ -13,6 +13,7 @@ import argparse
 import logging
 import sys
 
+from hldstudy.distill import methods
 from hldstudy.errors import user_errors
 
 PROG = "python -m hldstudy.analysis"
@@ -28,7 +29,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="analyse each FLOP budget separately instead of refusing mixed budgets")
     p.add_argument("--no-name-check", action="store_true",
                    help="do not check hyperparameters encoded in run folder names against configs")
-    p.add_argument("--reference", default="kd", help="method every other arm is compared to (kd)")
+    p.add_argument("--reference", default=methods.REFERENCE,
+                   help=f"method every other arm is compared to ({methods.REFERENCE})")
     p.add_argument("--n-resamples", type=int, default=10_000, help="bootstrap resamples (10000)")
     p.add_argument("--ci", type=float, default=0.95, help="bootstrap CI level (0.95)")
     p.add_argument("--seed", type=int, default=0, help="bootstrap seed (0)")

@@ -19,9 +19,11 @@ import pandas as pd  # noqa: E402
 
 from hldstudy.analysis import stats  # noqa: E402
 from hldstudy.analysis.tables import PPL_DELTA, _keystr_frame, grid_cols  # noqa: E402
+from hldstudy.distill import methods  # noqa: E402
 
-_COLORS = {"baseline": "#7f7f7f", "kd": "#1f77b4", "hldf": "#d62728", "hldc": "#2ca02c",
-           "patient": "#9467bd"}
+# One color per registered method, in registration order (baseline grey, kd blue,
+# hldf red, hldc green, patient purple), so a method keeps its color in every plot.
+_METHOD_PALETTE = ["#7f7f7f", "#1f77b4", "#d62728", "#2ca02c", "#9467bd"]
 _EXTRA = ["#ff7f0e", "#8c564b", "#e377c2", "#17becf", "#bcbd22"]
 
 
@@ -29,8 +31,10 @@ def arm_colors(arms) -> dict:
     out, k = {}, 0
     for a in arms:
         base = str(a).split("[", 1)[0]
-        if base in _COLORS and base not in {str(x).split("[", 1)[0] for x in out}:
-            out[a] = _COLORS[base]
+        names = methods.names()
+        if base in names and names.index(base) < len(_METHOD_PALETTE) \
+                and base not in {str(x).split("[", 1)[0] for x in out}:
+            out[a] = _METHOD_PALETTE[names.index(base)]
         else:
             out[a] = _EXTRA[k % len(_EXTRA)]
             k += 1
@@ -56,7 +60,7 @@ def plot_ppl_vs_lr(df: pd.DataFrame, path: str | Path, title: str = "") -> Path 
     if d.empty:
         return None
     others = [c for c in grid_cols(df) if c != "lr"]
-    arms = sorted(d["arm"].dropna().unique(), key=lambda a: (a != "kd", str(a)))
+    arms = sorted(d["arm"].dropna().unique(), key=lambda a: (a != methods.REFERENCE, str(a)))
     colors = arm_colors(arms)
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
     n = len(arms)
@@ -83,7 +87,7 @@ def plot_ppl_vs_lr(df: pd.DataFrame, path: str | Path, title: str = "") -> Path 
 
 
 def plot_deltas(pairs: pd.DataFrame, summary: pd.DataFrame | None, path: str | Path,
-                title: str = "", reference: str = "kd") -> Path | None:
+                title: str = "", reference: str = methods.REFERENCE) -> Path | None:
     """Per-grid-point perplexity delta vs the reference (%), one row per arm, mean and CI.
 
     Each dot is one grid point (its seeds averaged), so the dots are exactly
@@ -120,7 +124,7 @@ def plot_deltas(pairs: pd.DataFrame, summary: pd.DataFrame | None, path: str | P
     ax.set_yticks(range(len(arms)))
     ax.set_yticklabels(arms)
     ax.set_ylim(-0.6, len(arms) - 0.2)
-    ref = reference.upper() if reference == "kd" else reference
+    ref = reference.upper() if reference == methods.REFERENCE else reference
     level = summary.attrs.get("level", 0.95) if summary is not None else 0.95
     ax.set_xlabel(f"validation perplexity vs {ref} at the same grid point (%)  "
                   f"← better than {ref}")

@@ -24,10 +24,10 @@ import pandas as pd
 from hldstudy.analysis import plots, stats, tables
 from hldstudy.analysis.runs import load_runs
 from hldstudy.analysis.tables import PPL_DELTA, fmt_num, fmt_p, fmt_signed, md_table, pm
+from hldstudy.distill import methods
 
 log = logging.getLogger("hldstudy.analysis")
 
-REFERENCE = "kd"
 
 
 def _slug(text: str) -> str:
@@ -92,7 +92,7 @@ class _Budget:
 
 def build_report(runs_dir: str | Path, out_dir: str | Path, *, allow_mixed_budgets: bool = False,
                  check_names: bool = True, n_resamples: int = 10_000, level: float = 0.95,
-                 seed: int = 0, reference: str = REFERENCE, wandb_report: bool = False) -> dict:
+                 seed: int = 0, reference: str = methods.REFERENCE, wandb_report: bool = False) -> dict:
     """Writes the report into ``out_dir`` and returns the summary dict (also summary.json)."""
     out = Path(out_dir)
     df = load_runs(runs_dir, allow_mixed_budgets=allow_mixed_budgets, check_names=check_names)
@@ -190,7 +190,7 @@ def _accounting(df: pd.DataFrame, budgets: list[_Budget], reference: str) -> pd.
                 role[rid] = "reference (paired)" if arm == reference else "compared (paired)"
             elif rid in unpaired:
                 role[rid] = "compared (no reference at its point)"
-            elif str(arm).startswith("baseline"):
+            elif str(arm).startswith(methods.BASELINE):
                 role[rid] = "baseline (best-vs-best only)"
             elif arm == reference:
                 role[rid] = "reference (no other arm at its point)"

@@ -29,9 +29,9 @@ import numpy as np
 import pandas as pd
 
 from hldstudy.analysis import stats
+from hldstudy.distill import methods
 
 PPL_DELTA = "valid_ppl_delta_pct"
-REFERENCE = "kd"
 
 
 # --------------------------------------------------------------------------- #
@@ -96,7 +96,7 @@ def _pair_key(df: pd.DataFrame, with_seed: bool = True) -> pd.Series:
 # --------------------------------------------------------------------------- #
 
 
-def point_table(df: pd.DataFrame, reference: str = REFERENCE) -> tuple[pd.DataFrame, pd.DataFrame]:
+def point_table(df: pd.DataFrame, reference: str = methods.REFERENCE) -> tuple[pd.DataFrame, pd.DataFrame]:
     """Each non-reference distillation arm vs the reference at every shared (point, seed).
 
     Returns ``(pairs, unpaired)``. ``pairs`` has the grid columns, ``seed``,
@@ -111,7 +111,7 @@ def point_table(df: pd.DataFrame, reference: str = REFERENCE) -> tuple[pd.DataFr
     ref = ref.assign(_k=_pair_key(ref)).set_index("_k")
     rows, unpaired = [], []
     arms = sorted(a for a in df["arm"].dropna().unique()
-                  if a != reference and not str(a).startswith("baseline"))
+                  if a != reference and not str(a).startswith(methods.BASELINE))
     for arm in arms:
         sub = df[df["arm"] == arm]
         for k, rr in zip(_pair_key(sub), sub.to_dict("records"), strict=False):
@@ -230,7 +230,7 @@ def seed_table(df: pd.DataFrame) -> pd.DataFrame:
 # --------------------------------------------------------------------------- #
 
 
-def best_table(df: pd.DataFrame, reference: str = REFERENCE) -> pd.DataFrame:
+def best_table(df: pd.DataFrame, reference: str = methods.REFERENCE) -> pd.DataFrame:
     """Each arm at its best config, chosen on validation perplexity (seed-mean, lowest).
 
     Ties are broken by the grid columns ascending (``stats.select_best``).
@@ -274,7 +274,7 @@ def best_table(df: pd.DataFrame, reference: str = REFERENCE) -> pd.DataFrame:
             best[f"d:{m}_se"] = np.sqrt(best[m + "_stderr"] ** 2 + ref[m + "_stderr"] ** 2)
     # Reference first, baseline last, others alphabetical.
     order = {reference: 0}
-    best["_o"] = [order.get(a, 2 if str(a).startswith("baseline") else 1) for a in best["arm"]]
+    best["_o"] = [order.get(a, 2 if str(a).startswith(methods.BASELINE) else 1) for a in best["arm"]]
     best = best.sort_values(["_o", "arm"], kind="mergesort").drop(columns="_o")
     best = best.reset_index(drop=True)
     best.attrs = {"grid_cols": gcols, "metrics": mcols, "reference": reference}

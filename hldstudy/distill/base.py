@@ -1,66 +1,195 @@
-"""The distillation strategy interface.
+"""The strategy: a method's declared stages turned into losses.
 
-A method is a small strategy object (after Tunix): it names its stages and
-their shares of the FLOP budget, says which teacher layers it needs, may own
-auxiliary trainable modules (regressors), and computes the loss of one
-batch. The trainer is the same for every method.
+A method is declared once in `hldstudy.distill.methods` (its stages, the
+loss terms of each, how deep the student runs, which layer pairs it aligns).
+`Strategy` reads that declaration and computes the loss of one batch; the
+trainer is the same for every method. A method whose loss is not a
+combination of the declared terms gives its own subclass
+(`MethodSpec.strategy`) and overrides `loss`.
 """
 
 from __future__ import annotations
 
-import abc
-from dataclasses import dataclass
+import importlib
+from typing import TypedDict
 
 import jax
 from flax import nnx, struct
 
-from hldstudy.config import Config, ModelConfig
+from hldstudy.distill import methods
+from hldstudy.distill.methods import Stage
+from hldstudy.distill.pairs import resolve_layer_pairs
+from hldstudy.errors import ConfigError
+from hldstudy.losses import (
+    Regressor,
+    fused_kd_loss,
+    hidden_alignment_loss,
+    materialized_kd_loss,
+    nll_from_logits,
+)
 
 
-@dataclass(frozen=True)
-class Stage:
-    name: str  # "main", or "stage1" / "stage2" for HLDF
-    share: float  # share of the FLOP budget (and of train.steps when no budget is set)
+class Batch(TypedDict):
+    """One training batch, every array `[B, T]` (packed documents)."""
+
+    tokens: jax.Array  # int32 input ids
+    positions: jax.Array  # int32 position within each document (RoPE)
+    segment_ids: jax.Array  # int32 document id; attention stays within a document
+    targets: jax.Array  # int32 next-token ids
+    mask: jax.Array  # bool/int, 1 where the target counts in the loss
 
 
 @struct.dataclass
 class TeacherOutputs:
     """What the student side sees of the teacher for one batch (never logits)."""
 
-    final_hidden: jax.Array | None  # [B, T, D_t], input of the teacher's LM head
-    hidden: dict  # {teacher layer: [B, T, D_t]}
-    head_weight: jax.Array | None  # [D_t, V], to rebuild teacher logits inside the loss
+    final_hidden: jax.Array | None  # final_hidden_BxTxD: input of the teacher's LM head
+    hidden: dict  # {teacher layer: hidden_BxTxD}
+    head_weight: jax.Array | None  # head_DxV: to rebuild teacher logits inside the loss
 
 
-class Strategy(abc.ABC):
-    name: str = ""
-    needs_teacher: bool = True
+class Regressors(nnx.Module):
+    """One learned dense regressor d_s -> d_t per aligned pair."""
 
-    def __init__(self, cfg: Config, student: ModelConfig, teacher: ModelConfig | None):
+    def __init__(self, d_student: int, d_teacher: int, n_pairs: int, rngs: nnx.Rngs):
+        self.items = nnx.List([Regressor(d_student, d_teacher, rngs=rngs) for _ in range(n_pairs)])
+
+
+def check_compatible(student, teacher, method: str) -> None:
+    """Logit KD needs one vocabulary and one final soft-cap for both ModelConfigs."""
+    if teacher is None:
+        raise ConfigError("teacher.checkpoint", f"method {method!r} needs a teacher",
+                          "pass --set teacher.checkpoint=RUN_DIR")
+    if teacher.vocab_size != student.vocab_size:
+        raise ConfigError("model.vocab_size",
+                          f"student vocabulary {student.vocab_size} differs from the teacher's "
+                          f"{teacher.vocab_size}; logit KD needs one shared vocabulary",
+                          "train the student with the teacher's tokenizer and vocab_size")
+    if teacher.final_softcap != student.final_softcap:
+        raise ConfigError("model.final_softcap",
+                          f"student soft-cap {student.final_softcap} differs from the teacher's "
+                          f"{teacher.final_softcap}; the fused loss applies one cap to both")
+
+
+class Strategy:
+    """The loss of one method, computed from its declared stages.
+
+    Terms combine as `kd + hidden_weight * nmse` (HLDC, Patient KD; likewise
+    `nll + hidden_weight * nmse`); a stage with one term optimises it alone
+    (the baseline's NLL, logit KD, HLDF's stage-1 NMSE). Metrics: each term
+    by name, plus the KD loss's own breakdown.
+    """
+
+    def __init__(self, cfg, student, teacher):
+        """cfg: the run's Config; student / teacher: their ModelConfigs (teacher None
+        for a method without one). Config types are not imported: distill/ sits
+        below config, which validates against the method registry."""
         self.cfg = cfg
+        self.spec = methods.get(cfg.distill.method)
+        self.name = self.spec.name
         self.student_cfg = student
         self.teacher_cfg = teacher
+        if any(st.kd for st in self.spec.stages):
+            check_compatible(student, teacher, self.name)
+            if cfg.distill.divergence == "jsd" and cfg.distill.loss_impl == "fused":
+                raise ConfigError("distill.loss_impl",
+                                  "the fused loss streams forward/reverse KL only",
+                                  "use distill.loss_impl=materialized for jsd")
+        self.pairs = resolve_layer_pairs(cfg, teacher) if self.spec.aligns else ()
+        if self.pairs and not cfg.distill.regressor and student.d_model != teacher.d_model:
+            raise ConfigError("distill.regressor",
+                              f"student hidden size {student.d_model} differs from the teacher's "
+                              f"{teacher.d_model} and no regressor maps between them",
+                              "set distill.regressor=true")
+
+    @property
+    def needs_teacher(self) -> bool:
+        return self.spec.needs_teacher
+
+    # -- what a stage runs (read by the trainer, the teacher and the FLOP probe) --
 
     def stages(self) -> tuple[Stage, ...]:
-        return (Stage("main", 1.0),)
+        return self.spec.resolve_stages(self.cfg)
 
     def teacher_layers(self, stage: Stage) -> tuple[int, ...]:
         """Teacher hidden layers the loss needs at this stage."""
-        return ()
+        return tuple(t for _, t in self.pairs) if stage.spec.aligns else ()
 
     def teacher_needs_head(self, stage: Stage) -> bool:
         """Whether the loss needs the teacher's final hidden state and head."""
-        return self.needs_teacher
-
-    def init_aux(self, stage: Stage, rngs: nnx.Rngs) -> nnx.Module | None:
-        """Extra trainable modules for this stage (e.g. regressors); None if none."""
-        return None
+        return stage.spec.teacher_head
 
     def trainable_student_layers(self, stage: Stage) -> int | None:
-        """Blocks the stage trains (None = the whole student); the rest is frozen."""
-        return None
+        """Blocks the stage runs and trains (None = the whole student); the rest is frozen."""
+        return max(s for s, _ in self.pairs) if stage.spec.depth == "aligned" else None
 
-    @abc.abstractmethod
-    def loss(self, stage: Stage, student, aux, batch: dict,
+    def init_aux(self, stage: Stage, rngs: nnx.Rngs) -> nnx.Module | None:
+        """Regressors for a stage that aligns through them; None otherwise."""
+        if not (stage.spec.aligns and self.cfg.distill.regressor):
+            return None
+        return Regressors(self.student_cfg.d_model, self.teacher_cfg.d_model, len(self.pairs),
+                          rngs)
+
+    # -- the loss ---------------------------------------------------------------
+
+    def kd_loss(self, student, final_hidden_BxTxD, batch: Batch, teacher: TeacherOutputs):
+        """The logit-KD objective from the student's final hidden state."""
+        d = self.cfg.distill
+        if d.loss_impl == "fused":
+            impl, kwargs = fused_kd_loss, {"backend": d.fused_backend}
+        else:
+            impl, kwargs = materialized_kd_loss, {"jsd_beta": d.jsd_beta}
+        return impl(final_hidden_BxTxD, student.head_weight(), teacher.final_hidden,
+                    teacher.head_weight, batch["targets"], batch["mask"] > 0,
+                    temperature=d.temperature, alpha=d.alpha, divergence=d.divergence,
+                    softcap=self.student_cfg.final_softcap, **kwargs)
+
+    def alignment(self, hidden: dict, aux, batch: Batch, teacher: TeacherOutputs):
+        """Normalized MSE averaged over the aligned pairs."""
+        regressors = list(aux.items) if aux is not None else [lambda h: h] * len(self.pairs)
+        return hidden_alignment_loss([hidden[s] for s, _ in self.pairs],
+                                     [teacher.hidden[t] for _, t in self.pairs],
+                                     regressors, batch["mask"] > 0)
+
+    def loss(self, stage: Stage, student, aux, batch: Batch,
              teacher: TeacherOutputs | None) -> tuple[jax.Array, dict]:
         """Scalar loss and a dict of scalar metrics for one batch."""
+        spec = stage.spec
+        kwargs = {}
+        if spec.aligns:
+            kwargs["hidden_layers"] = tuple(s for s, _ in self.pairs)
+        if spec.depth == "aligned":
+            kwargs["max_layer"] = max(s for s, _ in self.pairs)
+        elif spec.kd:
+            kwargs["return_logits"] = False  # the KD loss builds logits chunk by chunk
+        out = student(batch["tokens"], batch["positions"], batch["segment_ids"], **kwargs)
+        terms, metrics = {}, {}
+        if "nll" in spec.terms:
+            terms["nll"] = nll_from_logits(out.logits, batch["targets"], batch["mask"])
+            metrics["nll"] = terms["nll"]
+        if spec.kd:
+            terms["kd"], kd_metrics = self.kd_loss(student, out.final_hidden, batch, teacher)
+            metrics.update(kd_metrics)
+        if not spec.aligns:
+            return terms.get("kd", terms.get("nll")), metrics
+        nmse = self.alignment(out.hidden, aux, batch, teacher)
+        metrics["nmse"] = nmse
+        if not terms:  # alignment alone (HLDF stage 1): its weight would only rescale it
+            return nmse, metrics
+        name, main = next(iter(terms.items()))
+        metrics[name] = main
+        return main + self.cfg.distill.hidden_weight * nmse, metrics
+
+
+def strategy_class(spec: methods.MethodSpec) -> type[Strategy]:
+    """The spec's strategy class ("module:Class" is imported on first use)."""
+    if not spec.strategy:
+        return Strategy
+    if isinstance(spec.strategy, str):
+        module, _, name = spec.strategy.partition(":")
+        return getattr(importlib.import_module(module), name)
+    return spec.strategy
+
+
+def make_strategy(cfg, student_cfg, teacher_cfg=None) -> Strategy:
+    return strategy_class(methods.get(cfg.distill.method))(cfg, student_cfg, teacher_cfg)

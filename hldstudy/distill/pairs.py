@@ -6,41 +6,56 @@ Layer numbers are 1-based block outputs (`hidden[l]` in
 output. The same resolution is used by the FLOP count (`hldstudy.flops`),
 the strategies and the teacher streaming, so they can never disagree.
 
-Defaults when `distill.layer_pairs` is empty:
+Defaults when `distill.layer_pairs` is empty, by the method's pair rule
+(`MethodSpec.pairs`):
 
-- hldf / hldc: one pair, the middle layer of each, `(n_s // 2, n_t // 2)`.
-- patient: `distill.patient_pairs = P` pairs at the same relative depths
+- "middle" (hldf, hldc): one pair, the middle layer of each, `(n_s // 2, n_t // 2)`.
+- "patient": `distill.patient_pairs = P` pairs at the same relative depths
   `i / (P + 1)`, i = 1..P: `((i * n_s) // (P + 1), (i * n_t) // (P + 1))`.
-  P = 1 gives the hld default. The last block is left to the logit KD term,
+  P = 1 gives the middle pair. The last block is left to the logit KD term,
   as in Patient KD (Sun et al., 2019).
-- baseline / kd: no pairs.
+
+Methods without a rule (baseline, kd) align nothing.
 """
 
 from __future__ import annotations
 
-from hldstudy.config import Config, ModelConfig, parse_layer_pairs
+from hldstudy.distill import methods
 from hldstudy.errors import ConfigError
 
-HIDDEN_METHODS = ("hldf", "hldc", "patient")
+
+def parse_layer_pairs(spec: str) -> tuple[tuple[int, int], ...]:
+    """'6:12,9:17' -> ((6, 12), (9, 17)). Raises ConfigError on bad syntax."""
+    pairs = []
+    for part in spec.split(","):
+        part = part.strip()
+        try:
+            s, t = part.split(":")
+            pairs.append((int(s), int(t)))
+        except ValueError:
+            raise ConfigError("distill.layer_pairs", f"bad pair {part!r}",
+                              "write student:teacher pairs like '6:12,9:17'") from None
+    return tuple(pairs)
 
 
-def default_layer_pairs(method: str, n_student: int, n_teacher: int,
-                        patient_pairs: int = 3) -> tuple[tuple[int, int], ...]:
-    if method in ("hldf", "hldc"):
-        return ((max(1, n_student // 2), max(1, n_teacher // 2)),)
-    if method == "patient":
-        p = patient_pairs
-        if p < 1:
-            raise ConfigError("distill.patient_pairs", f"must be >= 1, got {p}")
-        if p >= n_student or p >= n_teacher:
-            raise ConfigError("distill.patient_pairs",
-                              f"{p} pairs do not fit in a {n_student}-layer student / "
-                              f"{n_teacher}-layer teacher",
-                              "use fewer pairs than layers, or set distill.layer_pairs")
-        return tuple(((i * n_student) // (p + 1), (i * n_teacher) // (p + 1))
-                     for i in range(1, p + 1))
-    return ()
+def middle_pair(n_student: int, n_teacher: int, cfg) -> tuple[tuple[int, int], ...]:
+    return ((max(1, n_student // 2), max(1, n_teacher // 2)),)
 
+
+def patient_pairs(n_student: int, n_teacher: int, cfg) -> tuple[tuple[int, int], ...]:
+    p = cfg.distill.patient_pairs
+    if p < 1:
+        raise ConfigError("distill.patient_pairs", f"must be >= 1, got {p}")
+    if p >= n_student or p >= n_teacher:
+        raise ConfigError("distill.patient_pairs",
+                          f"{p} pairs do not fit in a {n_student}-layer student / "
+                          f"{n_teacher}-layer teacher",
+                          "use fewer pairs than layers, or set distill.layer_pairs")
+    return tuple(((i * n_student) // (p + 1), (i * n_teacher) // (p + 1))
+                 for i in range(1, p + 1))
+
+
+PAIR_RULES = {"middle": middle_pair, "patient": patient_pairs}
 
 def check_layer_pairs(pairs, n_student: int, n_teacher: int) -> tuple[tuple[int, int], ...]:
     """Raises ConfigError when a layer is outside 1..n_layers of its model."""
@@ -56,22 +71,25 @@ def check_layer_pairs(pairs, n_student: int, n_teacher: int) -> tuple[tuple[int,
     return tuple((int(s), int(t)) for s, t in pairs)
 
 
-def resolve_layer_pairs(cfg: Config, teacher_model_cfg: ModelConfig | None,
-                        method: str | None = None) -> tuple[tuple[int, int], ...]:
+def resolve_layer_pairs(cfg, teacher_model_cfg, method: str | None = None) -> tuple[tuple[int, int], ...]:
     """The (student, teacher) pairs `method` (default `cfg.distill.method`) aligns.
 
-    Explicit `distill.layer_pairs` win for hldf / hldc / patient; methods
-    without hidden alignment return `()`.
+    cfg: the run's Config; teacher_model_cfg: the teacher's ModelConfig. (Not
+    imported here: the config validates against the method registry, so
+    distill/ stays below config.)
+
+    Explicit `distill.layer_pairs` win for methods that align; methods without
+    a pair rule return `()`.
     """
-    method = method or cfg.distill.method
-    if method not in HIDDEN_METHODS:
+    spec = methods.get(method or cfg.distill.method)
+    if spec.pairs is None:
         return ()
     if teacher_model_cfg is None:
-        raise ConfigError("teacher", f"method {method!r} needs the teacher's model config "
+        raise ConfigError("teacher", f"method {spec.name!r} needs the teacher's model config "
                           "to resolve its layer pairs")
     n_s, n_t = cfg.model.n_layers, teacher_model_cfg.n_layers
     if cfg.distill.layer_pairs:
         pairs = parse_layer_pairs(cfg.distill.layer_pairs)
     else:
-        pairs = default_layer_pairs(method, n_s, n_t, cfg.distill.patient_pairs)
+        pairs = PAIR_RULES[spec.pairs](n_s, n_t, cfg)
     return check_layer_pairs(pairs, n_s, n_t)

@@ -17,6 +17,7 @@ import time
 import traceback
 from pathlib import Path
 
+from hldstudy.distill import methods
 from hldstudy.rundir import write_json_atomic
 from hldstudy.sweep.spec import Run, run_status
 
@@ -57,7 +58,7 @@ class Worker:
         return self._data[cfg.data]
 
     def teacher_for(self, cfg, tokenizer):
-        if cfg.distill.method == "baseline":
+        if not methods.get(cfg.distill.method).needs_teacher:
             return None
         key = (cfg.teacher.checkpoint, cfg.teacher.dtype)
         if key not in self._teachers:

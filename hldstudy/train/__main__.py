@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from hldstudy.cli_common import add_config_args, quiet_libraries, resolve_config
+from hldstudy.distill import methods
 from hldstudy.errors import user_errors
 
 
@@ -20,7 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     add_config_args(parser)
     parser.add_argument("--workdir", default=None, help="run directory (default runs/<name>)")
     parser.add_argument("--method", default=None,
-                        choices=["baseline", "kd", "hldf", "hldc", "patient"],
+                        choices=methods.names(),
                         help="distillation method (same as --set distill.method=...)")
     args = parser.parse_args(argv)
     quiet_libraries()

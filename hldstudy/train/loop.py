@@ -13,7 +13,6 @@ import json
 import math
 import signal
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import jax
@@ -21,9 +20,19 @@ import jax.numpy as jnp
 from flax import nnx
 
 from hldstudy import sharding as mesh_lib
+from hldstudy.budget import StagePlan, plan_stages, total_steps
 from hldstudy.checkpoint import Checkpointer, abstract_like
-from hldstudy.config import Config, config_to_dict, flatten, read_config, save_config, validate
-from hldstudy.distill import Stage, make_strategy
+from hldstudy.config import (
+    Config,
+    config_to_dict,
+    fields_where,
+    flatten,
+    read_config,
+    save_config,
+    validate,
+)
+from hldstudy.distill import methods
+from hldstudy.distill.base import make_strategy
 from hldstudy.errors import ConfigError
 from hldstudy.model import Transformer
 from hldstudy.signals import StopSignals
@@ -32,12 +41,9 @@ from hldstudy.train.metrics import MetricsLogger
 from hldstudy.train.optim import make_optimizer
 from hldstudy.train.step import GraphDefs, make_eval_step, make_train_step, split_params
 
-# Config fields a resumed run may change; anything else must match the run directory.
-RESUMABLE_CHANGES = {"train.steps", "train.log_every", "train.eval_every", "train.eval_batches",
-                     "train.checkpoint_every", "train.keep_checkpoints", "train.progress",
-                     "wandb.enabled", "wandb.mode", "wandb.project", "wandb.entity",
-                     "wandb.group", "budget.flops", "teacher.checkpoint", "teacher.ring_size",
-                     "teacher.timeout_s", "data.path", "data.tokenizer", "name"}
+# Config fields a resumed run may change (tagged `resume` in hldstudy.config); a
+# mesh change restores the checkpoint resharded onto the new mesh.
+RESUMABLE_CHANGES = fields_where("resume")
 
 
 class Interrupted(Exception):
@@ -54,14 +60,6 @@ class _StopFlag(StopSignals):
     stop_at_step: int | None = None
 
 
-@dataclass
-class StagePlan:
-    stage: Stage
-    steps: int
-    start: int  # global step at which the stage begins
-    flops_per_step: float
-
-
 def check_resume_compatible(cfg: Config, workdir: Path) -> None:
     """Refuses to resume a run directory under a different experiment."""
     path = workdir / "config.json"
@@ -75,33 +73,11 @@ def check_resume_compatible(cfg: Config, workdir: Path) -> None:
                               "use a new --workdir, or restore the original value")
 
 
-def plan_stages(cfg: Config, strategy, flops_per_step) -> list[StagePlan]:
-    """Steps per stage: from the FLOP budget when one is set, else train.steps by share."""
-    plans, start = [], 0
-    stages = strategy.stages()
-    for i, stage in enumerate(stages):
-        fps = flops_per_step(stage)
-        if cfg.budget.flops > 0:
-            steps = int(math.floor(cfg.budget.flops * stage.share / fps))
-        elif i == len(stages) - 1:
-            steps = cfg.train.steps - start
-        else:
-            steps = int(round(cfg.train.steps * stage.share))
-        if steps <= 0:
-            raise ConfigError("budget.flops" if cfg.budget.flops > 0 else "train.steps",
-                              f"stage {stage.name!r} of {strategy.name} gets no steps",
-                              "raise the budget / step count")
-        plans.append(StagePlan(stage, steps, start, fps))
-        start += steps
-    return plans
-
-
 class Trainer:
     """Holds what stages share: mesh, data, strategy, teacher, logger, checkpointer."""
 
     def __init__(self, cfg: Config, workdir: str | Path, *, teacher=None, data=None,
                  devices=None):
-        from hldstudy.flops import step_flops
         from hldstudy.teacher import with_teacher_tokenizer
 
         cfg = validate(with_teacher_tokenizer(cfg))
@@ -123,17 +99,15 @@ class Trainer:
                               f"{cfg.model.vocab_size} is smaller than the tokenizer's "
                               f"{self.data.tokenizer.vocab_size} pieces")
         self.teacher = teacher
-        if teacher is None and cfg.distill.method != "baseline":
+        if teacher is None and methods.get(cfg.distill.method).needs_teacher:
             from hldstudy.teacher import load_teacher
 
             self.teacher = load_teacher(cfg, self.data.tokenizer)
         teacher_model_cfg = self.teacher.model_cfg if self.teacher is not None else None
         self.strategy = make_strategy(cfg, cfg.model, teacher_model_cfg)
-        self.plans = plan_stages(
-            cfg, self.strategy,
-            lambda st: step_flops(cfg, method=cfg.distill.method, stage=st.name,
-                                  teacher_model=teacher_model_cfg).total)
-        self.total_steps = self.plans[-1].start + self.plans[-1].steps
+        self.plans = plan_stages(cfg, teacher_model_cfg)
+        self.total_steps = total_steps(self.plans)
+        self._eval_steps: dict = {}
         self.ckpt = Checkpointer(self.workdir / "checkpoints", cfg.train.keep_checkpoints)
 
     # ------------------------------------------------------------------ #
@@ -172,7 +146,10 @@ class Trainer:
         return self.teacher.stage_feed(self.strategy, plan.stage, self.mesh)
 
     def evaluate(self, graphdefs: GraphDefs, params, n_batches: int) -> dict:
-        eval_step = jax.jit(make_eval_step(graphdefs))
+        # One compiled eval step per student graph (not one per call).
+        eval_step = self._eval_steps.get(graphdefs.student)
+        if eval_step is None:
+            eval_step = self._eval_steps[graphdefs.student] = jax.jit(make_eval_step(graphdefs))
         total, count = 0.0, 0.0
         for batch in self.data.valid_batches(n_batches):
             s, c = eval_step(params, mesh_lib.put_batch(batch, self.mesh))
