@@ -14,5 +14,4 @@ your runs); to start from a built-in one, copy it from the folder that
 Nothing in the library imports this package: its files import the library.
 """
 
-# The study's comparison: the methods every grid in sweeps/ trains.
-STUDY_METHODS = ("baseline", "kd", "hldf", "hldc")
+from hldstudy.distill.methods import STUDY as STUDY_METHODS  # noqa: F401  (the grids' methods)

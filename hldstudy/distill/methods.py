@@ -268,3 +268,6 @@ register(MethodSpec(
     fields=KD_FIELDS + ALIGN_FIELDS + ("distill.hidden_weight", "distill.patient_pairs"),
     pairs="patient",
     description="Patient KD: logit KD + alignment of patient_pairs evenly mapped layers"))
+
+# The study's comparison (Guigon, Dixon, Sander 2026): the methods its grids train.
+STUDY = (BASELINE, REFERENCE, "hldf", "hldc")
