@@ -10,24 +10,14 @@ import argparse
 import dataclasses
 import json
 import sys
-from pathlib import Path
 
 from hldstudy.budget import plan_stages
-from hldstudy.config import Config, ModelConfig, apply_overrides, load_experiment, read_config
+from hldstudy.config import apply_overrides, load_experiment
 from hldstudy.distill import methods
 from hldstudy.errors import ConfigError, user_errors
 from hldstudy.flops import FUSED_XLA_ROW_BLOCK, step_flops, xla_count_is_complete
-
-
-def teacher_model_from_config(cfg: Config) -> ModelConfig | None:
-    """The teacher's ModelConfig when `teacher.checkpoint` is an hldstudy run dir; else None."""
-    ckpt = cfg.teacher.checkpoint
-    if not ckpt or ckpt.startswith("remote://"):
-        return None
-    path = Path(ckpt) / "config.json"
-    if not path.is_file():
-        return None
-    return read_config(path).model
+from hldstudy.model.loading import model_config_of
+from hldstudy.model.presets import preset
 
 
 def _fmt(x: float) -> str:
@@ -78,11 +68,9 @@ def main(argv: list[str] | None = None) -> int:
             cfg = dataclasses.replace(cfg, budget=dataclasses.replace(cfg.budget,
                                                                       count_teacher=True))
         if args.teacher_preset:
-            from hldstudy.model.presets import preset
-
             teacher_model = preset(args.teacher_preset)
         else:
-            teacher_model = teacher_model_from_config(cfg)
+            teacher_model = model_config_of(cfg.teacher.checkpoint)
         if methods.get(method).needs_teacher and teacher_model is None:
             raise ConfigError("teacher", f"method {method!r} needs the teacher's shape",
                               "pass --teacher-preset NAME, or a teacher.checkpoint run directory")

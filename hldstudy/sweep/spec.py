@@ -37,12 +37,13 @@ from hldstudy.config import (
     fields_where,
     flatten,
     import_entry_point,
-    read_config,
     validate,
 )
 from hldstudy.distill import methods
 from hldstudy.errors import ConfigError, InputError
 from hldstudy.flops import step_flops
+from hldstudy.model.loading import model_config_of
+from hldstudy.model.presets import preset
 
 # Short names in run ids; the first five are the ones hldstudy.analysis reads back.
 SHORT = {
@@ -233,28 +234,16 @@ def _abs_path(value: str | None) -> str | None:
 
 
 def teacher_model_config(checkpoint: str | None, preset_name: str | None):
-    """The teacher's ModelConfig: from an hldstudy run dir, an HF dir's config.json,
-    a GGUF header, else the named preset; None when nothing says."""
-    if checkpoint and not checkpoint.startswith("remote://"):
-        p = Path(checkpoint)
-        if (p / "config.json").is_file() and (p / "checkpoints").is_dir():
-            return read_config(p / "config.json").model
-        try:
-            if p.is_dir() and (p / "config.json").is_file():
-                from hldstudy.model import importers
-
-                return importers._hf_config(json.loads((p / "config.json").read_text()), str(p))
-            if p.is_file() and p.suffix == ".gguf":
-                from hldstudy.model import importers
-
-                return importers._gguf_config(importers._gguf_reader(p), str(p))
-        except Exception:  # noqa: BLE001 - fall back to the preset
-            pass
-    if preset_name:
-        from hldstudy.model.presets import preset
-
-        return preset(preset_name)
-    return None
+    """The teacher's ModelConfig, read from its checkpoint (`model_config_of`: a run
+    directory, an HF directory, a GGUF header), else the named preset (a teacher not
+    trained or downloaded yet); None when nothing says."""
+    try:
+        model = model_config_of(checkpoint)
+    except InputError:  # not a checkpoint (yet): count with the preset
+        model = None
+    if model is None and preset_name:
+        model = preset(preset_name)
+    return model
 
 
 def _stage_plan(cfg: Config, method: str, teacher_model) -> tuple[dict, dict]:

@@ -36,6 +36,7 @@ from hldstudy.distill.base import make_strategy
 from hldstudy.errors import ConfigError
 from hldstudy.model import Transformer
 from hldstudy.signals import StopSignals
+from hldstudy.teacher import load_teacher, with_teacher_tokenizer
 from hldstudy.teacher.base import NO_FEED, StageFeed
 from hldstudy.train.metrics import MetricsLogger
 from hldstudy.train.optim import make_optimizer
@@ -78,8 +79,6 @@ class Trainer:
 
     def __init__(self, cfg: Config, workdir: str | Path, *, teacher=None, data=None,
                  devices=None):
-        from hldstudy.teacher import with_teacher_tokenizer
-
         cfg = validate(with_teacher_tokenizer(cfg))
         self.cfg = cfg
         self.workdir = Path(workdir)
@@ -100,8 +99,6 @@ class Trainer:
                               f"{self.data.tokenizer.vocab_size} pieces")
         self.teacher = teacher
         if teacher is None and methods.get(cfg.distill.method).needs_teacher:
-            from hldstudy.teacher import load_teacher
-
             self.teacher = load_teacher(cfg, self.data.tokenizer)
         teacher_model_cfg = self.teacher.model_cfg if self.teacher is not None else None
         self.strategy = make_strategy(cfg, cfg.model, teacher_model_cfg)
