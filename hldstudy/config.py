@@ -1,6 +1,7 @@
 """Frozen, validated configuration for every hldstudy run.
 
-An experiment is a Python file under `experiments/` exposing `get_config()`
+An experiment is a Python file (the built-in ones: `hldstudy/configs/experiments/`)
+exposing `get_config()`
 that returns a `Config`. The command line may override any leaf with
 `--set section.field=value`; values are parsed to the field's declared type.
 `validate()` runs before any compute and raises `ConfigError` naming the
@@ -23,6 +24,7 @@ from typing import Any
 from hldstudy.distill import methods
 from hldstudy.distill.pairs import parse_layer_pairs
 from hldstudy.errors import ConfigError, InputError
+from hldstudy.fileio import write_json_atomic
 
 # Written into every config.json; 1 = files written before the version existed.
 SCHEMA_VERSION = 2
@@ -529,7 +531,7 @@ def flatten(d: dict, prefix: str = "") -> dict:
 
 def save_config(cfg: Config, path: str | Path) -> None:
     data = {"schema_version": SCHEMA_VERSION, **config_to_dict(cfg)}
-    Path(path).write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    write_json_atomic(path, data, sort_keys=True)
 
 
 def read_config(path: str | Path) -> Config:

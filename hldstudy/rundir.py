@@ -16,13 +16,11 @@ status?" or writes one of its JSON files asks here.
 from __future__ import annotations
 
 import json
-import os
-import threading
 from pathlib import Path
-from typing import Any
 
-from hldstudy.config import Config, config_to_dict
+from hldstudy.config import Config, save_config
 from hldstudy.config import read_config as _read_config_file
+from hldstudy.fileio import write_json_atomic  # noqa: F401  (run files are written with it)
 
 CONFIG_FILE = "config.json"
 RESULTS_FILE = "results.json"
@@ -97,24 +95,6 @@ def tokenizer_candidates(run_dir: str | Path, cfg: Config) -> list[Path]:
     return out + [Path(run_dir) / TOKENIZER_FILE]
 
 
-def write_json_atomic(path: str | Path, data: Any, *, indent: int | None = 2,
-                      sort_keys: bool = False) -> None:
-    """Writes `data` as JSON so that readers see the old file or the new one, never a part:
-    a temporary file in the same directory, flushed to disk, then renamed over `path`."""
-    path = Path(path)
-    text = json.dumps(data, indent=indent, sort_keys=sort_keys) + "\n"
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    try:
-        with open(tmp, "w") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
 def write_config(run_dir: str | Path, cfg: Config) -> None:
-    """Writes the run's config.json (atomically)."""
-    write_json_atomic(Path(run_dir) / CONFIG_FILE, config_to_dict(cfg), sort_keys=True)
+    """Writes the run's config.json (atomically, with its schema version)."""
+    save_config(cfg, Path(run_dir) / CONFIG_FILE)

@@ -25,6 +25,7 @@ from hldstudy.analysis import plots, stats, tables
 from hldstudy.analysis.runs import load_runs
 from hldstudy.analysis.tables import PPL_DELTA, fmt_num, fmt_p, fmt_signed, md_table, pm
 from hldstudy.distill import methods
+from hldstudy.wandb_online import wandb_online
 
 log = logging.getLogger("hldstudy.analysis")
 
@@ -477,23 +478,6 @@ def _budget_md(b: _Budget, ref: str) -> list[str]:
 # --------------------------------------------------------------------------- #
 # W&B
 # --------------------------------------------------------------------------- #
-
-
-def wandb_online() -> tuple[bool, str]:
-    """(online?, reason). Online needs WANDB_MODE not offline/disabled and an API key."""
-    mode = os.environ.get("WANDB_MODE", "").strip().lower()
-    if mode in ("offline", "disabled", "dryrun"):
-        return False, f"WANDB_MODE={mode}"
-    if os.environ.get("WANDB_API_KEY"):
-        return True, "WANDB_API_KEY set"
-    try:
-        import wandb
-
-        if getattr(wandb.api, "api_key", None):
-            return True, "logged in"
-    except Exception:  # noqa: BLE001 - wandb missing or not configured
-        pass
-    return False, "no W&B API key (set WANDB_API_KEY or run `wandb login`)"
 
 
 def _import_reports():

@@ -1,4 +1,4 @@
-"""python -m hldstudy.train --config experiments/tiny.py [--set k=v ...] [--workdir DIR]
+"""python -m hldstudy.train --config tiny [--set k=v ...] [--workdir DIR]
 
 Trains (or resumes) one run. The resolved config lands in DIR/config.json,
 metrics in DIR/metrics.jsonl, the final evaluation in DIR/results.json.

@@ -9,7 +9,6 @@ spent; SIGTERM / Ctrl-C saves one and exits.
 
 from __future__ import annotations
 
-import json
 import math
 import signal
 import time
@@ -34,6 +33,7 @@ from hldstudy.config import (
 from hldstudy.distill import methods
 from hldstudy.distill.base import make_strategy
 from hldstudy.errors import ConfigError
+from hldstudy.fileio import write_json_atomic
 from hldstudy.model import Transformer
 from hldstudy.signals import StopSignals
 from hldstudy.teacher import load_teacher, with_teacher_tokenizer
@@ -265,7 +265,7 @@ class Trainer:
         logger.log({"step": int(state["step"]), **metrics})
         logger.summary(metrics)
         if jax.process_index() == 0:
-            (self.workdir / "results.json").write_text(json.dumps(result, indent=2) + "\n")
+            write_json_atomic(self.workdir / "results.json", result)
         return result
 
 
