@@ -118,7 +118,8 @@ def _trainer_class():
 
         def _init_state(self, plan, student_params=None):
             if student_params is None and self._init_student is not None:
-                student_params = self._init_student
+                # host arrays: the jitted init places them on the trainer's mesh
+                student_params = jax.tree_util.tree_map(np.asarray, self._init_student)
             graphdefs, optimizer, state, shardings = super()._init_state(plan, student_params)
             if self._wrap is None:
                 return graphdefs, optimizer, state, shardings
