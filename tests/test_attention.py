@@ -102,6 +102,20 @@ def test_chunked_skips_blocks_outside_the_band():
     assert np.isnan(np.asarray(dq[:, :blk])).all()
 
 
+@pytest.mark.parametrize("t,window,bq,bk", [(45, 7, 16, 8), (64, 20, 16, 16), (37, None, 8, 16),
+                                             (100, 33, 32, 8), (17, 4, 64, 64)])
+def test_block_band_is_exact(t, window, bq, bk):
+    """Forward and backward visit exactly the blocks holding at least one visible pair."""
+    got = attn.evaluated_blocks(t, window, bq, bk)
+    bq, bk = got["block_q"], got["block_k"]
+    q_idx, k_idx = np.arange(t)[:, None], np.arange(t)[None, :]
+    visible = (k_idx <= q_idx) & ((q_idx - k_idx < window) if window else True)
+    needed = {(i, j) for i in range(-(-t // bq)) for j in range(-(-t // bk))
+              if visible[i * bq:(i + 1) * bq, j * bk:(j + 1) * bk].any()}
+    assert got["forward"] == needed
+    assert got["backward"] == needed
+
+
 def _tiny_pair(**overrides):
     cfg = dataclasses.replace(preset("tiny"), **overrides)
     dense = Transformer(dataclasses.replace(cfg, attention="dense"), rngs=nnx.Rngs(0))

@@ -167,6 +167,33 @@ def _query_block_range(j, s: _Blocks):
     return lo, hi
 
 
+def _spec(seq_len: int, window: int | None, softcap: float | None, block_q: int,
+          block_k: int) -> _Blocks:
+    """Blocks clipped to T (a short sequence is one block), counts rounded up (padding)."""
+    bq, bk = min(block_q, seq_len), min(block_k, seq_len)
+    return _Blocks(window=window, softcap=softcap, block_q=bq, block_k=bk,
+                   n_q_blocks=-(-seq_len // bq), n_k_blocks=-(-seq_len // bk))
+
+
+def evaluated_blocks(seq_len: int, window: int | None, block_q: int = DEFAULT_BLOCK_Q,
+                     block_k: int = DEFAULT_BLOCK_K) -> dict:
+    """(query block, key block) pairs the chunked kernel computes, forward and backward.
+
+    Returns {"forward": set, "backward": set, "block_q", "block_k"} (block sizes
+    after clipping to T). For FLOP accounting (each pair is block_q x block_k
+    logits) and for tests that the band is exact.
+    """
+    s = _spec(seq_len, window, None, block_q, block_k)
+    fwd, bwd = set(), set()
+    for i in range(s.n_q_blocks):
+        lo, hi = _key_block_range(i, s)
+        fwd.update((i, j) for j in range(int(lo), int(hi)))
+    for j in range(s.n_k_blocks):
+        lo, hi = _query_block_range(j, s)
+        bwd.update((i, j) for i in range(int(lo), int(hi)))
+    return {"forward": fwd, "backward": bwd, "block_q": s.block_q, "block_k": s.block_k}
+
+
 def _block_logits(q_i, k_j, seg_q, seg_k, i, j, s: _Blocks):
     """Masked (and soft-capped) float32 logits of query block i x key block j.
 
@@ -328,10 +355,8 @@ def chunked_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, segment_ids_BxT=None, *,
     n_kv = k_BxSxKxH.shape[2]
     if k_BxSxKxH.shape[1] != t:
         raise ValueError("chunked attention is self-attention: q and k need the same length")
-    bq, bk = min(block_q, t), min(block_k, t)
-    nq, nk = -(-t // bq), -(-t // bk)
-    spec = _Blocks(window=window, softcap=softcap, block_q=bq, block_k=bk,
-                   n_q_blocks=nq, n_k_blocks=nk)
+    spec = _spec(t, window, softcap, block_q, block_k)
+    bq, bk, nq, nk = spec.block_q, spec.block_k, spec.n_q_blocks, spec.n_k_blocks
     q = q_BxTxNxH.reshape(b, t, n_kv, n // n_kv, h).transpose(0, 2, 3, 1, 4)
     q = _pad_axis(q, 3, nq * bq)
     k = _pad_axis(k_BxSxKxH.transpose(0, 2, 1, 3), 2, nk * bk)
