@@ -15,6 +15,7 @@ import dataclasses
 import importlib.util
 import json
 import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -47,7 +48,9 @@ FILE_KEYS = frozenset({"schema_version"})
 #                  changes what is compared;
 #   data_identity  part of what trainer and teacher replica must share for
 #                  `batch_at(step)` to be the same batch;
-#   relevant_if    (field, value): only matters when that field has that value.
+#   relevant_if    (field, value): only matters when that field has that value;
+#   domain         the values it may take (`Domain`): every numeric field and every
+#                  choice declares one, and `validate()` checks them all.
 #
 # `operational=True` is the common case of a field that does not change what a
 # run computes (cadence, display, transport, device layout): resumable, no drift,
@@ -56,15 +59,92 @@ FILE_KEYS = frozenset({"schema_version"})
 # method's declaration (`hldstudy.distill.methods`), not a tag.
 
 _RULE_DEFAULTS = {"resume": False, "drift": True, "analysis": "compare",
-                  "data_identity": False, "relevant_if": None}
+                  "data_identity": False, "relevant_if": None, "domain": None}
+
+_BOUND = re.compile(r"^(>=|>|<=|<)\s*(\S+)$")
+_INTERVAL = re.compile(r"^([\[(])\s*([^,\s]+)\s*,\s*([^,\s]+)\s*([\])])$")
+
+
+@dataclass(frozen=True)
+class Domain:
+    """The values a field may take, declared next to its default (`knob(..., domain=)`).
+
+    `spec` is a bound ("> 0", ">= 1", "<= 10"), an interval with open or closed ends
+    ("[0, 1)", "(0, 1)", "[0, 1]") or a tuple of choices. `also`: values accepted
+    outside the range (train.mesh_data's -1); `note`: what a special value means or how
+    to pick one, shown as the fix. A float is also finite: inf and NaN are refused
+    whatever the spec (`check_fields`). None passes where the type allows it.
+    """
+
+    spec: str | tuple
+    also: tuple = ()
+    note: str = ""
+    lo: float = field(default=-math.inf, init=False, compare=False)
+    hi: float = field(default=math.inf, init=False, compare=False)
+    lo_open: bool = field(default=True, init=False, compare=False)
+    hi_open: bool = field(default=True, init=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.spec, tuple):
+            return
+        bound, interval = _BOUND.match(self.spec.strip()), _INTERVAL.match(self.spec.strip())
+        if bound:
+            op, x = bound.group(1), float(bound.group(2))
+            lo = op.startswith(">")
+            object.__setattr__(self, "lo" if lo else "hi", x)
+            object.__setattr__(self, "lo_open" if lo else "hi_open", not op.endswith("="))
+        elif interval:
+            object.__setattr__(self, "lo", float(interval.group(2)))
+            object.__setattr__(self, "hi", float(interval.group(3)))
+            object.__setattr__(self, "lo_open", interval.group(1) == "(")
+            object.__setattr__(self, "hi_open", interval.group(4) == ")")
+        else:
+            raise TypeError(f"domain {self.spec!r}: expected '> x', '>= x', '[a, b)', ... "
+                            "or a tuple of choices")
+
+    @property
+    def choices(self) -> tuple:
+        return self.spec if isinstance(self.spec, tuple) else ()
+
+    def describe(self) -> str:
+        if self.choices:
+            text = f"one of {', '.join(map(str, self.choices))}"
+        else:
+            text = self.spec.strip()
+            text = f"in {text}" if text[0] in "[(" else text
+        return text + "".join(f" or {a!r}" for a in self.also)
+
+    def contains(self, value: Any) -> bool:
+        if value in self.also:
+            return True
+        if self.choices:
+            return value in self.choices
+        if isinstance(value, float) and not math.isfinite(value):
+            return False
+        above = value > self.lo if self.lo_open else value >= self.lo
+        below = value < self.hi if self.hi_open else value <= self.hi
+        return above and below
+
+    def check(self, fieldname: str, value: Any, default: Any = None) -> None:
+        """Raises ConfigError naming the field, the domain and the fix."""
+        if value is None or self.contains(value):
+            return
+        if self.choices:
+            raise ConfigError(fieldname, f"{value!r} is not one of "
+                              f"{', '.join(map(str, self.choices))}", self.note)
+        fix = self.note or (f"the default is {default!r}" if default is not None else "")
+        raise ConfigError(fieldname, f"must be {self.describe()}, got {value!r}", fix)
 
 
 def knob(default: Any = dataclasses.MISSING, *, factory: Any = dataclasses.MISSING,
          operational: bool = False, **rules: Any) -> Any:
-    """A dataclass field with its rules (see above) in its metadata."""
+    """A dataclass field with its rules (see above) in its metadata. `domain` may be a
+    `Domain`, its spec string ("> 0", "[0, 1)") or a tuple of choices."""
     unknown = set(rules) - set(_RULE_DEFAULTS)
     if unknown:
         raise TypeError(f"unknown field rules {sorted(unknown)}")
+    if rules.get("domain") is not None and not isinstance(rules["domain"], Domain):
+        rules["domain"] = Domain(rules["domain"])
     if operational:
         rules = {"resume": True, "drift": False, "analysis": "ignore", **rules}
     return field(default=default, default_factory=factory, metadata={"rules": rules})
@@ -92,6 +172,21 @@ def fields_where(rule: str, value: Any = True) -> frozenset[str]:
 # Sections
 # --------------------------------------------------------------------------- #
 
+DTYPES = ("float32", "bfloat16", "float16")
+SOURCES = ("synthetic", "text", "jsonl", "tfds", "hf")
+DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")
+SCHEDULES = ("cosine", "linear", "constant")
+ATTENTIONS = ("dense", "chunked", "cudnn", "auto")
+LOSS_IMPLS = ("fused", "materialized")
+FUSED_BACKENDS = ("auto", "xla", "pallas")
+WANDB_MODES = ("offline", "online", "disabled")
+# Shared domains: a count of at least one, a count that may be zero, a positive float.
+COUNT = Domain(">= 1")
+NONNEG = Domain(">= 0")
+POSITIVE = Domain("> 0")
+UNIT = Domain("[0, 1]")
+_MESH = Domain(">= 1", also=(-1,), note="-1 on one axis takes the remaining devices")
+
 
 def layer_window(sliding_window: int | None, global_every: int, i: int) -> int | None:
     """The attention window of 0-based layer i (None: global). Every `global_every`-th
@@ -105,35 +200,35 @@ def layer_window(sliding_window: int | None, global_every: int, i: int) -> int |
 class ModelConfig:
     """A Gemma-style decoder. Field names follow DESIGN.md."""
 
-    vocab_size: int = 32768
-    d_model: int = 640
-    n_layers: int = 18
-    n_heads: int = 4
-    n_kv_heads: int = 1
-    head_dim: int = 256
-    d_ff: int = 2048
-    max_seq_len: int = 2048
-    rope_base_global: float = 1_000_000.0
-    rope_base_local: float = 10_000.0
+    vocab_size: int = knob(32768, domain=COUNT)
+    d_model: int = knob(640, domain=COUNT)
+    n_layers: int = knob(18, domain=COUNT)
+    n_heads: int = knob(4, domain=COUNT)
+    n_kv_heads: int = knob(1, domain=COUNT)
+    head_dim: int = knob(256, domain=COUNT)
+    d_ff: int = knob(2048, domain=COUNT)
+    max_seq_len: int = knob(2048, domain=COUNT)
+    rope_base_global: float = knob(1_000_000.0, domain=POSITIVE)
+    rope_base_local: float = knob(10_000.0, domain=POSITIVE)
     # Local (sliding-window) layers: window size in tokens; None = all layers global.
-    sliding_window: int | None = None
+    sliding_window: int | None = knob(None, domain=COUNT)
     # Every `global_every`-th layer (1-based) is global, the others local
     # (Gemma 3: 6 -> five local then one global). 1 = all global.
-    global_every: int = 1
+    global_every: int = knob(1, domain=COUNT)
     qk_norm: bool = True
-    attn_softcap: float | None = None
-    final_softcap: float | None = None
+    attn_softcap: float | None = knob(None, domain=POSITIVE)
+    final_softcap: float | None = knob(None, domain=POSITIVE)
     # Queries are scaled by query_pre_attn_scalar**-0.5 (None -> head_dim).
-    query_pre_attn_scalar: float | None = None
-    norm_eps: float = 1e-6
+    query_pre_attn_scalar: float | None = knob(None, domain=POSITIVE)
+    norm_eps: float = knob(1e-6, domain=POSITIVE)
     # Compute dtype of activations; parameters stay float32.
-    dtype: str = "float32"
-    param_dtype: str = "float32"
+    dtype: str = knob("float32", domain=DTYPES)
+    param_dtype: str = knob("float32", domain=DTYPES)
     # Attention kernel (hldstudy/model/attention.py): dense (masked T x T, the
     # reference) | chunked (flash-style blocks, any backend) | cudnn (NVIDIA GPU,
     # bf16/fp16, no soft-cap) | auto (cudnn where it fits on GPU, else chunked
     # for long sequences). All compute the same attention.
-    attention: str = "dense"
+    attention: str = knob("dense", domain=ATTENTIONS)
     # Recompute each block in the backward pass (saves activation memory).
     remat: bool = knob(False, analysis="ignore")
 
@@ -151,7 +246,7 @@ class ModelConfig:
 @dataclass(frozen=True)
 class DataConfig:
     # synthetic | text | jsonl | tfds | hf
-    source: str = knob("synthetic", data_identity=True)
+    source: str = knob("synthetic", data_identity=True, domain=SOURCES)
     # File, glob or directory for text/jsonl/hf; TFDS data_dir for tfds.
     path: str | None = knob(None, resume=True)
     tfds_name: str = knob("c4/en", data_identity=True)
@@ -160,49 +255,52 @@ class DataConfig:
     valid_split: str = "validation"
     # SentencePiece model file; None -> train one on the training corpus into the run dir.
     tokenizer: str | None = knob(None, resume=True)
-    tokenizer_vocab_size: int = 512
-    seq_len: int = knob(128, data_identity=True)
-    batch_size: int = knob(8, data_identity=True)
-    seed: int = knob(0, data_identity=True, analysis="column")
+    tokenizer_vocab_size: int = knob(512, domain=COUNT)
+    seq_len: int = knob(128, data_identity=True, domain=COUNT)
+    batch_size: int = knob(8, data_identity=True, domain=COUNT)
+    seed: int = knob(0, data_identity=True, analysis="column", domain=NONNEG)
     # Synthetic corpus size (documents) for the train / validation splits.
-    synthetic_docs: int = knob(20000, data_identity=True)
-    synthetic_valid_docs: int = 500
+    synthetic_docs: int = knob(20000, data_identity=True, domain=COUNT)
+    synthetic_valid_docs: int = knob(500, domain=COUNT)
     # Pack documents with segment ids (True) or cut a token stream at seq_len (False).
     packing: bool = knob(True, data_identity=True)
     # Seed of the synthetic corpus itself (data.seed only shuffles), so runs with
     # different shuffles (e.g. teacher and student) share one corpus.
-    synthetic_seed: int = knob(0, data_identity=True)
+    synthetic_seed: int = knob(0, data_identity=True, domain=NONNEG)
     # text/jsonl/hf: separate validation file/glob/dir; None -> hold out the last
     # `valid_holdout_docs` documents (at most 10%) of the training corpus.
     valid_path: str | None = None
-    valid_holdout_docs: int = 500
+    valid_holdout_docs: int = knob(500, domain=Domain(">= 0", note="0 = no holdout"))
     # Use at most this many documents of a source (0 = all).
-    max_docs: int = knob(0, data_identity=True)
+    max_docs: int = knob(0, data_identity=True,
+                         domain=Domain(">= 0", note="0 = all documents"))
     # Prepend BOS to every document (Gemma-style tokenizers expect it).
     add_bos: bool = knob(False, data_identity=True)
 
 
 @dataclass(frozen=True)
 class TrainConfig:
-    steps: int = knob(100, resume=True)
-    lr: float = knob(3e-3, analysis="column")
-    warmup_steps: int = 10
+    steps: int = knob(100, resume=True, domain=COUNT)
+    lr: float = knob(3e-3, analysis="column", domain=POSITIVE)
+    warmup_steps: int = knob(10, domain=NONNEG)
     # cosine | linear | constant
-    schedule: str = "cosine"
-    min_lr_ratio: float = 0.1
-    weight_decay: float = 0.1
-    b1: float = 0.9
-    b2: float = 0.95
-    grad_clip: float = 1.0
-    seed: int = knob(0, analysis="column")
-    log_every: int = knob(10, operational=True)
-    eval_every: int = knob(0, operational=True)
-    eval_batches: int = knob(8, resume=True, analysis="ignore")
-    checkpoint_every: int = knob(50, operational=True)
-    keep_checkpoints: int = knob(2, operational=True)
+    schedule: str = knob("cosine", domain=SCHEDULES)
+    min_lr_ratio: float = knob(0.1, domain=UNIT)
+    weight_decay: float = knob(0.1, domain=NONNEG)
+    b1: float = knob(0.9, domain=Domain("[0, 1)", note="Adam's first-moment decay, e.g. 0.9"))
+    b2: float = knob(0.95, domain=Domain("[0, 1)", note="Adam's second-moment decay, e.g. 0.95-0.999"))
+    grad_clip: float = knob(1.0, domain=Domain(">= 0", note="0 = no clipping"))
+    seed: int = knob(0, analysis="column", domain=NONNEG)
+    log_every: int = knob(10, operational=True, domain=COUNT)
+    eval_every: int = knob(0, operational=True,
+                           domain=Domain(">= 0", note="0 = evaluate at the end only"))
+    eval_batches: int = knob(8, resume=True, analysis="ignore", domain=COUNT)
+    checkpoint_every: int = knob(50, operational=True,
+                                 domain=Domain(">= 0", note="0 = at the end only"))
+    keep_checkpoints: int = knob(2, operational=True, domain=COUNT)
     # Mesh: data-parallel x FSDP. -1 on one axis takes the remaining devices.
-    mesh_data: int = knob(-1, operational=True)
-    mesh_fsdp: int = knob(1, operational=True)
+    mesh_data: int = knob(-1, operational=True, domain=_MESH)
+    mesh_fsdp: int = knob(1, operational=True, domain=_MESH)
     progress: bool = knob(True, operational=True)
 
 
@@ -210,41 +308,43 @@ class TrainConfig:
 class DistillConfig:
     # baseline | kd | hldf | hldc | patient
     method: str = knob(methods.BASELINE, analysis="column")
-    alpha: float = knob(0.5, analysis="column")  # NLL weight
-    temperature: float = knob(1.0, analysis="column")
+    alpha: float = knob(0.5, analysis="column", domain=UNIT)  # NLL weight
+    temperature: float = knob(1.0, analysis="column", domain=POSITIVE)
     # forward_kl | reverse_kl | jsd
-    divergence: str = "forward_kl"
-    jsd_beta: float = knob(0.5, relevant_if=("distill.divergence", "jsd"))
+    divergence: str = knob("forward_kl", domain=DIVERGENCES)
+    jsd_beta: float = knob(0.5, relevant_if=("distill.divergence", "jsd"), domain=UNIT)
     # Weight of the hidden-alignment NMSE (hldc, patient).
-    hidden_weight: float = 1.0
+    hidden_weight: float = knob(1.0, domain=NONNEG)
     # "s:t,s:t" pairs of (student layer, teacher layer), 1-based block outputs.
     # Empty -> middle layer of each (hld*), evenly mapped layers (patient).
     layer_pairs: str = ""
-    patient_pairs: int = 3
+    patient_pairs: int = knob(3, domain=COUNT)
     # Learned dense regressor d_s -> d_t per pair; False aligns raw states (needs d_s == d_t).
     regressor: bool = True
     # Share of the FLOP budget spent in HLDF stage 1, in (0, 1).
-    hldf_stage1_share: float = 0.2
+    hldf_stage1_share: float = knob(0.2, domain="(0, 1)")
     # fused | materialized
-    loss_impl: str = knob("fused", analysis="ignore")
+    loss_impl: str = knob("fused", analysis="ignore", domain=LOSS_IMPLS)
     # auto | xla | pallas (only for loss_impl=fused)
-    fused_backend: str = knob("auto", analysis="ignore")
+    fused_backend: str = knob("auto", analysis="ignore", domain=FUSED_BACKENDS)
 
 
 @dataclass(frozen=True)
 class TeacherConfig:
     # hldstudy run dir, GGUF file, HF safetensors dir, or remote://host:port[,...]
     checkpoint: str | None = knob(None, resume=True)
-    dtype: str = "float32"
+    dtype: str = knob("float32", domain=DTYPES)
     # Prefetch ring depth for a remote teacher.
-    ring_size: int = knob(4, operational=True)
-    timeout_s: float = knob(30.0, operational=True)
+    ring_size: int = knob(4, operational=True,
+                          domain=Domain(">= 0", note="0 = request each step when it is needed"))
+    timeout_s: float = knob(30.0, operational=True, domain=POSITIVE)
 
 
 @dataclass(frozen=True)
 class BudgetConfig:
     # Total FLOP budget; 0 -> train.steps decides.
-    flops: float = knob(0.0, resume=True, analysis="column")
+    flops: float = knob(0.0, resume=True, analysis="column",
+                        domain=Domain(">= 0", note="0 = train.steps decides"))
     # Count the teacher's forward in the budget (the study counts student-side only).
     count_teacher: bool = knob(False, analysis="column")
 
@@ -256,7 +356,7 @@ class WandbConfig:
     entity: str | None = knob(None, operational=True)
     group: str | None = knob(None, operational=True)
     # offline | online | disabled; WANDB_MODE in the environment wins.
-    mode: str = knob("offline", operational=True)
+    mode: str = knob("offline", operational=True, domain=WANDB_MODES)
 
 
 @dataclass(frozen=True)
@@ -275,27 +375,43 @@ class Config:
 # Validation
 # --------------------------------------------------------------------------- #
 
-DTYPES = ("float32", "bfloat16", "float16")
-SOURCES = ("synthetic", "text", "jsonl", "tfds", "hf")
-DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")
+def _leaves(obj: Any, prefix: str = ""):
+    """(dotted name, dataclass field, value) of every leaf of a config (or a section)."""
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            yield from _leaves(value, f"{prefix}{f.name}.")
+        else:
+            yield f"{prefix}{f.name}", f, value
 
 
-def _choice(fieldname: str, value: Any, options: tuple) -> None:
-    if value not in options:
-        raise ConfigError(fieldname, f"{value!r} is not one of {', '.join(options)}")
+def check_fields(obj: Any, prefix: str = "") -> None:
+    """Every field's declared `Domain` (ranges, choices), and every float finite.
+
+    `obj` is a Config or one section (`prefix` names it, e.g. "model.").
+    Raises ConfigError naming the first field outside its domain, and the fix.
+    """
+    for name, f, value in _leaves(obj, prefix):
+        domain = f.metadata.get("rules", {}).get("domain")
+        if isinstance(value, float) and not math.isfinite(value):
+            where = f" ({domain.describe()})" if domain is not None else ""
+            raise ConfigError(name, f"must be a finite number{where}, got {value!r}",
+                              f"the default is {f.default!r}")
+        if domain is not None:
+            domain.check(name, value, None if f.default is dataclasses.MISSING else f.default)
 
 
-def _positive(fieldname: str, value: float, allow_zero: bool = False) -> None:
-    ok = value >= 0 if allow_zero else value > 0
-    if not ok or (isinstance(value, float) and math.isnan(value)):
-        bound = ">= 0" if allow_zero else "> 0"
-        raise ConfigError(fieldname, f"must be {bound}, got {value}")
+def check_name(name: str) -> None:
+    """`name` names the folder runs/<name>: one plain path component."""
+    if (not name or name in (".", "..") or "/" in name or "\\" in name or "\0" in name
+            or name != name.strip()):
+        raise ConfigError("name", f"{name!r} is not a plain folder name (runs go to "
+                          "runs/<name>)", "use letters, digits, '-', '_' and '.'; "
+                          "--workdir chooses another place")
 
 
 def validate_model(m: ModelConfig, prefix: str = "model") -> None:
-    for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
-                 "d_ff", "max_seq_len"):
-        _positive(f"{prefix}.{name}", getattr(m, name))
+    check_fields(m, f"{prefix}.")
     if m.n_heads % m.n_kv_heads:
         raise ConfigError(f"{prefix}.n_kv_heads",
                           f"n_heads={m.n_heads} is not a multiple of n_kv_heads={m.n_kv_heads}",
@@ -304,24 +420,18 @@ def validate_model(m: ModelConfig, prefix: str = "model") -> None:
         raise ConfigError(f"{prefix}.d_model",
                           f"d_model={m.d_model} is not divisible by n_heads={m.n_heads}",
                           "pick d_model as a multiple of n_heads")
-    if m.sliding_window is not None:
-        _positive(f"{prefix}.sliding_window", m.sliding_window)
-    _positive(f"{prefix}.global_every", m.global_every)
-    for name in ("attn_softcap", "final_softcap", "query_pre_attn_scalar"):
-        v = getattr(m, name)
-        if v is not None:
-            _positive(f"{prefix}.{name}", v)
-    _positive(f"{prefix}.norm_eps", m.norm_eps)
-    _choice(f"{prefix}.dtype", m.dtype, DTYPES)
-    _choice(f"{prefix}.param_dtype", m.param_dtype, DTYPES)
-    _choice(f"{prefix}.attention", m.attention, ("dense", "chunked", "cudnn", "auto"))
 
 
 def validate(cfg: Config, *, check_paths: bool = True) -> Config:
-    """Raises ConfigError naming the first bad field; returns cfg unchanged."""
+    """Raises ConfigError naming the first bad field; returns cfg unchanged.
+
+    Every field's declared domain first (`check_fields`), then the checks that
+    involve several fields or the file system.
+    """
+    check_fields(cfg)
+    check_name(cfg.name)
     validate_model(cfg.model)
     d, t, k = cfg.data, cfg.train, cfg.distill
-    _choice("data.source", d.source, SOURCES)
     if d.source != "synthetic" and not d.path:
         raise ConfigError("data.path", f"data.source={d.source!r} needs a path",
                           "pass --set data.path=/local/path")
@@ -334,50 +444,20 @@ def validate(cfg: Config, *, check_paths: bool = True) -> Config:
     if check_paths and d.tokenizer and not Path(d.tokenizer).exists():
         raise ConfigError("data.tokenizer", f"{d.tokenizer!r} does not exist",
                           "give a SentencePiece .model file, or leave it unset to train one")
-    _positive("data.seq_len", d.seq_len)
-    _positive("data.batch_size", d.batch_size)
     if d.seq_len > cfg.model.max_seq_len:
         raise ConfigError("data.seq_len",
                           f"{d.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len}")
     if d.tokenizer is None and d.tokenizer_vocab_size > cfg.model.vocab_size:
         raise ConfigError("data.tokenizer_vocab_size",
                           f"{d.tokenizer_vocab_size} exceeds model.vocab_size={cfg.model.vocab_size}")
-    _positive("train.steps", t.steps)
-    _positive("train.lr", t.lr)
-    _positive("train.warmup_steps", t.warmup_steps, allow_zero=True)
-    _choice("train.schedule", t.schedule, ("cosine", "linear", "constant"))
-    if not 0 <= t.min_lr_ratio <= 1:
-        raise ConfigError("train.min_lr_ratio", f"must be in [0, 1], got {t.min_lr_ratio}")
-    _positive("train.weight_decay", t.weight_decay, allow_zero=True)
-    _positive("train.grad_clip", t.grad_clip, allow_zero=True)
-    _positive("train.log_every", t.log_every)
-    _positive("train.checkpoint_every", t.checkpoint_every, allow_zero=True)
-    _positive("train.keep_checkpoints", t.keep_checkpoints)
-    if t.mesh_data == 0 or t.mesh_fsdp == 0 or (t.mesh_data < 0 and t.mesh_fsdp < 0):
+    if t.mesh_data < 0 and t.mesh_fsdp < 0:
         raise ConfigError("train.mesh_data", "mesh axes must be positive, or -1 on one axis")
     spec = methods.get(k.method)
-    if not 0.0 <= k.alpha <= 1.0:
-        raise ConfigError("distill.alpha", f"the NLL weight must be in [0, 1], got {k.alpha}")
-    if not k.temperature > 0:
-        raise ConfigError("distill.temperature", f"must be > 0, got {k.temperature}")
-    _choice("distill.divergence", k.divergence, DIVERGENCES)
-    if not 0.0 <= k.jsd_beta <= 1.0:
-        raise ConfigError("distill.jsd_beta", f"must be in [0, 1], got {k.jsd_beta}")
-    if not 0.0 < k.hldf_stage1_share < 1.0:
-        raise ConfigError("distill.hldf_stage1_share",
-                          f"must be in (0, 1), got {k.hldf_stage1_share}")
-    _positive("distill.hidden_weight", k.hidden_weight, allow_zero=True)
-    _choice("distill.loss_impl", k.loss_impl, ("fused", "materialized"))
-    _choice("distill.fused_backend", k.fused_backend, ("auto", "xla", "pallas"))
     if k.layer_pairs:
         parse_layer_pairs(k.layer_pairs)
     if spec.needs_teacher and not cfg.teacher.checkpoint:
         raise ConfigError("teacher.checkpoint", f"method {k.method!r} needs a teacher",
                           "pass --set teacher.checkpoint=RUN_DIR (an hldstudy run) or a Gemma path")
-    _choice("teacher.dtype", cfg.teacher.dtype, DTYPES)
-    _positive("teacher.ring_size", cfg.teacher.ring_size, allow_zero=True)
-    _positive("budget.flops", cfg.budget.flops, allow_zero=True)
-    _choice("wandb.mode", cfg.wandb.mode, ("offline", "online", "disabled"))
     return cfg
 
 
@@ -466,7 +546,13 @@ def _parse_literal(text: str) -> Any:
 
 
 def apply_overrides(cfg: Config, overrides: list[str] | tuple[str, ...]) -> Config:
-    """Applies 'a.b=value' strings. Unknown keys and wrong types raise ConfigError."""
+    """Applies 'a.b=value' strings. Unknown keys and wrong types raise ConfigError.
+
+    A mapping for a whole section (`train={"steps": 3, "lr": 0.01}`) is merged into
+    it: the same as one `train.<key>=...` per entry; the section's other fields keep
+    their values (it never resets them to their defaults). Anything else for a
+    section is refused.
+    """
     data = config_to_dict(cfg)
     for item in overrides:
         if "=" not in item:
@@ -484,6 +570,21 @@ def apply_overrides(cfg: Config, overrides: list[str] | tuple[str, ...]) -> Conf
             raise ConfigError(key, "unknown key",
                               f"valid keys here: {', '.join(sorted(node))}")
         value = _parse_literal(raw)
+        if isinstance(node[parts[-1]], dict):  # a whole section: merge, key by key
+            section = node[parts[-1]]
+            if not isinstance(value, dict):
+                raise ConfigError(key, f"is a section; {raw!r} is not a mapping of its fields",
+                                  f"set one field, e.g. {key}.{next(iter(section))}=..., or "
+                                  "give a JSON object of fields")
+            for sub, subvalue in value.items():
+                if sub not in section:
+                    raise ConfigError(f"{key}.{sub}", "unknown key",
+                                      f"valid keys here: {', '.join(sorted(section))}")
+                if isinstance(section[sub], dict):
+                    raise ConfigError(f"{key}.{sub}", "nested sections are not merged",
+                                      f"set {key}.{sub}.<field>=... instead")
+                section[sub] = subvalue
+            continue
         if isinstance(node[parts[-1]], str) and not isinstance(value, str) and value is not None:
             value = raw  # "--set name=123" keeps the string
         node[parts[-1]] = value
@@ -499,7 +600,13 @@ def import_entry_point(path: str | Path, function: str, what: str):
     path = Path(path)
     if not path.exists():
         raise InputError(f"{what} {path} does not exist")
+    if path.is_dir():
+        raise InputError(f"{what} {path} is a directory (give the Python file that defines "
+                         f"{function}(), or the name of a built-in one)")
     spec = importlib.util.spec_from_file_location(f"hldstudy_{function}_{path.stem}", path)
+    if spec is None or spec.loader is None:
+        raise InputError(f"{what} {path} is not a Python file (give a .py file that defines "
+                         f"{function}())")
     module = importlib.util.module_from_spec(spec)
     try:
         spec.loader.exec_module(module)
