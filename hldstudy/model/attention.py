@@ -5,8 +5,9 @@ queries arrive RoPE'd and pre-scaled, a query t sees key s iff s <= t, the two
 are in the same packed document (equal segment ids) and, on local layers of
 window W, t - W < s. Logits are float32, optionally soft-capped
 (`c * tanh(logit / c)`) before masking; masked logits are a finite "minus
-infinity", so no row ever produces NaN. GQA: query head n reads KV head
-n // (N / K).
+infinity", so no row ever produces NaN (a row with no visible key, which a real
+token never is since it sees itself, averages all values in dense and is 0 in
+chunked). GQA: query head n reads KV head n // (N / K).
 
 Paths and their executed (hardware) FLOPs per layer, B sequences of length T,
 N query heads of dim H, forward (2 matmuls, QK^T and PV, = 4 B N H per
@@ -27,7 +28,7 @@ N query heads of dim H, forward (2 matmuls, QK^T and PV, = 4 B N H per
   backward: it recomputes each block's probabilities from the saved row
   log-sum-exp instead of storing them, one extra QK^T). Total 14 B N H P vs
   dense's 12 B N H T^2: ~0.6x dense for a global layer at T >> b and
-  ~1.2 (W + b) / T for a local one (0.18x at T = 4096, W = 512, b = 256).
+  ~1.2 (W + b) / T for a local one (0.2x at T = 4096, W = 512, b = 256).
   Memory O(B N T H + B N block_q block_k); segment ids are masked inside
   blocks (packed documents do not skip blocks: which blocks are empty is data).
 - `cudnn`: `jax.nn.dot_product_attention(implementation="cudnn")`, NVIDIA GPU
@@ -36,12 +37,12 @@ N query heads of dim H, forward (2 matmuls, QK^T and PV, = 4 B N H per
   masked tiles: FLOPs like `chunked`, memory O(B N T H)). Packed documents go
   in as a `[B, 1, T, T]` boolean mask that JAX turns into an additive bias
   (2 bytes per entry, plus its cotangent in the backward): O(B T^2) memory,
-  still N x 4 times below dense's float32 logits.
+  one bf16 T x T per row against dense's several float32 T x T per head.
 - `auto`: on a GPU, `cudnn` when the layer fits it (dtype bfloat16/float16,
   no soft-cap, head_dim fits), else `chunked`; on CPU (and TPU, until a
-  splash-attention path exists) `chunked` when T >= AUTO_CHUNKED_MIN_T, else
-  `dense` (short sequences: the loop overhead of small blocks outweighs the
-  memory that dense costs; see benchmarks/attention.py).
+  splash-attention path exists) `chunked` when T >= AUTO_CHUNKED_MIN_T (512),
+  else `dense` (a short row is one or two blocks: nothing to skip, and its
+  T x T is small). benchmarks/attention.py measures the crossover.
 
 A request that cannot run here (`cudnn` on CPU, or with float32 / a soft-cap)
 raises ConfigError naming `model.attention` with the fix.
@@ -57,6 +58,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from hldstudy.errors import ConfigError
+from hldstudy.numerics import softcap as softcap_fn
 
 IMPLEMENTATIONS = ("dense", "chunked", "cudnn", "auto")
 
@@ -73,9 +75,11 @@ _LSE_EMPTY = 3.0e38
 # one partly masked block per query block.
 DEFAULT_BLOCK_Q = 256
 DEFAULT_BLOCK_K = 256
-# `auto` on CPU/TPU: below this length dense attention is faster and its
-# O(T^2) memory is small.
-AUTO_CHUNKED_MIN_T = 1024
+# `auto` on CPU/TPU: from this length on, chunked is both leaner and faster on
+# CPU (benchmarks/results/attention.md: fwd+bwd 0.55x dense's time at T = 512,
+# 0.36x at 1024, 0.19x at 4096); shorter rows are one or two blocks, nothing to
+# skip, and dense's T x T is small.
+AUTO_CHUNKED_MIN_T = 512
 _CUDNN_DTYPES = ("bfloat16", "float16")
 
 
@@ -100,10 +104,6 @@ def attention_mask(segment_ids_BxT: jax.Array, window: int | None) -> jax.Array:
     return allowed_TxS[None] & same_doc_BxTxS
 
 
-def _softcap(logits, cap: float | None):
-    return logits if cap is None else jnp.tanh(logits / cap) * cap
-
-
 # --------------------------------------------------------------------------- #
 # Dense (reference)
 # --------------------------------------------------------------------------- #
@@ -121,7 +121,7 @@ def dense_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, segment_ids_BxT=None, *,
     q_BxTxKxGxH = q_BxTxNxH.reshape(b, t, n_kv, n // n_kv, h)
     logits_BxKxGxTxS = jnp.einsum("btkgh,bskh->bkgts", q_BxTxKxGxH, k_BxSxKxH,
                                   preferred_element_type=jnp.float32)
-    logits_BxKxGxTxS = _softcap(logits_BxKxGxTxS, softcap)
+    logits_BxKxGxTxS = softcap_fn(logits_BxKxGxTxS, softcap)
     logits_BxKxGxTxS = jnp.where(mask_BxTxS[:, None, None], logits_BxKxGxTxS, _NEG_INF)
     probs = jax.nn.softmax(logits_BxKxGxTxS, axis=-1).astype(dt)
     out_BxTxKxGxH = jnp.einsum("bkgts,bskh->btkgh", probs, v_BxSxKxH)
@@ -203,7 +203,7 @@ def _block_logits(q_i, k_j, seg_q, seg_k, i, j, s: _Blocks):
     """
     raw = jnp.einsum("bkgqh,bkch->bkgqc", q_i, k_j, preferred_element_type=jnp.float32)
     tanh = None
-    if s.softcap is not None:
+    if s.softcap is not None:  # numerics.softcap, spelled out to keep tanh for the backward
         tanh = jnp.tanh(raw / s.softcap)
         raw = tanh * s.softcap
     q_pos = i * s.block_q + jnp.arange(s.block_q)
