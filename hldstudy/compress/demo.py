@@ -93,6 +93,36 @@ def pipelines(workdir: Path, recover_steps: int, calib: int, eval_tasks: str, ev
             for k, v in out.items()}
 
 
+def channel_norm_spread(run_dir: Path, n_batches: int = 4) -> list[dict]:
+    """Per block: max / median of the input channels' L2 norms at the q/k/v input
+    (pre-attention norm output) on calibration tokens. Wanda's |W| x ||x|| score differs
+    from magnitude only as far as these norms differ; LLMs with outlier features have
+    a few channels 10-100x the median."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from hldstudy.compress.pipeline import _load_model
+    from hldstudy.data.pipeline import make_batches
+
+    model, tok, cfg = _load_model(run_dir)
+    stream = make_batches(cfg.data, tok, cfg.data.train_split, run_dir / "data_cache_demo")
+    sq = np.zeros((cfg.model.n_layers, cfg.model.d_model))
+    for i in range(n_batches):
+        b = stream.batch_at(i)
+        out = model(jnp.asarray(b["tokens"]), jnp.asarray(b["positions"]),
+                    jnp.asarray(b["segment_ids"]), hidden_layers=tuple(range(cfg.model.n_layers)),
+                    return_logits=False)
+        valid = np.asarray(b["mask"]).reshape(-1) > 0
+        for layer in range(cfg.model.n_layers):
+            x = np.asarray(model.blocks[layer].pre_attn_norm(out.hidden[layer]), np.float64)
+            x = x.reshape(-1, x.shape[-1])[valid]
+            sq[layer] += (x * x).sum(0)
+    norms = np.sqrt(sq)
+    return [{"layer": i, "max_over_median": float(n.max() / np.median(n)),
+             "p99_over_median": float(np.quantile(n, 0.99) / np.median(n))}
+            for i, n in enumerate(norms)]
+
+
 def run_demo(workdir: Path, report_dir: Path, *, teacher_steps: int, student_steps: int,
              recover_steps: int, calib: int, eval_tasks: str, eval_limit: int,
              progress: bool, only: list[str] | None = None) -> dict:
@@ -112,10 +142,11 @@ def run_demo(workdir: Path, report_dir: Path, *, teacher_steps: int, student_ste
         if rep_file.exists() and cfg_file.exists() and json.loads(cfg_file.read_text()) == \
                 {"compress": dataclasses.asdict(ccfg)} and (Path(ccfg.out) / "model").exists():
             results[name] = json.loads(rep_file.read_text())
+            timings[name] = {"cached": True, **results[name].get("seconds", {})}
         else:
             print(f"== {name}", flush=True)
             results[name] = run(ccfg)
-        timings[name] = round(time.time() - t1, 1)
+            timings[name] = {"wall": round(time.time() - t1, 1), **results[name]["seconds"]}
     summary = {"command": " ".join(["python -m hldstudy.compress.demo"] + sys.argv[1:]),
                "settings": {"teacher_steps": teacher_steps, "student_steps": student_steps,
                             "recover_steps": recover_steps, "calibration_batches": calib,
@@ -123,7 +154,9 @@ def run_demo(workdir: Path, report_dir: Path, *, teacher_steps: int, student_ste
                             "eval_tasks": eval_tasks, "eval_limit": eval_limit},
                "trained": {k: {f: v.get(f) for f in ("steps", "valid_nll", "valid_ppl")}
                            for k, v in trained.items()},
-               "pipelines": results, "seconds": timings}
+               "pipelines": results, "seconds": timings,
+               "kd_student_qkv_input_channel_norm_spread":
+                   channel_norm_spread(workdir / "student-kd")}
     report_dir.mkdir(parents=True, exist_ok=True)
     write_json_atomic(report_dir / "results.json", summary)
     (report_dir / "tables.md").write_text(render_tables(summary))

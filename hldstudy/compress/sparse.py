@@ -144,10 +144,17 @@ def sparsegpt_prune(w, h, *, n: int = 2, m: int = 4, blocksize: int = 128,
     input rows of every column keeps at most n non-zeros; the kept weights carry
     the OBS compensation of the pruned ones."""
     w = jnp.asarray(w, jnp.float32)
-    n_in = w.shape[0]
-    check_groupable(n_in, m)
+    check_groupable(w.shape[0], m)
     if blocksize % m:
         raise ConfigError("compress.blocksize", f"{blocksize} is not a multiple of {m}")
+    return _sparsegpt(w, jnp.asarray(h, jnp.float32), jnp.float32(percdamp), n=n, m=m,
+                      blocksize=blocksize)
+
+
+@functools.partial(jax.jit, static_argnames=("n", "m", "blocksize"))
+def _sparsegpt(w, h, percdamp, *, n: int, m: int, blocksize: int):
+    """One compiled program per matrix shape: blocks unrolled, lazy updates in between."""
+    n_in = w.shape[0]
     upper, dead = damped_inverse_cholesky(h, percdamp)
     w = jnp.where(dead[:, None], 0.0, w)
     outs, masks = [], []
