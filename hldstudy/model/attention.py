@@ -57,10 +57,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from hldstudy.config import ATTENTIONS
 from hldstudy.errors import ConfigError
 from hldstudy.numerics import softcap as softcap_fn
 
-IMPLEMENTATIONS = ("dense", "chunked", "cudnn", "auto")
+IMPLEMENTATIONS = ATTENTIONS  # the values model.attention may take
 
 _NEG_INF = -2.3819763e38  # finite "minus infinity": keeps fully-masked rows NaN-free
 # Running-max start of the online softmax: far below any real logit but far above
