@@ -46,6 +46,30 @@ def _peak_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
+def render(r: dict) -> str:
+    load0, load = r.get("load_avg_1min_start"), r.get("load_avg_1min_end")
+    cal = r["calibration"]
+    md = [f"# SparseGPT 2:4 at paper-123m ({r['backend']}, {r['cpu_count']} cores)", "",
+          f"Calibration: {cal['sequences']} x {cal['seq_len']} = {cal['tokens']} tokens; "
+          f"{r['layers_pruned']} of {r['n_layers_model']} blocks pruned (random weights).", "",
+          "| block | seconds |", "|---:|---:|"]
+    md += [f"| {i} | {s:.2f} |" for i, s in enumerate(r["layer_seconds"])]
+    md += ["", f"Median {r['layer_seconds_median']:.2f} s per block (the first includes "
+           f"compilation) -> ~{r['projected_all_layers_seconds']:.0f} s for all "
+           f"{r['n_layers_model']} blocks. Peak RSS {r['peak_mib']:.0f} MiB (after model init "
+           f"{r['peak_mib_after_model_init']:.0f} MiB); the largest Hessian (d_ff^2, float64) "
+           f"is {r['largest_hessian_mib_float64']:.0f} MiB.", "",
+           "| matrix | in x out | solve s, median | solve s, min |", "|---|---|---:|---:|"]
+    md += [f"| {k} | {v['shape'][0]} x {v['shape'][1]} | {v['seconds']:.3f} | "
+           f"{v['seconds_min']:.3f} |" for k, v in r["solve"].items()]
+    loads = (f"1-minute load average {load0:.1f} at the start, {load:.1f} at the end"
+             if load0 is not None and load is not None else "load unknown")
+    md += ["", "v has k's shape and up has gate's; they are not timed twice. The machine is "
+           f"shared ({loads} on {r['cpu_count']} cores): the per-block times and medians are "
+           "inflated by other processes; read the solve minimum as the unloaded figure."]
+    return "\n".join(md) + "\n"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layers", type=int, default=6)
@@ -54,7 +78,14 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default=None, help="results name (default compress[_quick])")
+    ap.add_argument("--render", action="store_true",
+                    help="only rewrite the markdown from the existing JSON")
     args = ap.parse_args(argv)
+    if args.render:
+        name = args.out or ("compress_quick" if args.quick else "compress")
+        r = json.loads((RESULTS / f"{name}.json").read_text())
+        (RESULTS / f"{name}.md").write_text(render(r))
+        return 0
     if args.quick:
         args.layers, args.sequences, args.seq_len = 2, 4, 128
 
@@ -137,26 +168,8 @@ def main(argv=None) -> int:
     name = args.out or ("compress_quick" if args.quick else "compress")
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
-    md = [f"# SparseGPT 2:4 at paper-123m ({result['backend']}, {result['cpu_count']} cores, "
-          f"load {load:.1f})" if load is not None else "# SparseGPT 2:4 at paper-123m", "",
-          f"Calibration: {args.sequences} x {args.seq_len} = "
-          f"{args.sequences * args.seq_len} tokens; {args.layers} of {cfg.n_layers} blocks "
-          "pruned (random weights).", "",
-          "| block | seconds |", "|---:|---:|"]
-    md += [f"| {i} | {s:.2f} |" for i, s in enumerate(layer_s)]
-    md += ["", f"Median {result['layer_seconds_median']:.2f} s per block (the first includes "
-           f"compilation) -> ~{result['projected_all_layers_seconds']:.0f} s for all "
-           f"{cfg.n_layers} blocks. Peak RSS {peak:.0f} MiB (after model init "
-           f"{rss_model:.0f} MiB); the largest Hessian (d_ff^2, float64) is "
-           f"{result['largest_hessian_mib_float64']:.0f} MiB.", "",
-           "| matrix | in x out | solve s, median | solve s, min |", "|---|---|---:|---:|"]
-    md += [f"| {k} | {v['shape'][0]} x {v['shape'][1]} | {v['seconds']:.3f} | "
-           f"{v['seconds_min']:.3f} |" for k, v in solve.items()]
-    md += ["", "v has k's shape and up has gate's; they are not timed twice. The machine is "
-           f"shared (1-minute load average {load0} at the start, {load} at the end on "
-           f"{os.cpu_count()} cores): read the minimum as the unloaded figure."]
-    (RESULTS / f"{name}.md").write_text("\n".join(md) + "\n")
-    print("\n".join(md))
+    (RESULTS / f"{name}.md").write_text(render(result))
+    print(render(result))
     return 0
 
 
