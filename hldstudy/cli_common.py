@@ -1,15 +1,23 @@
 """Pieces every hldstudy command line shares: --config/--set/--debug, the built-in
-experiment and sweep files, quiet logs."""
+experiment and sweep files, quiet logs, and the checks of where a command will
+write (made before any compute, so a bad output path never costs the work)."""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
+import sys
 import warnings
 from pathlib import Path
 
 from hldstudy.config import Config, apply_overrides, load_experiment, validate
+from hldstudy.errors import InputError
+
+# A sequence longer than this gets a warning before anything is computed (the
+# presets' longest context is 128k tokens).
+LONG_SEQ_WARNING = 131072
 
 # The built-in experiment and sweep files (package data, see hldstudy/configs/__init__.py).
 CONFIGS = Path(__file__).resolve().parent / "configs"
@@ -56,3 +64,80 @@ def resolve_config(args: argparse.Namespace, extra: list[str] = (),
     cfg = load_experiment(find_builtin(args.config, EXPERIMENTS))
     cfg = apply_overrides(cfg, list(extra) + list(args.overrides))
     return validate(cfg, check_paths=check_paths)
+
+
+def _nearest_existing(path: Path) -> Path:
+    for parent in (path, *path.parents):
+        if os.path.lexists(parent):
+            return parent
+    return Path(".")
+
+
+def check_output_dir(path: str | Path, what: str) -> Path:
+    """`path` is, or can be made as, a directory this process writes into; InputError
+    naming `what` (the flag or field) and the fix otherwise. Makes nothing."""
+    path = Path(path).absolute()
+    if path.exists() and not path.is_dir():
+        raise InputError(f"{what} {path} is a file, not a directory "
+                         "(give a directory, or move the file away)")
+    base = _nearest_existing(path)
+    if not base.is_dir():
+        raise InputError(f"{what} {path}: {base} is a file, so the directory cannot be made "
+                         "(give a path under a directory)")
+    if not os.access(base, os.W_OK | os.X_OK):
+        verb = "is not writable" if base == path else f"cannot be made ({base} is not writable)"
+        raise InputError(f"{what} {path} {verb} (give a directory you can write to)")
+    return path
+
+
+def check_output_file(path: str | Path, what: str) -> Path:
+    """`path` names a file a command may write: not a directory, its folder writable."""
+    path = Path(path).absolute()
+    if path.is_dir():
+        raise InputError(f"{what} {path} is a directory (give a file name, e.g. "
+                         f"{path / 'results.json'})")
+    if os.path.lexists(path) and not os.access(path, os.W_OK):
+        raise InputError(f"{what} {path} is not writable (give a file you can write)")
+    check_output_dir(path.parent, what)
+    return path
+
+
+def make_output_dir(path: str | Path, what: str) -> list[Path]:
+    """`check_output_dir`, then makes it (before the work whose results go there).
+    Returns the directories it made, deepest first (`remove_if_empty` undoes it when
+    the work fails before writing anything)."""
+    path = check_output_dir(path, what)
+    made = [p for p in (path, *path.parents) if not os.path.lexists(p)]
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise InputError(f"{what} {path} cannot be made: {e.strerror}") from None
+    return made
+
+
+def remove_if_empty(dirs: list[Path]) -> None:
+    """Removes the directories `make_output_dir` made, where they are still empty."""
+    for d in dirs:
+        try:
+            d.rmdir()
+        except OSError:
+            return
+
+
+def warn_long_sequence(prog: str, what: str, seq_len: int) -> None:
+    """One warning line on stderr when `seq_len` is past LONG_SEQ_WARNING."""
+    if seq_len > LONG_SEQ_WARNING:
+        print(f"{prog}: warning: {what} {seq_len} is longer than {LONG_SEQ_WARNING} tokens: "
+              "past every preset's context; activations and attention grow with it "
+              "(dense attention quadratically)", file=sys.stderr)
+
+
+def finite_number(what: str, value: float, *, low: float = 0.0, low_open: bool = True,
+                  fix: str = "") -> float:
+    """`value` finite and above `low` (or at least `low`); InputError naming `what`."""
+    ok = math.isfinite(value) and (value > low if low_open else value >= low)
+    if not ok:
+        bound = f"{'>' if low_open else '>='} {low:g}"
+        raise InputError(f"{what} must be a finite number {bound}, got {value}"
+                         + (f" ({fix})" if fix else ""))
+    return value

@@ -422,11 +422,12 @@ def validate_model(m: ModelConfig, prefix: str = "model") -> None:
                           "pick d_model as a multiple of n_heads")
 
 
-def validate(cfg: Config, *, check_paths: bool = True) -> Config:
+def validate(cfg: Config, *, check_paths: bool = True, need_teacher: bool = True) -> Config:
     """Raises ConfigError naming the first bad field; returns cfg unchanged.
 
     Every field's declared domain first (`check_fields`), then the checks that
-    involve several fields or the file system.
+    involve several fields or the file system. `need_teacher=False`: the caller
+    knows the teacher's shape another way (the FLOP CLI's --teacher-preset).
     """
     check_fields(cfg)
     check_name(cfg.name)
@@ -455,10 +456,22 @@ def validate(cfg: Config, *, check_paths: bool = True) -> Config:
     spec = methods.get(k.method)
     if k.layer_pairs:
         parse_layer_pairs(k.layer_pairs)
-    if spec.needs_teacher and not cfg.teacher.checkpoint:
+    if need_teacher and spec.needs_teacher and not cfg.teacher.checkpoint:
         raise ConfigError("teacher.checkpoint", f"method {k.method!r} needs a teacher",
                           "pass --set teacher.checkpoint=RUN_DIR (an hldstudy run) or a Gemma path")
+    if (cfg.teacher.checkpoint or "").startswith("remote://"):
+        _check_remote_ports(cfg.teacher.checkpoint)
     return cfg
+
+
+def _check_remote_ports(spec: str) -> None:
+    """remote://host:port[,host:port...][?options]: every port an integer in 1..65535."""
+    for addr in spec[len("remote://"):].partition("?")[0].split(","):
+        port = addr.strip().rpartition(":")[2]
+        if addr.strip() and ":" in addr and not (port.isdigit() and 1 <= int(port) <= 65535):
+            raise ConfigError("teacher.checkpoint", f"{addr.strip()!r}: port {port!r} is not "
+                              "1..65535", "write remote://host:port[,host:port...] with the "
+                              "ports the replicas printed")
 
 
 # --------------------------------------------------------------------------- #

@@ -72,6 +72,7 @@ import math
 import sys
 from dataclasses import dataclass
 
+from hldstudy.cli_common import warn_long_sequence
 from hldstudy.config import Config, ModelConfig
 from hldstudy.distill import methods
 from hldstudy.errors import ConfigError, user_errors
@@ -249,15 +250,39 @@ class PlanInputs:
     fused_recompute: bool = True
 
 
+# Each numeric input's domain, named by its command-line flag: (flag, low, low
+# included, high, high included, what it means). Floats are also finite.
+_INPUT_DOMAINS = {
+    "tokens_per_step": ("--tokens-per-step", 1, True, math.inf, False, "tokens per optimizer step"),
+    "devices": ("--devices", 1, True, math.inf, False, "trainer devices"),
+    "seq_len": ("--seq-len", 1, True, math.inf, False, "tokens per sequence"),
+    "grad_accum": ("--grad-accum", 1, True, math.inf, False, "micro-steps per step"),
+    "param_bytes": ("--param-bytes", 1, True, 8, True, "bytes per parameter, e.g. 4 (float32)"),
+    "ring": ("--ring", 0, True, math.inf, False, "prefetch ring depth"),
+    "hidden_layers": ("--hidden-layers", 0, True, math.inf, False, "streamed teacher layers"),
+    "row_block": ("--row-block", 1, True, math.inf, False, "fused-loss row window"),
+    "vocab_block": ("--vocab-block", 1, True, math.inf, False, "fused-loss vocabulary chunk"),
+    "hbm_gb": ("--hbm", 0, False, math.inf, False, "GB of memory per device, e.g. 80"),
+    "link_gbps": ("--link", 0, False, math.inf, False, "Gbps inbound per device, e.g. 400"),
+    "tflops": ("--tflops", 0, False, math.inf, False, "peak TFLOPS per device, e.g. 989"),
+    "mfu": ("--mfu", 0, False, 1, True, "model FLOPs utilisation, a fraction, e.g. 0.4"),
+    "usable": ("--usable", 0, False, 1, True, "usable fraction of HBM, e.g. 0.9"),
+}
+
+
 def _check(p: PlanInputs) -> None:
-    for name in ("tokens_per_step", "devices", "seq_len", "grad_accum", "param_bytes"):
-        if getattr(p, name) <= 0:
-            raise ConfigError(name.replace("_", "-"), f"must be > 0, got {getattr(p, name)}")
-    for name in ("hbm_gb", "link_gbps", "tflops", "mfu", "usable"):
-        if not getattr(p, name) > 0:
-            raise ConfigError(name.replace("_", "-"), f"must be > 0, got {getattr(p, name)}")
-    if p.ring < 0 or p.hidden_layers < 0:
-        raise ConfigError("ring", "ring and hidden-layers must be >= 0")
+    for name, (flag, lo, lo_in, hi, hi_in, what) in _INPUT_DOMAINS.items():
+        v = getattr(p, name)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise ConfigError(flag, f"must be a finite number, got {v!r}", what)
+        if not ((v >= lo if lo_in else v > lo) and (v <= hi if hi_in else v < hi)):
+            rng = (f"{'[' if lo_in else '('}{lo}, {hi}{']' if hi_in else ')'}"
+                   if hi < math.inf else f"{'>=' if lo_in else '>'} {lo}")
+            raise ConfigError(flag, f"must be {'in ' if hi < math.inf else ''}{rng}, got {v}",
+                              what)
+    if p.teacher_devices is not None and p.teacher_devices < 1:
+        raise ConfigError("--teacher-devices", f"must be >= 1, got {p.teacher_devices}",
+                          "omit it to let the planner find the fewest that keep up")
     if p.loss not in ("fused", "materialized"):
         raise ConfigError("loss", f"{p.loss!r} is not one of fused, materialized")
     if p.hidden_layers > p.teacher.n_layers:
@@ -583,6 +608,8 @@ def main(argv: list[str] | None = None) -> int:
                        attention=a.attention, row_block=a.row_block, vocab_block=a.vocab_block,
                        usable=a.usable, fused_recompute=not a.no_fused_recompute)
         dtype_bytes(p.compute_dtype), dtype_bytes(p.teacher_dtype), dtype_bytes(p.stream_dtype)
+        _check(p)
+        warn_long_sequence("hldstudy.plan", "--seq-len", p.seq_len)
         r = plan(p)
         if a.json:
             print(json.dumps(r, sort_keys=True))

@@ -13,8 +13,9 @@ import argparse
 import logging
 import sys
 
+from hldstudy.cli_common import check_output_dir
 from hldstudy.distill import methods
-from hldstudy.errors import user_errors
+from hldstudy.errors import InputError, user_errors
 
 PROG = "python -m hldstudy.analysis"
 
@@ -43,16 +44,16 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO if args.debug else logging.WARNING,
                         format="%(name)s: %(levelname)s: %(message)s", stream=sys.stderr)
     with user_errors(debug=args.debug, prog=PROG):
-        from hldstudy.analysis.report import build_report
-
         if args.n_resamples < 1:
-            from hldstudy.errors import InputError
-
             raise InputError(f"--n-resamples must be >= 1, got {args.n_resamples}")
         if not 0 < args.ci < 1:
-            from hldstudy.errors import InputError
-
             raise InputError(f"--ci must be in (0, 1), got {args.ci}")
+        if args.seed < 0:
+            raise InputError(f"--seed must be >= 0, got {args.seed}")
+        # Checked before the runs load: the report is written only where it can be.
+        check_output_dir(args.out, "--out")
+        from hldstudy.analysis.report import build_report
+
         summary = build_report(args.runs_dir, args.out,
                                allow_mixed_budgets=args.allow_mixed_budgets,
                                check_names=not args.no_name_check,

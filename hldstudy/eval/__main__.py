@@ -15,8 +15,8 @@ import argparse
 import os
 import sys
 
-from hldstudy.cli_common import quiet_libraries
-from hldstudy.errors import user_errors
+from hldstudy.cli_common import check_output_file, make_output_dir, quiet_libraries, remove_if_empty
+from hldstudy.errors import InputError, user_errors
 
 PROG = "python -m hldstudy.eval"
 
@@ -57,15 +57,32 @@ def main(argv: list[str] | None = None) -> int:
     if args.no_progress:
         os.environ.setdefault("TQDM_DISABLE", "1")  # read when tqdm is first imported
     quiet_libraries()
+    made: list = []
     with user_errors(args.debug, prog=PROG):
+        for flag, value, low in (("--max-length", args.max_length, 1),
+                                 ("--rolling-context", args.rolling_context, 1),
+                                 ("--bootstrap-iters", args.bootstrap_iters, 0)):
+            if value is not None and value < low:
+                raise InputError(f"{flag} must be >= {low}, got {value}")
+        if args.out:
+            # Checked and made before the evaluation: a bad --out never costs the work.
+            out = check_output_file(args.out, "--out")
+            stem = out.with_suffix("") if out.suffix == ".json" else out
+            for side in (f"{stem}.md", f"{stem}.meta.json"):
+                check_output_file(side, "--out (written next to it)")
+            made = make_output_dir(out.parent, "--out")
         from hldstudy.eval.runner import evaluate, markdown_table
 
-        results = evaluate(args.checkpoint, args.tasks, limit=args.limit,
-                           batch_size=args.batch_size, offline_data=args.offline_data,
-                           out=args.out, bootstrap_iters=args.bootstrap_iters,
-                           rolling_context=args.rolling_context, max_length=args.max_length,
-                           wandb=args.wandb,
-                           progress=not args.no_progress)
+        try:
+            results = evaluate(args.checkpoint, args.tasks, limit=args.limit,
+                               batch_size=args.batch_size, offline_data=args.offline_data,
+                               out=args.out, bootstrap_iters=args.bootstrap_iters,
+                               rolling_context=args.rolling_context, max_length=args.max_length,
+                               wandb=args.wandb,
+                               progress=not args.no_progress)
+        except BaseException:
+            remove_if_empty(made)  # a failed evaluation leaves no empty folder behind
+            raise
         sys.stdout.write(markdown_table(results))
         if args.out:
             print(f"wrote {args.out}")

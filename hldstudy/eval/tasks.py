@@ -79,24 +79,41 @@ def resolve_offline_dir(offline_data: str | Path | None) -> Path | None:
 
 
 def check_offline_file(task: str, data_dir: Path) -> Path:
-    """The task's JSONL file, checked to exist and to carry the schema's fields."""
+    """The task's JSONL file, every line checked to be a JSON object carrying the
+    schema's fields (before the model loads, so a bad line 5000 costs nothing)."""
     path = offline_file(task, data_dir)
     if not path.is_file():
         raise InputError(f"{path}: missing offline data for task {task!r} (expected the split "
                          f"the task evaluates as JSONL with fields "
                          f"{', '.join(SCHEMAS.get(task, ('...',)))}; see hldstudy/eval/README.md)")
-    with path.open() as fh:
-        first = fh.readline()
+    fields = SCHEMAS.get(task, ())
+    records = 0
     try:
-        rec = json.loads(first)
-    except json.JSONDecodeError as e:
-        raise InputError(f"{path}:1: not JSON ({e.msg})") from None
-    if not isinstance(rec, dict):
-        raise InputError(f"{path}:1: expected a JSON object per line")
-    missing = [f for f in SCHEMAS.get(task, ()) if f not in rec]
-    if missing:
-        raise InputError(f"{path}:1: record lacks {', '.join(missing)} (schema of {task}: "
-                         f"{', '.join(SCHEMAS[task])}; see hldstudy/eval/README.md)")
+        with path.open(encoding="utf-8") as fh:
+            for lineno, line in enumerate(fh, 1):
+                if not line.strip():
+                    continue  # blank lines carry no record (the json builder skips them)
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise InputError(f"{path}:{lineno}: not JSON ({e.msg}, column {e.colno}); "
+                                     "fix or remove that line") from None
+                if not isinstance(rec, dict):
+                    raise InputError(f"{path}:{lineno}: expected a JSON object per line, got "
+                                     f"{type(rec).__name__}")
+                missing = [f for f in fields if f not in rec]
+                if missing:
+                    raise InputError(f"{path}:{lineno}: record lacks {', '.join(missing)} "
+                                     f"(schema of {task}: {', '.join(fields)}; "
+                                     "see hldstudy/eval/README.md)")
+                records += 1
+    except UnicodeDecodeError as e:
+        raise InputError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except OSError as e:
+        raise InputError(f"{path}: cannot be read ({e.strerror})") from None
+    if not records:
+        raise InputError(f"{path}: no records (one JSON object per line, fields "
+                         f"{', '.join(fields) or '...'})")
     return path
 
 

@@ -12,7 +12,8 @@ import json
 import sys
 
 from hldstudy.budget import plan_stages
-from hldstudy.config import apply_overrides, load_experiment
+from hldstudy.cli_common import EXPERIMENTS, find_builtin, finite_number, warn_long_sequence
+from hldstudy.config import apply_overrides, load_experiment, validate
 from hldstudy.distill import methods
 from hldstudy.errors import ConfigError, user_errors
 from hldstudy.flops import FUSED_XLA_ROW_BLOCK, step_flops, xla_count_is_complete
@@ -61,12 +62,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--debug", action="store_true")
     args = ap.parse_args(argv)
     with user_errors(args.debug, prog="hldstudy.flops"):
-        cfg = apply_overrides(load_experiment(args.config), args.overrides)
+        if args.budget is not None:
+            finite_number("--budget", args.budget,
+                          fix="a FLOP budget, e.g. 1e15; omit it to use budget.flops")
+        cfg = apply_overrides(load_experiment(find_builtin(args.config, EXPERIMENTS)),
+                              args.overrides)
         method = args.method or cfg.distill.method
         cfg = dataclasses.replace(cfg, distill=dataclasses.replace(cfg.distill, method=method))
         if args.count_teacher:
             cfg = dataclasses.replace(cfg, budget=dataclasses.replace(cfg.budget,
                                                                       count_teacher=True))
+        # The teacher's shape may come from --teacher-preset (checked below).
+        validate(cfg, check_paths=False, need_teacher=False)
+        warn_long_sequence("hldstudy.flops", "data.seq_len", cfg.data.seq_len)
         if args.teacher_preset:
             teacher_model = preset(args.teacher_preset)
         else:
@@ -76,7 +84,12 @@ def main(argv: list[str] | None = None) -> int:
                               "pass --teacher-preset NAME, or a teacher.checkpoint run directory")
         budget = args.budget if args.budget is not None else (cfg.budget.flops or None)
         if budget is not None:
-            plans = plan_stages(cfg, teacher_model, method, budget_flops=budget)
+            try:
+                plans = plan_stages(cfg, teacher_model, method, budget_flops=budget)
+            except ConfigError as e:
+                if args.budget is None or e.field != "budget.flops":
+                    raise
+                raise ConfigError("--budget", str(e)[len(e.field) + 2:]) from None
             steps = {p.stage.name: p.steps for p in plans}
         else:
             steps = {}

@@ -133,7 +133,7 @@ def main(argv=None) -> int:
 
 
 def _main(args) -> int:
-    from hldstudy.cli_common import SWEEPS, find_builtin
+    from hldstudy.cli_common import SWEEPS, check_output_dir, find_builtin
     from hldstudy.sweep import executors
     from hldstudy.sweep.launch import prepare_workdir
     from hldstudy.sweep.spec import config_drift, expand, load_sweep, run_status
@@ -171,6 +171,7 @@ def _main(args) -> int:
             print(_fmt_table(selected, statuses))
         return 0
 
+    check_output_dir(workdir, "--workdir" if args.workdir else "--workdir (runs/<sweep name>)")
     prepare_workdir(sweep, runs, selected, workdir, sweep_file=sweep_file,
                     overrides=args.overrides, force=args.force)
 

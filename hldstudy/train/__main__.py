@@ -10,7 +10,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from hldstudy.cli_common import add_config_args, quiet_libraries, resolve_config
+from hldstudy.cli_common import add_config_args, check_output_dir, quiet_libraries, resolve_config
 from hldstudy.distill import methods
 from hldstudy.errors import user_errors
 
@@ -29,6 +29,7 @@ def main(argv: list[str] | None = None) -> int:
         extra = [f"distill.method={args.method}"] if args.method else []
         cfg = resolve_config(args, extra)
         workdir = Path(args.workdir or f"runs/{cfg.name}")
+        check_output_dir(workdir, "--workdir" if args.workdir else "--workdir (runs/<name>)")
         from hldstudy.train.loop import Interrupted, train
 
         try:
