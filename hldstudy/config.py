@@ -338,6 +338,10 @@ class TeacherConfig:
     ring_size: int = knob(4, operational=True,
                           domain=Domain(">= 0", note="0 = request each step when it is needed"))
     timeout_s: float = knob(30.0, operational=True, domain=POSITIVE)
+    # Shared secret every call to a replica carries (the replicas' --token-file).
+    token_file: str | None = knob(None, operational=True)
+    # TLS: the root certificate (PEM) the replicas' --tls-cert chains to; None = plaintext.
+    tls_ca: str | None = knob(None, operational=True)
 
 
 @dataclass(frozen=True)

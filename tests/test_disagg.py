@@ -585,3 +585,151 @@ def test_bfloat16_stream_matches_colocated_without_excess_precision(env, tmp_pat
     finally:
         for r in replicas:
             r.kill()
+
+
+# --------------------------------------------------------------------------- #
+# The hardened service end to end (tests/test_teacher_service.py: the transport alone)
+# --------------------------------------------------------------------------- #
+
+
+@pytest.mark.timeout(300)
+def test_hung_head_replica_is_skipped_and_a_signal_stops_the_wait(env):
+    """A replica hung in `Head` (test double: tests/helpers/faulty_server.py) no longer blocks
+    the trainer: after teacher.timeout_s without a chunk the next replica sends the head; with
+    no other replica, SIGTERM ends the wait as the trainer's stop (Interrupted, signal 15)."""
+    from helpers.faulty_server import FaultyTeacherServer
+
+    from hldstudy.distill.base import make_strategy
+    from hldstudy.signals import StopSignals
+    from hldstudy.teacher.serve import TeacherServer, load_student_config
+    from hldstudy.train.loop import Interrupted
+
+    _ready(env)
+    cfg = load_student_config(str(env["config"]), [])
+    hung = FaultyTeacherServer(cfg, env["teacher"], layers="final,3",
+                               workdir=env["root"] / "hung", hang_in_head=True)
+    port = hung.start(0)
+    try:
+        good = env["replicas"][0].address
+        teacher = RemoteTeacher.connect(_student(
+            "kd", f"remote://127.0.0.1:{port},{good}", env["tokenizer"], timeout_s=1.0))
+        t0 = time.monotonic()
+        emb = teacher.embedding()
+        assert 1.0 <= time.monotonic() - t0 < 15
+        np.testing.assert_array_equal(emb, TeacherServer.head(hung))
+
+        alone = _student("kd", f"remote://127.0.0.1:{port}", env["tokenizer"], timeout_s=120.0)
+        teacher = RemoteTeacher.connect(alone)
+        strategy = make_strategy(alone, alone.model, teacher.model_cfg)
+        feed = teacher.stage_feed(strategy, strategy.stages()[0], None)
+        timer = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM))
+        t0 = time.monotonic()
+        with StopSignals():
+            timer.start()
+            with pytest.raises(Interrupted) as exc:
+                feed.begin(0, 5)
+        timer.cancel()
+        assert exc.value.signum == signal.SIGTERM and time.monotonic() - t0 < 15
+        feed.close()
+    finally:
+        hung.stop(0)
+
+
+def _self_signed(tmp_path):
+    import shutil
+
+    if shutil.which("openssl") is None:
+        return None
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    out = subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days",
+                          "1", "-subj", "/CN=localhost", "-addext",
+                          "subjectAltName=IP:127.0.0.1,DNS:localhost", "-keyout", str(key),
+                          "-out", str(cert)], capture_output=True, timeout=60)
+    return (cert, key) if out.returncode == 0 else None
+
+
+@pytest.mark.timeout(600)
+def test_token_and_tls_replica_trains_bitwise_equal(env, tmp_path):
+    """A replica with a shared secret (and TLS when openssl can make a certificate): the
+    trainer with teacher.token_file (and teacher.tls_ca) trains the same bits as colocated;
+    a trainer without the token is refused in one line naming teacher.token_file."""
+    from hldstudy.teacher.serve import TeacherServer, load_student_config
+    from hldstudy.train.loop import Trainer
+
+    col, _, _, _ = _run_pair(env, "kd")
+    token = tmp_path / "token"
+    token.write_text("0123456789abcdef-secret\n")
+    pem = _self_signed(tmp_path)
+    server = TeacherServer(load_student_config(str(env["config"]), []), env["teacher"],
+                           layers="final,3", workdir=env["root"] / "secured")
+    port = server.start(0, token=token.read_text().strip(),
+                        tls=(pem[0].read_bytes(), pem[1].read_bytes()) if pem else None)
+    try:
+        extra = {"token_file": str(token), "tls_ca": str(pem[0]) if pem else None}
+        cfg = _student("kd", f"remote://127.0.0.1:{port}", env["tokenizer"], **extra)
+        Trainer(cfg, tmp_path / "run", devices=jax.devices()[:1]).run()
+        assert _losses(tmp_path / "run") == col
+        assert server.stats["steps"] == 5 and server.stats["refused"] == 0
+        without = dataclasses.replace(cfg, teacher=dataclasses.replace(cfg.teacher,
+                                                                       token_file=None))
+        with pytest.raises(ConfigError, match=r"teacher.token_file: .* refused the call"):
+            RemoteTeacher.connect(without)
+        wrong = tmp_path / "wrong"
+        wrong.write_text("not-the-secret")
+        with pytest.raises(ConfigError, match=r"teacher.token_file: .* refused the call"):
+            RemoteTeacher.connect(dataclasses.replace(cfg, teacher=dataclasses.replace(
+                cfg.teacher, token_file=str(wrong))))
+        assert server.stats["refused"] >= 1
+    finally:
+        server.stop(0)
+
+
+def test_info_has_no_paths_and_the_temporary_workdir_goes(env):
+    from hldstudy.teacher.serve import TeacherServer, load_student_config
+
+    server = TeacherServer(load_student_config(str(env["config"]), []), env["teacher"],
+                           layers="final,3")
+    info = json.dumps(server.info())
+    assert "pid" not in json.loads(info) and str(env["root"]) not in info
+    assert json.loads(info)["checkpoint"] == "teacher"
+    workdir = server.workdir
+    assert workdir.is_dir() and any(workdir.iterdir())
+    server.cleanup()
+    assert not workdir.exists()
+
+
+@pytest.mark.timeout(300)
+def test_sigterm_stops_a_replica_and_removes_its_temporary_workdir(env, tmp_path):
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    proc = subprocess.Popen([sys.executable, "-m", "hldstudy.teacher.serve", "--config",
+                             str(env["config"]), "--layers", "final,3", "--no-warmup",
+                             "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, "TMPDIR": str(tmp)})
+    try:
+        line = proc.stdout.readline()
+        assert "serving teacher" in line, proc.stderr.read()[-2000:] if not line else line
+        assert [p.name.startswith("hldstudy-teacher-") for p in tmp.iterdir()] == [True]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+    finally:
+        proc.kill()
+    assert not any(p.name.startswith("hldstudy-teacher-") for p in tmp.iterdir())
+
+
+@pytest.mark.timeout(300)
+def test_corrupted_teacher_run_is_refused_in_one_line(env, tmp_path):
+    import shutil
+
+    bad = tmp_path / "teacher"
+    shutil.copytree(env["teacher"], bad)
+    for f in (bad / "checkpoints").rglob("*"):  # every array file of every step truncated
+        if f.is_file() and f.stat().st_size > 256 and f.suffix not in (".json",):
+            f.write_bytes(f.read_bytes()[:64])
+    out = subprocess.run([sys.executable, "-m", "hldstudy.teacher.serve", "--config",
+                          str(env["config"]), "--checkpoint", str(bad), "--port", "0"],
+                         capture_output=True, text=True, timeout=240)
+    assert out.returncode == 2, out.stderr[-3000:]
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert str(bad) in lines[0] or "teacher" in lines[0]

@@ -18,6 +18,15 @@ built the same way the colocated teacher builds it, so the losses match
 bitwise when the dtypes match). Each consumed step is appended to
 `<workdir>/teacher_steps.log` (`{"step", "replica", "stall_s"}`), truncated
 to the resume step when a run resumes, so the log holds each trained step once.
+
+Every call has a deadline: `Info`/`Stats` `min(teacher.timeout_s, 10)` s, the
+head an idle deadline of `teacher.timeout_s` per chunk (a large head may take
+long, a silent replica may not), a stream's steps the ring's `timeout_s`. A
+replica that fails or hangs in `Head` is skipped for the next one; SIGTERM /
+SIGINT received while waiting for the head stop the run at once
+(`Interrupted`). With `teacher.token_file` every call carries the shared
+secret; with `teacher.tls_ca` the channel is TLS, trusting that root. Every
+frame is checked against the handshake before it is used.
 """
 
 from __future__ import annotations
@@ -25,7 +34,10 @@ from __future__ import annotations
 import json
 import logging
 import queue
+import signal
 import threading
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import parse_qs
 
@@ -37,6 +49,7 @@ from hldstudy.config import Config, ModelConfig, config_from_dict
 from hldstudy.distill.base import Batch, Strategy, TeacherOutputs, make_strategy
 from hldstudy.distill.methods import Stage
 from hldstudy.errors import ConfigError
+from hldstudy.signals import StopSignals
 from hldstudy.teacher import protocol as proto
 from hldstudy.teacher.base import StageFeed, method_needs, stage_needs
 from hldstudy.teacher.ring import PrefetchRing
@@ -70,14 +83,90 @@ class ReplicaDown(ConnectionError):
     pass
 
 
-class GrpcSession:
-    """One bidirectional `Stream` call: requests are credits, answers are step frames."""
+class StopRequested(Exception):
+    """SIGTERM / SIGINT arrived while waiting for a replica."""
 
-    def __init__(self, channel, open_spec: dict, on_result, on_error):
+    def __init__(self, signum: int):
+        self.signum = signum
+        super().__init__(f"stopped by signal {signum}")
+
+
+def stop_requested() -> int | None:
+    """The signal the suite's stop flag (`hldstudy.signals.StopSignals`, e.g. the Trainer's)
+    has recorded, if any: long waits check it, since the flag only records the signal."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        owner = getattr(signal.getsignal(sig), "__self__", None)
+        if isinstance(owner, StopSignals) and owner.signum is not None:
+            return owner.signum
+    return None
+
+
+def _interrupted(step: int, signum: int) -> BaseException:
+    from hldstudy.train.loop import Interrupted  # the trainer's; the run stops as on a signal
+
+    return Interrupted(step, signum)
+
+
+@dataclass(frozen=True)
+class Security:
+    """What every call carries: the shared secret (`teacher.token_file`) and, for TLS, the
+    trusted root certificates (`teacher.tls_ca`)."""
+
+    token: str | None = None
+    root_certs: bytes | None = None
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> Security:
+        t = cfg.teacher
+        token = proto.read_token(t.token_file, "teacher.token_file") \
+            if getattr(t, "token_file", None) else None
+        roots = proto.read_pem(t.tls_ca, "teacher.tls_ca", "certificate") \
+            if getattr(t, "tls_ca", None) else None
+        return cls(token, roots)
+
+    @property
+    def metadata(self) -> tuple:
+        return proto.auth_metadata(self.token)
+
+    def channel(self, address: str, options=()):
+        import grpc
+
+        options = proto.CHANNEL_OPTIONS + list(options)
+        if self.root_certs is not None:
+            return grpc.secure_channel(
+                address, grpc.ssl_channel_credentials(root_certificates=self.root_certs), options)
+        return grpc.insecure_channel(address, options)
+
+
+NO_SECURITY = Security()
+
+
+def _rpc_error(address: str, e) -> Exception:
+    """A failed call as the trainer acts on it: a refused token or a refused request is the
+    run's configuration (ConfigError, fatal); anything else means the replica is down."""
+    import grpc
+
+    code, details = e.code(), e.details()
+    if code == grpc.StatusCode.UNAUTHENTICATED:
+        return ConfigError("teacher.token_file", f"{address} refused the call: {details}",
+                           "give the trainer the replica's --token-file secret")
+    if code in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT):
+        return ConfigError(FIELD, f"{address}: {details}")
+    return ReplicaDown(f"{address}: {code.name}: {details}")
+
+
+class GrpcSession:
+    """One bidirectional `Stream` call: requests are credits, answers are step frames
+    (checked against `expect`, the tensors the handshake promised)."""
+
+    def __init__(self, channel, open_spec: dict, on_result, on_error, *, metadata=(),
+                 expect: list[dict] | None = None, address: str = ""):
+        # Credits: the ring never has more than ring_size + 1 steps outstanding.
         self._q: queue.Queue = queue.Queue()
         self._q.put(proto.encode({"open": open_spec}))
         self._closed = False
         self._on_result, self._on_error = on_result, on_error
+        self._expect, self._address = expect, address
 
         def requests():
             while True:
@@ -86,14 +175,15 @@ class GrpcSession:
                     return
                 yield item
 
-        self._call = channel.stream_stream(proto.method(proto.STREAM))(requests())
+        self._call = channel.stream_stream(proto.method(proto.STREAM))(requests(),
+                                                                       metadata=metadata)
         self._thread = threading.Thread(target=self._receive, daemon=True, name="teacher-recv")
         self._thread.start()
 
     def _receive(self):
         import grpc
 
-        assembler = proto.StepAssembler()
+        assembler = proto.StepAssembler(self._expect)
         try:
             for frame in self._call:
                 header, payload = proto.decode(frame)
@@ -103,12 +193,12 @@ class GrpcSession:
             if not self._closed:
                 self._on_error(ReplicaDown("the replica ended its stream"))
         except grpc.RpcError as e:
-            if self._closed:
-                return
-            if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
-                self._on_error(ConfigError(FIELD, e.details()))
-            else:
-                self._on_error(ReplicaDown(f"{e.code().name}: {e.details()}"))
+            if not self._closed:
+                self._on_error(_rpc_error(self._address, e))
+        except proto.ProtocolError as e:
+            if not self._closed:
+                self._call.cancel()
+                self._on_error(ReplicaDown(f"{self._address} broke the protocol: {e}"))
         except Exception as e:  # noqa: BLE001
             if not self._closed:
                 self._on_error(e)
@@ -126,20 +216,21 @@ class GrpcLink:
     """One replica address: handshake (`Info`), head, stream sessions, stats."""
 
     def __init__(self, address: str, *, check=None, open_spec: dict | None = None,
-                 timeout_s: float = 10.0):
+                 timeout_s: float = 10.0, security: Security = NO_SECURITY,
+                 expect: list[dict] | None = None):
         self.name = address
         self.address = address
         self.check = check  # info -> None, raises ConfigError on a mismatch
         self.open_spec = open_spec or {}
         self.timeout_s = timeout_s
+        self.security = security
+        self.expect = expect
         self._channel = None
 
     def _new_channel(self):
-        import grpc
-
         if self._channel is not None:
             self._channel.close()
-        self._channel = grpc.insecure_channel(self.address, options=proto.CHANNEL_OPTIONS + [
+        self._channel = self.security.channel(self.address, [
             ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 500)])
         return self._channel
 
@@ -148,10 +239,19 @@ class GrpcLink:
 
         channel = self._new_channel()
         try:
-            reply = channel.unary_unary(proto.method(proto.INFO))(b"", timeout=self.timeout_s)
+            reply = channel.unary_unary(proto.method(proto.INFO))(
+                b"", timeout=self.timeout_s, metadata=self.security.metadata)
         except grpc.RpcError as e:
-            raise ReplicaDown(f"{self.address}: {e.code().name}") from None
-        return proto.decode(reply)[0]
+            raise _rpc_error(self.address, e) from None
+        try:
+            info = proto.decode(reply)[0]
+        except proto.ProtocolError as e:
+            raise ReplicaDown(f"{self.address}: {e}") from None
+        for key in ("protocol", "fingerprint", "dtype", "model", "final", "layers",
+                    "tokenizer", "data"):
+            if key not in info:
+                raise ReplicaDown(f"{self.address}: its Info has no {key!r}")
+        return info
 
     def connect(self) -> None:
         info = self.info()
@@ -161,15 +261,73 @@ class GrpcLink:
     def open(self, on_result, on_error) -> GrpcSession:
         if self._channel is None:
             self._new_channel()
-        return GrpcSession(self._channel, self.open_spec, on_result, on_error)
+        return GrpcSession(self._channel, self.open_spec, on_result, on_error,
+                           metadata=self.security.metadata, expect=self.expect,
+                           address=self.address)
 
-    def head(self) -> np.ndarray:
-        chunks, header = [], None
-        for frame in self._channel.unary_stream(proto.method(proto.HEAD))(b""):
-            header, payload = proto.decode(frame)
-            chunks.append(bytes(payload))
-        arr = np.frombuffer(b"".join(chunks), dtype=proto.np_dtype(header["dtype"]))
-        return arr.reshape(header["shape"])
+    def head(self, shape, dtype: str, *, idle_s: float, stop=None) -> np.ndarray:
+        """The head `[V, D]`, checked against `shape`/`dtype`. Each chunk must arrive within
+        `idle_s` (no deadline for the whole transfer: a large head may take long); raises
+        ReplicaDown on a failed, silent or malformed transfer, StopRequested when `stop()`
+        reports a signal while waiting."""
+        import grpc
+
+        if self._channel is None:
+            self._new_channel()
+        call = self._channel.unary_stream(proto.method(proto.HEAD))(
+            b"", metadata=self.security.metadata)
+        inbox: queue.Queue = queue.Queue(maxsize=4)
+        done = threading.Event()
+        end = object()
+
+        def pump():  # the blocking iteration, off the waiting thread
+            try:
+                for frame in call:
+                    while not done.is_set():
+                        try:
+                            inbox.put(frame, timeout=0.1)
+                            break
+                        except queue.Full:
+                            continue
+                item = end
+            except grpc.RpcError as e:
+                item = e
+            while not done.is_set():
+                try:
+                    inbox.put(item, timeout=0.1)
+                    return
+                except queue.Full:
+                    continue
+
+        threading.Thread(target=pump, daemon=True, name="teacher-head").start()
+        assembler = proto.HeadAssembler(shape, dtype)
+        last = time.monotonic()
+        try:
+            while True:
+                try:
+                    item = inbox.get(timeout=min(0.1, idle_s))
+                except queue.Empty:
+                    signum = stop() if stop is not None else None
+                    if signum is not None:
+                        raise StopRequested(signum) from None
+                    if time.monotonic() - last > idle_s:
+                        raise ReplicaDown(f"{self.address}: no chunk of the teacher's head for "
+                                          f"{idle_s:g} s (teacher.timeout_s)") from None
+                    continue
+                if item is end:
+                    raise ReplicaDown(f"{self.address}: the head ended early")
+                if isinstance(item, grpc.RpcError):
+                    raise _rpc_error(self.address, item)
+                last = time.monotonic()
+                try:
+                    out = assembler.add(*proto.decode(item))
+                except proto.ProtocolError as e:
+                    raise ReplicaDown(f"{self.address} broke the protocol: {e}") from None
+                if out is not None:
+                    return out
+        finally:
+            done.set()
+            call.cancel()
 
     def close(self) -> None:
         if self._channel is not None:
@@ -179,10 +337,12 @@ class GrpcLink:
     def stats(self) -> dict:
         import grpc
 
-        channel = grpc.insecure_channel(self.address)
+        channel = self.security.channel(self.address)
         try:
             return proto.decode(channel.unary_unary(proto.method(proto.STATS))(
-                b"", timeout=self.timeout_s))[0]
+                b"", timeout=self.timeout_s, metadata=self.security.metadata))[0]
+        except grpc.RpcError as e:
+            raise _rpc_error(self.address, e) from None
         finally:
             channel.close()
 
@@ -216,19 +376,28 @@ class RemoteFeeder:
                         if line.strip() and json.loads(line)["step"] < start]
             path.write_text("".join(line + "\n" for line in kept))
             self._log = open(path, "a")
+        if self.final and self.embedding_VxD is None:
+            try:  # the state is the checkpointed (or initial) one: a signal loses nothing
+                emb_VxD = t.embedding(stop=stop_requested)
+            except StopRequested as e:
+                raise _interrupted(start, e.signum) from None
+            self.embedding_VxD = t.place_embedding(emb_VxD, self.mesh)
         open_spec = {"final": self.final, "layers": list(self.layers), "dtype": t.dtype,
                      "fingerprint": t.fingerprint}
-        links = [GrpcLink(a, check=t.check_info, open_spec=open_spec,
-                          timeout_s=min(t.timeout_s, 10.0)) for a in t.addresses]
-        connected = []
+        links = [t.link(a, check=t.check_info, open_spec=open_spec,
+                        expect=t.expected_tensors(self.final, self.layers))
+                 for a in t.addresses]
+        connected, why = [], []
         for link in links:
             try:
                 link.connect()
                 connected.append(True)
-            except ConnectionError:
+            except ConnectionError as e:
                 connected.append(False)
+                why.append(str(e))
         if not any(connected):
-            raise ConfigError(FIELD, f"no teacher replica answers at {', '.join(t.addresses)}",
+            raise ConfigError(FIELD, f"no teacher replica answers at {', '.join(t.addresses)} "
+                              f"({'; '.join(why)})",
                               "start them with python -m hldstudy.teacher.serve")
         self.links = links
         self.ring = PrefetchRing(links, start=start, end=end, ring_size=t.ring_size,
@@ -299,8 +468,9 @@ class RemoteTeacher:
     rejoin_s = 0.5
 
     def __init__(self, cfg: Config, addresses: list[str], infos: dict[str, dict],
-                 expected_fingerprint: str | None = None):
+                 expected_fingerprint: str | None = None, security: Security | None = None):
         self.cfg = cfg
+        self.security = security if security is not None else Security.from_config(cfg)
         self.addresses = addresses
         self.source = cfg.teacher.checkpoint
         self.dtype = cfg.teacher.dtype
@@ -322,21 +492,24 @@ class RemoteTeacher:
     @classmethod
     def connect(cls, cfg: Config) -> RemoteTeacher:
         addresses, opts = parse_spec(cfg.teacher.checkpoint)
+        security = Security.from_config(cfg)
         infos, down = {}, []
         for addr in addresses:
-            link = GrpcLink(addr, timeout_s=min(cfg.teacher.timeout_s, 10.0))
+            link = GrpcLink(addr, timeout_s=min(cfg.teacher.timeout_s, 10.0), security=security)
             try:
                 infos[addr] = link.info()
-            except ReplicaDown:
-                down.append(addr)
+            except ReplicaDown as e:
+                down.append(str(e))
             finally:
                 link.close()
         if not infos:
-            raise ConfigError(FIELD, f"no teacher replica answers at {', '.join(addresses)}",
+            raise ConfigError(FIELD, f"no teacher replica answers at {', '.join(addresses)} "
+                              f"({'; '.join(down)})",
                               "start them with python -m hldstudy.teacher.serve")
         if down:
-            log.warning("teacher replicas %s are down; they join when they answer", down)
-        teacher = cls(cfg, addresses, infos, opts.get("fingerprint"))
+            log.warning("teacher replicas are down (%s); they join when they answer",
+                        "; ".join(down))
+        teacher = cls(cfg, addresses, infos, opts.get("fingerprint"), security)
         teacher._check_layers()
         return teacher
 
@@ -419,33 +592,54 @@ class RemoteTeacher:
 
     # --------------------------------------------------------------- stages
 
-    def embedding(self) -> np.ndarray:
-        """The teacher's tied embedding `[V, D]` in the stream dtype (fetched once)."""
+    def link(self, address: str, **kwargs) -> GrpcLink:
+        """A link to one replica with this run's deadlines and credentials."""
+        return GrpcLink(address, timeout_s=min(self.timeout_s, 10.0), security=self.security,
+                        **kwargs)
+
+    def expected_tensors(self, final: bool, layers) -> list[dict]:
+        """What every step's first frame must announce: the handshake's `[B, T, D]` in
+        teacher.dtype for each requested tensor (never the server's word for it)."""
+        shape = [self.cfg.data.batch_size, self.cfg.data.seq_len, self.model_cfg.d_model]
+        return proto.expected_tensors(proto.tensor_names(layers, final), shape, self.dtype)
+
+    def embedding(self, stop=None) -> np.ndarray:
+        """The teacher's tied embedding `[V, D]` in the stream dtype (fetched once). A replica
+        that fails, hangs (no chunk for teacher.timeout_s) or sends another layout is skipped
+        for the next; `stop()` returning a signal ends the wait (StopRequested)."""
         if self._embedding is None:
+            why = []
+            shape = [self.model_cfg.vocab_size, self.model_cfg.d_model]
             for addr in self.addresses:
-                link = GrpcLink(addr, timeout_s=min(self.timeout_s, 10.0))
+                link = self.link(addr)
                 try:
                     info = link.info()
                     self.check_info(addr, info)
-                    self._embedding = link.head()
+                    self._embedding = link.head(shape, self.dtype, idle_s=self.timeout_s,
+                                                stop=stop)
                     break
-                except ConnectionError:
-                    continue
+                except ConnectionError as e:
+                    log.warning("teacher replica %s did not send the head (%s); trying the next",
+                                addr, e)
+                    why.append(str(e))
                 finally:
                     link.close()
             else:
-                raise ConfigError(FIELD, "no replica answers to send the teacher's head")
+                raise ConfigError(FIELD, "no replica sent the teacher's head "
+                                  f"({'; '.join(why)})", "check the replicas' logs")
         return self._embedding
 
+    @staticmethod
+    def place_embedding(emb_VxD: np.ndarray, mesh):
+        if mesh is None:
+            return jax.device_put(emb_VxD)
+        return jax.device_put(emb_VxD, sharding.tree_shardings(mesh, emb_VxD))
+
     def stage_feed(self, strategy: Strategy, stage: Stage, mesh) -> StageFeed:
+        """The stage's feed; the head (stages that need it) is fetched when it begins."""
         needs = stage_needs(strategy, stage, self.model_cfg)
-        embedding_VxD = None
-        if needs.final:
-            emb_VxD = self.embedding()
-            embedding_VxD = jax.device_put(emb_VxD, sharding.tree_shardings(mesh, emb_VxD)) \
-                if mesh is not None else jax.device_put(emb_VxD)
         self.close()
-        feeder = RemoteFeeder(self, needs.final, needs.layers, mesh, embedding_VxD)
+        feeder = RemoteFeeder(self, needs.final, needs.layers, mesh, None)
         self._feeders.append(feeder)
         return feeder
 
@@ -458,7 +652,7 @@ class RemoteTeacher:
         out = {}
         for addr in self.addresses:
             try:
-                out[addr] = GrpcLink(addr, timeout_s=5.0).stats()
+                out[addr] = GrpcLink(addr, timeout_s=5.0, security=self.security).stats()
             except Exception:  # noqa: BLE001
                 out[addr] = None
         return out

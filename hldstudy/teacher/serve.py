@@ -13,22 +13,47 @@ which steps each replica computes; start one process per replica.
   --config       the student's experiment file, config.json or run directory
   --layers       layers served: "final" and/or block indices, e.g. final,9
                  (default: every layer the student's method needs)
-  --dtype        compute = stream dtype (default: the config's teacher.dtype)
-  --port         0 picks a free port; the bound address is printed
+  --dtype        compute = stream dtype: float32, bfloat16 or float16
+                 (default: the config's teacher.dtype)
+  --host         address to bind (default 127.0.0.1); anything beyond loopback
+                 needs --token-file
+  --port         1..65535, or 0 to pick a free port; the bound address is
+                 printed. A busy port is refused (no port sharing).
+  --token-file   shared secret every call must carry (the trainer's
+                 teacher.token_file); compared in constant time
+  --tls-cert, --tls-key
+                 serve over TLS (PEM); the trainer trusts it via teacher.tls_ca
+  --max-streams  concurrent streams (default 8); more are refused with
+                 RESOURCE_EXHAUSTED, so Info and Head always find a thread
+  --idle-timeout-s
+                 a stream that asks for no step (or does not read what it
+                 asked for) this long is closed (default 300); a trainer
+                 reconnects by itself
+
+SIGTERM / SIGINT stop the replica (exit 128+N); a temporary --workdir is
+removed on exit.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import errno
 import hashlib
+import hmac
+import ipaddress
 import json
 import logging
-import os
 import queue
+import re
+import shutil
+import signal
+import socket
 import sys
 import tempfile
 import threading
+import time
 from concurrent import futures
 from pathlib import Path
 
@@ -40,7 +65,7 @@ from hldstudy.cli_common import quiet_libraries
 from hldstudy.config import apply_overrides, load_experiment, read_config
 from hldstudy.data import prepare_data
 from hldstudy.distill.base import make_strategy
-from hldstudy.errors import ConfigError, InputError, user_errors
+from hldstudy.errors import ConfigError, HLDError, InputError, user_errors
 from hldstudy.model.loading import load_model
 from hldstudy.teacher import protocol as proto
 from hldstudy.teacher.base import check_layers, method_needs, stage_needs
@@ -64,6 +89,81 @@ def parse_layers(text: str) -> tuple[bool, tuple[int, ...]]:
     return final, tuple(sorted(set(layers)))
 
 
+_HOSTNAME = re.compile(r"(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+                       r"(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*")
+
+
+def check_host(host: str) -> bool:
+    """Whether `host` (an IP address or a resolvable name) is loopback only;
+    ConfigError(--host) when it is neither an address nor a name."""
+    fix = "e.g. 127.0.0.1 (this machine only), ::1, 0.0.0.0 (every interface) or a host name"
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        pass
+    if re.fullmatch(r"[0-9.]+", host or ""):
+        raise ConfigError("--host", f"{host!r} is not a valid IPv4 address", fix)
+    if not _HOSTNAME.fullmatch(host or ""):
+        raise ConfigError("--host", f"{host!r} is not an IP address or a host name", fix)
+    try:
+        addrs = {ai[4][0] for ai in socket.getaddrinfo(host, None)}
+    except (socket.gaierror, UnicodeError):
+        raise ConfigError("--host", f"{host!r} does not resolve to an address", fix) from None
+    return all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addrs)
+
+
+def check_port(port) -> int:
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise ConfigError("--port", f"{port!r} is not a TCP port",
+                          "give 1..65535, or 0 to pick a free one")
+    return port
+
+
+def check_dtype(dtype: str) -> str:
+    if dtype not in proto.STREAM_DTYPES:
+        raise ConfigError("--dtype", f"a replica computes in {', '.join(proto.STREAM_DTYPES)}, "
+                          f"not {dtype!r}", "pass --dtype float32 or bfloat16")
+    return dtype
+
+
+def _bind_address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _probe_port(host: str, port: int) -> None:
+    """Refuses a busy port in one line before gRPC tries it (gRPC logs its own failure)."""
+    if port == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror:
+        return
+    family, _, _, _, sockaddr = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(sockaddr)
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise ConfigError("--port", f"{host}:{port} is already in use (another replica?)",
+                                  "pick another --port, or 0 for a free one") from None
+            raise ConfigError("--host", f"cannot bind {host}:{port}: {e.strerror}",
+                              "give an address of this machine") from None
+
+
+@contextlib.contextmanager
+def _quiet(*loggers: str):
+    """Only CRITICAL records of these loggers while the block runs."""
+    saved = [(lg, lg.level) for lg in map(logging.getLogger, loggers)]
+    for lg, _ in saved:
+        lg.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for lg, level in saved:
+            lg.setLevel(level)
+
+
 def format_layers(final: bool, layers) -> str:
     return ",".join((["final"] if final else []) + [str(i) for i in sorted(layers)])
 
@@ -83,7 +183,7 @@ class TeacherServer:
     def __init__(self, cfg, checkpoint: str, *, layers: str | None = None,
                  dtype: str | None = None, step: int | None = None,
                  workdir: str | Path | None = None):
-        dtype = dtype or cfg.teacher.dtype
+        dtype = check_dtype(dtype or cfg.teacher.dtype)
         cfg = dataclasses.replace(cfg, teacher=dataclasses.replace(
             cfg.teacher, checkpoint=checkpoint, dtype=dtype))
         cfg = with_teacher_tokenizer(cfg)
@@ -91,13 +191,25 @@ class TeacherServer:
         if not Path(checkpoint).exists():
             raise ConfigError("--checkpoint", f"{checkpoint} does not exist",
                               "give an hldstudy run directory, a .gguf file or an HF directory")
-        loaded = load_model(checkpoint, step)
+        try:
+            with _quiet("absl", "orbax"):  # a damaged checkpoint is reported in one line below
+                loaded = load_model(checkpoint, step)
+        except HLDError:
+            raise
+        except (OSError, ValueError, KeyError, TypeError) as e:  # a damaged checkpoint
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise InputError(f"--checkpoint: cannot load {checkpoint}: {first[:300]}") from e
         self.teacher = ColocatedTeacher(loaded.model, loaded.tokenizer, dtype=dtype,
                                         source=checkpoint)
         self.model_cfg = self.teacher.model_cfg
+        self._own_workdir = workdir is None  # a temporary one: removed by cleanup()
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix="hldstudy-teacher-"))
-        self.data = prepare_data(cfg.data, self.workdir)
-        self.teacher.check_tokenizer(self.data.tokenizer)
+        try:
+            self.data = prepare_data(cfg.data, self.workdir)
+            self.teacher.check_tokenizer(self.data.tokenizer)
+        except BaseException:
+            self.cleanup()
+            raise
         if layers:
             self.final, self.layers = parse_layers(layers)
         else:
@@ -110,22 +222,30 @@ class TeacherServer:
         self._jits: dict = {}
         self._lock = threading.Lock()
         self._stats_lock = threading.Lock()
+        self._init_service()
+
+    def _init_service(self) -> None:
+        self._stats_lock = threading.Lock()
         self.stats = {"steps": 0, "payload_bytes": 0, "frame_bytes": 0, "head_bytes": 0,
-                      "streams": 0}
+                      "streams": 0, "refused": 0, "closed_idle": 0}
         self._server = None
         self.port = None
+        self._token: bytes | None = None
+        self._stopped = threading.Event()
+        self._sending: dict[int, list] = {}  # id(context) -> [context, send started at]
+        self._sending_lock = threading.Lock()
 
     # ------------------------------------------------------------- compute
 
     def info(self) -> dict:
+        # The checkpoint's name only: no absolute path, no pid leaves the machine.
         return {"protocol": proto.PROTOCOL_VERSION, "fingerprint": self.fingerprint,
-                "checkpoint": self.checkpoint, "dtype": self.dtype,
+                "checkpoint": Path(self.checkpoint).name, "dtype": self.dtype,
                 "model": dataclasses.asdict(self.model_cfg),
                 "final": self.final, "layers": list(self.layers),
                 "tokenizer": {"fingerprint": self.data.tokenizer.fingerprint(),
                               "vocab_size": self.data.tokenizer.vocab_size},
-                "data": proto.data_identity(self.cfg.data, self.data.train),
-                "pid": os.getpid()}
+                "data": proto.data_identity(self.cfg.data, self.data.train)}
 
     def _forward(self, final: bool, layers: tuple[int, ...]):
         key = (final, layers)
@@ -140,7 +260,10 @@ class TeacherServer:
         return self._jits[key]
 
     def compute(self, step: int, final: bool, layers: tuple[int, ...]):
-        """(digest, [(name, array)]) of one step, in protocol order."""
+        """(digest, [(name, array)]) of one step, in protocol order (IndexError: a step
+        outside the data)."""
+        if step < 0:
+            raise IndexError(step)
         batch = self.data.train.batch_at(step)
         digest = proto.batch_digest(batch["tokens"], batch["segment_ids"])
         inputs = {k: jnp.asarray(batch[k]) for k in ("tokens", "positions", "segment_ids")}
@@ -155,29 +278,105 @@ class TeacherServer:
 
     # ------------------------------------------------------------- service
 
+    MAX_HEADS = 2  # concurrent Head transfers
+    CHUNK_BYTES = proto.CHUNK_BYTES
+    MAX_CREDITS = 256  # requested, not yet computed steps per stream (more wait: backpressure)
+
+    def _authorize(self, context) -> None:
+        """Every call carries the shared secret when the replica has one (constant-time)."""
+        if self._token is None:
+            return
+        got = next((v for k, v in (context.invocation_metadata() or ())
+                    if k == proto.TOKEN_KEY), "")
+        got = got.encode() if isinstance(got, str) else bytes(got)
+        if not hmac.compare_digest(got, self._token):
+            import grpc
+
+            with self._stats_lock:
+                self.stats["refused"] += 1
+            context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                          "missing or wrong token (the trainer's teacher.token_file must hold "
+                          "the replica's --token-file secret)")
+
+    def _slot(self, sem: threading.Semaphore, context, what: str, limit: int):
+        """Takes one of `limit` slots or refuses the call; returns its (idempotent) release."""
+        import grpc
+
+        if not sem.acquire(blocking=False):
+            with self._stats_lock:
+                self.stats["refused"] += 1
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"this replica serves at most {limit} {what} at once; try another "
+                          "replica or again later")
+        lock, held = threading.Lock(), [True]
+
+        def release():
+            with lock:
+                if held[0]:
+                    held[0] = False
+                    sem.release()
+
+        context.add_callback(release)  # the call ended however it ended
+        return release
+
+    def _send(self, context, frame: bytes):
+        """Yields one frame, watched: a send that does not complete (a client that stops
+        reading) for idle_s cancels the call (`_watchdog`)."""
+        key = id(context)
+        with self._sending_lock:
+            self._sending[key] = [context, time.monotonic()]
+        try:
+            yield frame
+        finally:
+            with self._sending_lock:
+                self._sending.pop(key, None)
+
+    def _watchdog(self) -> None:
+        tick = max(0.05, min(1.0, self.idle_s / 4))
+        while not self._stopped.wait(tick):
+            now = time.monotonic()
+            with self._sending_lock:
+                stuck = [c for c, t0 in self._sending.values() if now - t0 > self.idle_s]
+            for context in stuck:
+                log.warning("closing a call whose client stopped reading for %g s", self.idle_s)
+                with self._stats_lock:
+                    self.stats["closed_idle"] += 1
+                context.cancel()
+
     def _info(self, request: bytes, context) -> bytes:
+        self._authorize(context)
         return proto.encode(self.info())
 
     def _stats(self, request: bytes, context) -> bytes:
+        self._authorize(context)
         with self._stats_lock:
             return proto.encode(dict(self.stats))
 
     def _head(self, request: bytes, context):
-        emb = np.ascontiguousarray(self.head())
-        blob = memoryview(emb.tobytes())
-        n = max(1, -(-len(blob) // proto.CHUNK_BYTES))
-        for c in range(n):
-            part = blob[c * proto.CHUNK_BYTES:(c + 1) * proto.CHUNK_BYTES]
-            with self._stats_lock:
-                self.stats["head_bytes"] += len(part)
-            yield proto.encode({"chunk": c, "chunks": n, "shape": list(emb.shape),
-                                "dtype": str(emb.dtype), "fingerprint": self.fingerprint}, part)
+        self._authorize(context)
+        release = self._slot(self._head_slots, context, "head transfers", self.MAX_HEADS)
+        try:
+            emb = np.ascontiguousarray(self.head())
+            blob = memoryview(emb.reshape(-1).view(np.uint8))
+            size = self.CHUNK_BYTES
+            n = max(1, -(-len(blob) // size))
+            for c in range(n):
+                if not context.is_active():
+                    return
+                part = blob[c * size:(c + 1) * size]
+                with self._stats_lock:
+                    self.stats["head_bytes"] += len(part)
+                yield from self._send(context, proto.encode(
+                    {"chunk": c, "chunks": n, "shape": list(emb.shape), "dtype": str(emb.dtype),
+                     "fingerprint": self.fingerprint}, part))
+        finally:
+            release()
 
     def check_open(self, spec: dict) -> str | None:
         """Why a stream request cannot be served (None if it can)."""
         if spec.get("fingerprint") not in (None, self.fingerprint):
-            return (f"this replica serves checkpoint {self.fingerprint} ({self.checkpoint}), "
-                    f"the trainer expects {spec['fingerprint']}")
+            return (f"this replica serves checkpoint {self.fingerprint} "
+                    f"({Path(self.checkpoint).name}), the trainer expects {spec['fingerprint']}")
         if spec.get("dtype") not in (None, self.dtype):
             return f"this replica computes in {self.dtype}, the trainer wants {spec['dtype']}"
         want_final, want = bool(spec.get("final")), set(spec.get("layers", []))
@@ -187,61 +386,162 @@ class TeacherServer:
         return None
 
     def _stream(self, request_iterator, context):
+        self._authorize(context)
+        release = self._slot(self._stream_slots, context, "streams (--max-streams)",
+                             self.max_streams)
+        try:
+            yield from self._serve_stream(request_iterator, context)
+        finally:
+            release()
+
+    def _serve_stream(self, request_iterator, context):
         import grpc
 
-        try:
-            first = next(request_iterator)
-        except StopIteration:
-            return
-        spec = proto.decode(first)[0].get("open", {})
-        problem = self.check_open(spec)
-        if problem:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, problem)
-        final, layers = bool(spec.get("final")), tuple(sorted(spec.get("layers", [])))
-        with self._stats_lock:
-            self.stats["streams"] += 1
-        steps: queue.Queue = queue.Queue()
+        end = object()
+        inbox: queue.Queue = queue.Queue(maxsize=self.MAX_CREDITS)  # bounded: backpressure
+        done = threading.Event()
+        context.add_callback(done.set)
+
+        def put(item) -> bool:
+            while not done.is_set():
+                try:
+                    inbox.put(item, timeout=0.2)
+                    return True
+                except queue.Full:
+                    continue
+            return False
 
         def read():
             try:
-                for req in request_iterator:
-                    steps.put(int(proto.decode(req)[0]["step"]))
+                for raw in request_iterator:
+                    if not put(raw):
+                        return
             except Exception:  # noqa: BLE001 - the client went away
                 pass
-            steps.put(None)
+            put(end)
 
-        threading.Thread(target=read, daemon=True).start()
+        threading.Thread(target=read, daemon=True, name="teacher-credits").start()
+
+        def next_request(wait_s: float, why: str):
+            t0 = time.monotonic()
+            while True:
+                try:
+                    return inbox.get(timeout=min(0.25, wait_s))
+                except queue.Empty:
+                    if done.is_set() or not context.is_active():
+                        return end
+                    if time.monotonic() - t0 > wait_s:
+                        with self._stats_lock:
+                            self.stats["closed_idle"] += 1
+                        context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, why)
+
+        def invalid(problem: str):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+
+        def request(raw) -> dict:
+            try:
+                return proto.decode(raw)[0]
+            except proto.ProtocolError as e:
+                invalid(str(e))
+
+        raw = next_request(self.open_s, f"no open request within {self.open_s:g} s; closed")
+        if raw is end:
+            return
+        spec = request(raw).get("open")
+        if not isinstance(spec, dict) or not isinstance(spec.get("layers", []), list) \
+                or not all(proto.is_int(i) for i in spec.get("layers", [])) \
+                or not isinstance(spec.get("final", False), bool):
+            invalid("the first request must be {\"open\": {\"layers\": [int...], "
+                    "\"final\": bool, ...}}")
+        problem = self.check_open(spec)
+        if problem:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, problem)
+        final, layers = bool(spec.get("final")), tuple(sorted(set(spec.get("layers", []))))
+        with self._stats_lock:
+            self.stats["streams"] += 1
+        idle = (f"no step requested for {self.idle_s:g} s; closed (--idle-timeout-s; "
+                "a trainer reconnects by itself)")
         while True:
-            step = steps.get()
-            if step is None or not context.is_active():
+            raw = next_request(self.idle_s, idle)
+            if raw is end:
                 return
-            digest, tensors = self.compute(step, final, layers)
+            step = request(raw).get("step")
+            if not proto.is_int(step) or step < 0:
+                invalid(f"a step must be an integer >= 0, got {step!r}")
+            try:
+                digest, tensors = self.compute(step, final, layers)
+            except IndexError:
+                invalid(f"step {step} is beyond the end of the data this replica serves")
             payload = frame_bytes = 0
-            for frame, n in proto.step_frames(step, digest, tensors):
+            for frame, n in proto.step_frames(step, digest, tensors, self.CHUNK_BYTES):
                 payload += n
                 frame_bytes += len(frame)
-                yield frame
+                yield from self._send(context, frame)
             with self._stats_lock:
                 self.stats["steps"] += 1
                 self.stats["payload_bytes"] += payload
                 self.stats["frame_bytes"] += frame_bytes
 
-    def start(self, port: int = 0, host: str = "127.0.0.1", workers: int = 16) -> int:
+    def start(self, port: int = 0, host: str = "127.0.0.1", *, token: str | None = None,
+              tls: tuple[bytes, bytes] | None = None, max_streams: int = 8,
+              idle_s: float = 300.0, open_s: float = 10.0, workers: int | None = None) -> int:
+        """Binds `host:port` (0: a free port) and serves; returns the port.
+
+        token: the shared secret every call must carry (required beyond loopback);
+        tls: (certificate chain PEM, private key PEM); max_streams: concurrent streams;
+        idle_s: a stream with no request, or a send that does not move, this long is
+        closed; open_s: the same for a stream's first (open) request.
+        """
         import grpc
 
+        check_port(port)
+        loopback = check_host(host)
+        if not loopback and not token:
+            raise ConfigError("--token-file", f"--host {host} exposes the teacher's weights "
+                              "and hidden states beyond this machine without a shared secret",
+                              "pass --token-file FILE (the trainer's teacher.token_file), or "
+                              "bind 127.0.0.1")
+        if not loopback and not tls:
+            log.warning("serving %s without TLS: the token and the hidden states cross the "
+                        "network in clear (add --tls-cert/--tls-key)", host)
+        if not (isinstance(max_streams, int) and max_streams >= 1):
+            raise ConfigError("--max-streams", f"must be >= 1, got {max_streams!r}")
+        for name, v in (("--idle-timeout-s", idle_s), ("open_s", open_s)):
+            if not (isinstance(v, (int, float)) and 0 < v < float("inf")):
+                raise ConfigError(name, f"must be a positive number of seconds, got {v!r}")
+        self._token = token.encode() if token else None
+        self.max_streams, self.idle_s, self.open_s = max_streams, float(idle_s), float(open_s)
+        self._stream_slots = threading.Semaphore(max_streams)
+        self._head_slots = threading.Semaphore(self.MAX_HEADS)
+        # Long calls are capped by the slots, so a few threads stay for Info/Stats and
+        # refusals; calls beyond maximum_concurrent_rpcs are refused, never queued forever.
+        workers = workers or max_streams + self.MAX_HEADS + 4
         handlers = {
             proto.INFO: grpc.unary_unary_rpc_method_handler(self._info),
             proto.STATS: grpc.unary_unary_rpc_method_handler(self._stats),
             proto.HEAD: grpc.unary_stream_rpc_method_handler(self._head),
             proto.STREAM: grpc.stream_stream_rpc_method_handler(self._stream),
         }
+        _probe_port(host, port)
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers),
-                                   options=proto.CHANNEL_OPTIONS)
+                                   options=proto.SERVER_OPTIONS,
+                                   maximum_concurrent_rpcs=4 * workers)
         self._server.add_generic_rpc_handlers(
             (grpc.method_handlers_generic_handler(proto.SERVICE, handlers),))
-        self.port = self._server.add_insecure_port(f"{host}:{port}")
+        address = _bind_address(host, port)
+        try:
+            if tls:
+                creds = grpc.ssl_server_credentials([(tls[1], tls[0])])
+                self.port = self._server.add_secure_port(address, creds)
+            else:
+                self.port = self._server.add_insecure_port(address)
+        except RuntimeError:
+            self.port = 0
         if not self.port:
-            raise InputError(f"--port: cannot bind {host}:{port}")
+            raise ConfigError("--port", f"cannot bind {host}:{port} (in use, or not an "
+                              "address of this machine)", "pick another --port, or 0")
+        self._stopped.clear()
+        threading.Thread(target=self._watchdog, daemon=True, name="teacher-watchdog").start()
         self._server.start()
         return self.port
 
@@ -262,11 +562,18 @@ class TeacherServer:
             self.compute(0, final, layers)
 
     def stop(self, grace: float | None = None) -> None:
+        self._stopped.set()
         if self._server is not None:
-            self._server.stop(grace)
+            self._server.stop(grace).wait()
 
-    def wait(self) -> None:
-        self._server.wait_for_termination()
+    def cleanup(self) -> None:
+        """Removes the temporary work directory (never one the user gave)."""
+        if getattr(self, "_own_workdir", False):
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Blocks until the server stops (True) or `timeout` passes (False)."""
+        return not self._server.wait_for_termination(timeout)
 
 
 class SyntheticTeacherServer(TeacherServer):
@@ -281,11 +588,8 @@ class SyntheticTeacherServer(TeacherServer):
         self.final, self.layers = True, tuple(range(1, n_layers))
         rng = np.random.default_rng(0)
         self._array = rng.standard_normal(shape).astype(proto.np_dtype(dtype))
-        self._stats_lock = threading.Lock()
-        self.stats = {"steps": 0, "payload_bytes": 0, "frame_bytes": 0, "head_bytes": 0,
-                      "streams": 0}
-        self._server = None
-        self.port = None
+        self._lock = threading.Lock()
+        self._init_service()
 
     def info(self) -> dict:
         return {"protocol": proto.PROTOCOL_VERSION, "fingerprint": self.fingerprint,
@@ -293,6 +597,8 @@ class SyntheticTeacherServer(TeacherServer):
                 "layers": list(self.layers), "shape": list(self._array.shape)}
 
     def compute(self, step: int, final: bool, layers: tuple[int, ...]):
+        if step < 0:
+            raise IndexError(step)
         tensors = ([("final", self._array)] if final else []) + \
             [(f"layer:{i}", self._array) for i in sorted(layers)]
         return f"synthetic{step}", tensors
@@ -312,6 +618,11 @@ def load_student_config(spec: str, overrides: list[str]):
     return apply_overrides(cfg, overrides)
 
 
+def _raise_exit(signum, frame):
+    """SIGTERM / SIGINT: unwind (the replica stops, its temporary directory goes), exit 128+N."""
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None, server_cls: type[TeacherServer] = TeacherServer,
          **server_kwargs) -> int:
     """The command line; `server_cls(cfg, checkpoint, ..., **server_kwargs)` is the replica
@@ -325,33 +636,76 @@ def main(argv: list[str] | None = None, server_cls: type[TeacherServer] = Teache
     parser.add_argument("--set", dest="overrides", action="append", default=[],
                         metavar="KEY=VALUE", help="override a field of the student config")
     parser.add_argument("--layers", default=None, help="served layers, e.g. final,9")
-    parser.add_argument("--dtype", default=None, help="compute/stream dtype (float32, bfloat16)")
-    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--dtype", default=None,
+                        help="compute/stream dtype: " + ", ".join(proto.STREAM_DTYPES))
+    parser.add_argument("--port", type=int, default=0, help="1..65535, 0 = a free port")
     parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--token-file", default=None,
+                        help="shared secret every call must carry (needed beyond loopback)")
+    parser.add_argument("--tls-cert", default=None, help="TLS certificate chain (PEM)")
+    parser.add_argument("--tls-key", default=None, help="TLS private key (PEM)")
+    parser.add_argument("--max-streams", type=int, default=8, help="concurrent streams")
+    parser.add_argument("--idle-timeout-s", type=float, default=300.0,
+                        help="close a stream idle this long")
     parser.add_argument("--workdir", default=None, help="data cache directory (default: temp)")
     parser.add_argument("--no-warmup", action="store_true", help="compile on the first request")
     parser.add_argument("--debug", action="store_true")
     args = parser.parse_args(argv)
     quiet_libraries()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    with user_errors(args.debug, prog="hldstudy.teacher.serve"):
-        cfg = load_student_config(args.config, args.overrides)
-        checkpoint = args.checkpoint or cfg.teacher.checkpoint
-        if not checkpoint or checkpoint.startswith("remote://"):
-            raise ConfigError("--checkpoint", "no local teacher checkpoint given",
-                              "pass --checkpoint RUN_DIR (or a .gguf / HF directory)")
-        server = server_cls(cfg, checkpoint, layers=args.layers, dtype=args.dtype,
-                            step=args.step, workdir=args.workdir, **server_kwargs)
-        if not args.no_warmup:
-            server.warmup()
-        port = server.start(args.port, args.host)
-    print(f"serving teacher {server.fingerprint} ({checkpoint}, {server.dtype}, layers "
-          f"{format_layers(server.final, server.layers)}) on {args.host}:{port}", flush=True)
+    server = None
+    old = {sig: signal.signal(sig, _raise_exit) for sig in (signal.SIGTERM, signal.SIGINT)} \
+        if threading.current_thread() is threading.main_thread() else {}
     try:
-        server.wait()
-    except KeyboardInterrupt:
-        server.stop(0)
-    return 0
+        with user_errors(args.debug, prog="hldstudy.teacher.serve"):
+            # Everything the command line decides is checked before the teacher loads.
+            check_port(args.port)
+            loopback = check_host(args.host)
+            if args.dtype is not None:
+                check_dtype(args.dtype)
+            token = proto.read_token(args.token_file, "--token-file") if args.token_file \
+                else None
+            if not loopback and not token:
+                raise ConfigError("--token-file", f"--host {args.host} exposes the teacher "
+                                  "beyond this machine without a shared secret",
+                                  "pass --token-file FILE (the trainer's teacher.token_file), "
+                                  "or bind 127.0.0.1")
+            if bool(args.tls_cert) != bool(args.tls_key):
+                raise ConfigError("--tls-cert" if not args.tls_cert else "--tls-key",
+                                  "TLS needs both --tls-cert and --tls-key")
+            tls = (proto.read_pem(args.tls_cert, "--tls-cert", "certificate"),
+                   proto.read_pem(args.tls_key, "--tls-key", "private key")) \
+                if args.tls_cert else None
+            if args.max_streams < 1:
+                raise ConfigError("--max-streams", f"must be >= 1, got {args.max_streams}")
+            if not 0 < args.idle_timeout_s < float("inf"):
+                raise ConfigError("--idle-timeout-s",
+                                  f"must be a positive number, got {args.idle_timeout_s}")
+            if args.port:
+                _probe_port(args.host, args.port)
+            cfg = load_student_config(args.config, args.overrides)
+            checkpoint = args.checkpoint or cfg.teacher.checkpoint
+            if not checkpoint or checkpoint.startswith("remote://"):
+                raise ConfigError("--checkpoint", "no local teacher checkpoint given",
+                                  "pass --checkpoint RUN_DIR (or a .gguf / HF directory)")
+            server = server_cls(cfg, checkpoint, layers=args.layers, dtype=args.dtype,
+                                step=args.step, workdir=args.workdir, **server_kwargs)
+            if not args.no_warmup:
+                server.warmup()
+            port = server.start(args.port, args.host, token=token, tls=tls,
+                                max_streams=args.max_streams, idle_s=args.idle_timeout_s)
+        print(f"serving teacher {server.fingerprint} ({checkpoint}, {server.dtype}, layers "
+              f"{format_layers(server.final, server.layers)}) on {args.host}:{port}"
+              f"{' (TLS)' if tls else ''}", flush=True)
+        while not server.wait(0.5):
+            pass
+        return 0
+    finally:
+        if server is not None:
+            server.stop(0.5)
+            server.cleanup()
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
 
 
 if __name__ == "__main__":
