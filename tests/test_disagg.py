@@ -635,6 +635,28 @@ def test_hung_head_replica_is_skipped_and_a_signal_stops_the_wait(env):
         hung.stop(0)
 
 
+def test_busy_replica_head_is_retried(env):
+    """Every replica busy (its head slots taken, e.g. by the other runs of a sweep): the
+    trainer retries within teacher.timeout_s instead of failing the run."""
+    from hldstudy.teacher.serve import TeacherServer, load_student_config
+
+    server = TeacherServer(load_student_config(str(env["config"]), []), env["teacher"],
+                           layers="final,3", workdir=env["root"] / "busy")
+    server.MAX_HEADS = 1
+    port = server.start(0)
+    try:
+        server._head_slots.acquire()  # another run is fetching the head
+        threading.Timer(1.0, server._head_slots.release).start()
+        teacher = RemoteTeacher.connect(_student("kd", f"remote://127.0.0.1:{port}",
+                                                 env["tokenizer"], timeout_s=20.0))
+        t0 = time.monotonic()
+        emb = teacher.embedding()
+        assert 0.5 < time.monotonic() - t0 < 15 and server.stats["refused"] >= 1
+        np.testing.assert_array_equal(emb, server.head())
+    finally:
+        server.stop(0)
+
+
 def _self_signed(tmp_path):
     import shutil
 

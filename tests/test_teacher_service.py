@@ -26,7 +26,13 @@ from helpers.service_doubles import BoundedDataServer, SlowSendServer, WrongLayo
 from hldstudy.errors import ConfigError
 from hldstudy.teacher import protocol as proto
 from hldstudy.teacher import serve
-from hldstudy.teacher.remote import GrpcLink, ReplicaDown, Security, StopRequested
+from hldstudy.teacher.remote import (
+    GrpcLink,
+    ReplicaBusy,
+    ReplicaDown,
+    Security,
+    StopRequested,
+)
 from hldstudy.teacher.serve import SyntheticTeacherServer
 
 pytestmark = pytest.mark.timeout(90)
@@ -41,8 +47,10 @@ def servers():
     """Starts transport-only replicas on loopback; stops them all at the end."""
     started = []
 
-    def start(cls=SyntheticTeacherServer, *, init=None, **kwargs):
+    def start(cls=SyntheticTeacherServer, *, init=None, attrs=None, **kwargs):
         server = cls(SHAPE, "float32", **(init or {}))
+        for k, v in (attrs or {}).items():
+            setattr(server, k, v)
         kwargs.setdefault("port", 0)
         server.start(host="127.0.0.1", **kwargs)
         started.append(server)
@@ -267,6 +275,21 @@ def test_slow_head_is_fine_and_hung_head_fails_within_its_idle_deadline(servers)
     with pytest.raises(ReplicaDown, match="no chunk of the teacher's head for 0.5 s"):
         GrpcLink(_addr(hung)).head(*HEAD, idle_s=0.5)
     assert time.monotonic() - t0 < 5
+
+
+def test_concurrent_heads_are_capped(servers):
+    """Head transfers hold a slot each (MAX_HEADS): one more is refused as busy at once
+    (the trainer retries busy replicas), not queued behind a thread."""
+    slow = servers(SlowSendServer, init={"delay_s": 0.1, "chunk_bytes": 16},
+                   attrs={"MAX_HEADS": 1})
+    first = threading.Thread(target=GrpcLink(_addr(slow)).head, args=HEAD,
+                             kwargs={"idle_s": 5})
+    first.start()
+    time.sleep(0.3)
+    with pytest.raises(ReplicaBusy, match="at most 1 head transfers"):
+        GrpcLink(_addr(slow)).head(*HEAD, idle_s=5)
+    first.join(timeout=20)
+    np.testing.assert_array_equal(GrpcLink(_addr(slow)).head(*HEAD, idle_s=5), slow.head())
 
 
 def test_a_signal_ends_the_wait_for_a_hung_head(servers):

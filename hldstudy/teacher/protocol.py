@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import struct
 from pathlib import Path
 
@@ -44,6 +45,7 @@ import numpy as np
 from hldstudy.config import fields_where
 from hldstudy.errors import ConfigError
 
+log = logging.getLogger(__name__)
 SERVICE = "hldstudy.teacher.v1.Teacher"
 INFO, HEAD, STREAM, STATS = "Info", "Head", "Stream", "Stats"
 PROTOCOL_VERSION = 1
@@ -75,6 +77,12 @@ def read_token(path: str | Path, field: str) -> str:
     except OSError as e:
         raise ConfigError(field, f"cannot read the token file {path}: {e.strerror or e}",
                           "write a secret into it, e.g. openssl rand -hex 32 > FILE") from None
+    try:
+        if Path(path).stat().st_mode & 0o077:
+            log.warning("%s (%s) is readable by other users of this machine; chmod 600 it",
+                        path, field)
+    except OSError:
+        pass
     token = raw.strip()
     if not token:
         raise ConfigError(field, f"the token file {path} is empty",

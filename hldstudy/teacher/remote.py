@@ -83,6 +83,10 @@ class ReplicaDown(ConnectionError):
     pass
 
 
+class ReplicaBusy(ReplicaDown):
+    """The replica refused the call for now (RESOURCE_EXHAUSTED: all its slots are taken)."""
+
+
 class StopRequested(Exception):
     """SIGTERM / SIGINT arrived while waiting for a replica."""
 
@@ -152,6 +156,8 @@ def _rpc_error(address: str, e) -> Exception:
                            "give the trainer the replica's --token-file secret")
     if code in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT):
         return ConfigError(FIELD, f"{address}: {details}")
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return ReplicaBusy(f"{address}: busy: {details}")
     return ReplicaDown(f"{address}: {code.name}: {details}")
 
 
@@ -606,10 +612,15 @@ class RemoteTeacher:
     def embedding(self, stop=None) -> np.ndarray:
         """The teacher's tied embedding `[V, D]` in the stream dtype (fetched once). A replica
         that fails, hangs (no chunk for teacher.timeout_s) or sends another layout is skipped
-        for the next; `stop()` returning a signal ends the wait (StopRequested)."""
-        if self._embedding is None:
-            why = []
-            shape = [self.model_cfg.vocab_size, self.model_cfg.d_model]
+        for the next; when every replica is only busy (all its head slots taken, e.g. by the
+        other runs of a sweep) the round is retried for up to teacher.timeout_s. `stop()`
+        returning a signal ends the wait (StopRequested)."""
+        if self._embedding is not None:
+            return self._embedding
+        shape = [self.model_cfg.vocab_size, self.model_cfg.d_model]
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            why, busy = [], 0
             for addr in self.addresses:
                 link = self.link(addr)
                 try:
@@ -617,17 +628,24 @@ class RemoteTeacher:
                     self.check_info(addr, info)
                     self._embedding = link.head(shape, self.dtype, idle_s=self.timeout_s,
                                                 stop=stop)
-                    break
+                    return self._embedding
+                except ReplicaBusy as e:
+                    busy += 1
+                    why.append(str(e))
                 except ConnectionError as e:
                     log.warning("teacher replica %s did not send the head (%s); trying the next",
                                 addr, e)
                     why.append(str(e))
                 finally:
                     link.close()
-            else:
+            if not busy or time.monotonic() > deadline:
                 raise ConfigError(FIELD, "no replica sent the teacher's head "
                                   f"({'; '.join(why)})", "check the replicas' logs")
-        return self._embedding
+            for _ in range(10):  # 0.5 s, watching for a stop
+                signum = stop() if stop is not None else None
+                if signum is not None:
+                    raise StopRequested(signum)
+                time.sleep(0.05)
 
     @staticmethod
     def place_embedding(emb_VxD: np.ndarray, mesh):
