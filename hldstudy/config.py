@@ -50,7 +50,10 @@ FILE_KEYS = frozenset({"schema_version"})
 #                  `batch_at(step)` to be the same batch;
 #   relevant_if    (field, value): only matters when that field has that value;
 #   domain         the values it may take (`Domain`): every numeric field and every
-#                  choice declares one, and `validate()` checks them all.
+#                  choice declares one, and `validate()` checks them all;
+#   member         may differ between the students of one cohort (one teacher
+#                  forward serves them all): learning rate, KD temperature and NLL
+#                  weight, alignment weight, init seed.
 #
 # `operational=True` is the common case of a field that does not change what a
 # run computes (cadence, display, transport, device layout): resumable, no drift,
@@ -59,7 +62,8 @@ FILE_KEYS = frozenset({"schema_version"})
 # method's declaration (`hldstudy.distill.methods`), not a tag.
 
 _RULE_DEFAULTS = {"resume": False, "drift": True, "analysis": "compare",
-                  "data_identity": False, "relevant_if": None, "domain": None}
+                  "data_identity": False, "relevant_if": None, "domain": None,
+                  "member": False}
 
 _BOUND = re.compile(r"^(>=|>|<=|<)\s*(\S+)$")
 _INTERVAL = re.compile(r"^([\[(])\s*([^,\s]+)\s*,\s*([^,\s]+)\s*([\])])$")
@@ -281,7 +285,7 @@ class DataConfig:
 @dataclass(frozen=True)
 class TrainConfig:
     steps: int = knob(100, resume=True, domain=COUNT)
-    lr: float = knob(3e-3, analysis="column", domain=POSITIVE)
+    lr: float = knob(3e-3, analysis="column", domain=POSITIVE, member=True)
     warmup_steps: int = knob(10, domain=NONNEG)
     # cosine | linear | constant
     schedule: str = knob("cosine", domain=SCHEDULES)
@@ -290,14 +294,16 @@ class TrainConfig:
     b1: float = knob(0.9, domain=Domain("[0, 1)", note="Adam's first-moment decay, e.g. 0.9"))
     b2: float = knob(0.95, domain=Domain("[0, 1)", note="Adam's second-moment decay, e.g. 0.95-0.999"))
     grad_clip: float = knob(1.0, domain=Domain(">= 0", note="0 = no clipping"))
-    seed: int = knob(0, analysis="column", domain=NONNEG)
+    seed: int = knob(0, analysis="column", domain=NONNEG, member=True)
     log_every: int = knob(10, operational=True, domain=COUNT)
     eval_every: int = knob(0, operational=True,
                            domain=Domain(">= 0", note="0 = evaluate at the end only"))
     eval_batches: int = knob(8, resume=True, analysis="ignore", domain=COUNT)
     checkpoint_every: int = knob(50, operational=True,
                                  domain=Domain(">= 0", note="0 = at the end only"))
-    keep_checkpoints: int = knob(2, operational=True, domain=COUNT)
+    # At least 2: the latest checkpoint and one to fall back on when it is damaged.
+    keep_checkpoints: int = knob(2, operational=True, domain=Domain(
+        ">= 2", note="the latest checkpoint and one to fall back on if it is damaged"))
     # Mesh: data-parallel x FSDP. -1 on one axis takes the remaining devices.
     mesh_data: int = knob(-1, operational=True, domain=_MESH)
     mesh_fsdp: int = knob(1, operational=True, domain=_MESH)
@@ -308,13 +314,13 @@ class TrainConfig:
 class DistillConfig:
     # baseline | kd | hldf | hldc | patient
     method: str = knob(methods.BASELINE, analysis="column")
-    alpha: float = knob(0.5, analysis="column", domain=UNIT)  # NLL weight
-    temperature: float = knob(1.0, analysis="column", domain=POSITIVE)
+    alpha: float = knob(0.5, analysis="column", domain=UNIT, member=True)  # NLL weight
+    temperature: float = knob(1.0, analysis="column", domain=POSITIVE, member=True)
     # forward_kl | reverse_kl | jsd
     divergence: str = knob("forward_kl", domain=DIVERGENCES)
     jsd_beta: float = knob(0.5, relevant_if=("distill.divergence", "jsd"), domain=UNIT)
     # Weight of the hidden-alignment NMSE (hldc, patient).
-    hidden_weight: float = knob(1.0, domain=NONNEG)
+    hidden_weight: float = knob(1.0, domain=NONNEG, member=True)
     # "s:t,s:t" pairs of (student layer, teacher layer), 1-based block outputs.
     # Empty -> middle layer of each (hld*), evenly mapped layers (patient).
     layer_pairs: str = ""

@@ -72,12 +72,14 @@ import math
 import sys
 from dataclasses import dataclass
 
-from hldstudy.cli_common import warn_long_sequence
+from hldstudy.cli_common import SWEEPS, find_builtin, warn_long_sequence
 from hldstudy.config import Config, ModelConfig
 from hldstudy.distill import methods
 from hldstudy.errors import ConfigError, user_errors
 from hldstudy.flops import step_flops, trainable_params
 from hldstudy.shapes import ModelShape as PlanModel
+from hldstudy.sweep.cohorts import device_hours, study_flops
+from hldstudy.sweep.spec import expand, load_sweep, teacher_model_config
 
 GB = 1e9
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2,
@@ -565,7 +567,60 @@ def format_markdown(r: dict) -> str:
     return "\n".join(lines)
 
 
+def study_main(argv: list[str]) -> int:
+    """`--sweep SWEEP`: teacher, student and total FLOPs of a whole grid under the
+    colocated, disaggregated and cohort layouts, and device-hours."""
+    ap = argparse.ArgumentParser(prog="python -m hldstudy.plan --sweep",
+                                 description="FLOPs and device-hours of a whole sweep: colocated "
+                                             "vs disaggregated vs cohort teacher.")
+    ap.add_argument("--sweep", required=True, help="sweep file or built-in sweep name")
+    ap.add_argument("--cohort", type=int, default=None,
+                    help="at most K students per cohort (default: every compatible run of a "
+                         "method in one cohort)")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="K=V")
+    ap.add_argument("--tflops", type=float, default=989.0, help="peak TFLOPS per device")
+    ap.add_argument("--mfu", type=float, default=0.4)
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--debug", action="store_true")
+    a = ap.parse_args(argv)
+    with user_errors(a.debug, prog="hldstudy.plan"):
+        if a.cohort is not None and a.cohort < 1:
+            raise ConfigError("--cohort", f"must be >= 1, got {a.cohort}")
+        for name, value in (("--mfu", a.mfu), ("--tflops", a.tflops)):
+            if not (math.isfinite(value) and value > 0) or (name == "--mfu" and value > 1):
+                raise ConfigError(name, f"{value} is out of range",
+                                  "--mfu in (0, 1], --tflops > 0 and finite")
+        sweep = load_sweep(find_builtin(a.sweep, SWEEPS))
+        runs = expand(sweep, a.overrides)
+        teacher = teacher_model_config(runs[0].config.teacher.checkpoint, sweep.teacher_preset)
+        r = study_flops(runs, teacher, a.cohort or len(runs))
+        r.update({"sweep": sweep.name, "mfu": a.mfu, "peak_tflops": a.tflops})
+        for lay in r["layouts"].values():
+            lay["device_hours"] = device_hours(lay["total_flops"], a.mfu, a.tflops)
+        colo, coh = r["layouts"]["colocated"], r["layouts"]["cohort"]
+        r["cohort_savings"] = {
+            "teacher": colo["teacher_flops"] / max(coh["teacher_flops"], 1e-30),
+            "total": colo["total_flops"] / coh["total_flops"]}
+        if a.json:
+            print(json.dumps(r, sort_keys=True))
+            return 0
+        print(f"sweep {sweep.name}: {r['runs']} runs, {r['cohorts']} cohorts "
+              f"(at most {r['cohort_size']} students each); device-hours at "
+              f"{a.mfu:.0%} MFU of {a.tflops:g} TFLOPS")
+        print("| layout | teacher FLOPs | student FLOPs | total FLOPs | device-hours |")
+        print("|---|---:|---:|---:|---:|")
+        for name, lay in r["layouts"].items():
+            print(f"| {name} | {lay['teacher_flops']:.3e} | {lay['student_flops']:.3e} | "
+                  f"{lay['total_flops']:.3e} | {lay['device_hours']:,.0f} |")
+        s = r["cohort_savings"]
+        print(f"cohorts: teacher FLOPs {s['teacher']:.1f}x lower, total {s['total']:.2f}x lower")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if any(a == "--sweep" or a.startswith("--sweep=") for a in argv):
+        return study_main(argv)
     ap = argparse.ArgumentParser(prog="python -m hldstudy.plan",
                                  description="Memory / network planner: colocated vs "
                                              "disaggregated teacher.")

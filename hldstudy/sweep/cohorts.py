@@ -1,0 +1,105 @@
+"""Cohorts: runs of a grid that can share one teacher forward per step, and what the
+whole study costs with and without them.
+
+Every run of a sweep reads `batch_at(step)`, a pure function of the data seed and
+the step, so two runs that differ only in fields tagged `member` in the config
+(learning rate, KD temperature and NLL weight, alignment weight, init seed) see
+the same batches and need the same teacher outputs at every step. `group` puts
+such runs (same method, same stage steps, every other result-changing field
+equal) into cohorts of at most K.
+
+`study_flops` is the closed form of DESIGN.md's "Cohorts" section, per run and
+summed over the grid, for three layouts:
+
+- colocated: every run runs its own teacher forward inside its step;
+- disaggregated: the same forwards, on teacher replicas (the layout moves the
+  teacher's work off the trainer, it does not remove it);
+- cohort: one teacher forward per step per cohort, serving all its members.
+
+Student FLOPs (training, regressors) are the same in every layout. FLOPs are
+model FLOPs (`hldstudy.flops.step_flops`): what the budget counts.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from hldstudy.config import config_to_dict, field_rules, flatten
+from hldstudy.flops import step_flops
+from hldstudy.sweep.spec import Run
+
+LAYOUTS = ("colocated", "disaggregated", "cohort")
+
+
+def _shared_fields() -> frozenset[str]:
+    """Fields every member of a cohort must agree on: all that change results, except
+    the per-member ones and the run's name."""
+    return frozenset(k for k, r in field_rules().items()
+                     if r["drift"] and not r["member"] and k != "name")
+
+
+def cohort_key(run: Run) -> str:
+    """Runs with equal keys can train as one cohort."""
+    shared = _shared_fields()
+    flat = {k: v for k, v in flatten(config_to_dict(run.config)).items() if k in shared}
+    return json.dumps({"method": run.method, "stages": run.stage_steps, "config": flat},
+                      sort_keys=True, default=str)
+
+
+def group(runs: list[Run], k: int) -> list[list[Run]]:
+    """Compatible runs in cohorts of at most `k`, in grid order (k = 1: every run alone)."""
+    if k < 1:
+        raise ValueError(f"a cohort has at least one member, got {k}")
+    by_key: dict[str, list[Run]] = {}
+    for run in runs:
+        by_key.setdefault(cohort_key(run), []).append(run)
+    cohorts = []
+    for members in by_key.values():
+        cohorts += [members[i:i + k] for i in range(0, len(members), k)]
+    order = {r.run_id: i for i, r in enumerate(runs)}
+    return sorted(cohorts, key=lambda c: order[c[0].run_id])
+
+
+@dataclass(frozen=True)
+class RunFlops:
+    """Model FLOPs of one whole run: its student side and its teacher forwards."""
+
+    run_id: str
+    student: float
+    teacher: float
+
+
+def run_flops(run: Run, teacher_model) -> RunFlops:
+    student = teacher = 0.0
+    for stage, steps in run.stage_steps.items():
+        b = step_flops(run.config, run.method, stage, teacher_model)
+        student += steps * (b.student + b.regressor)
+        teacher += steps * b.teacher
+    return RunFlops(run.run_id, student, teacher)
+
+
+def study_flops(runs: list[Run], teacher_model, cohort: int) -> dict:
+    """{"layouts": {layout: {"teacher_flops", "student_flops", "total_flops"}}, "cohorts": n}.
+
+    In the cohort layout a cohort pays for one member's teacher forwards: its
+    members run the same stages for the same steps on the same batches.
+    """
+    per_run = {r.run_id: run_flops(r, teacher_model) for r in runs}
+    student = sum(f.student for f in per_run.values())
+    teacher = sum(f.teacher for f in per_run.values())
+    cohorts = group(runs, cohort)
+    teacher_cohort = sum(max(per_run[r.run_id].teacher for r in c) for c in cohorts)
+    layouts = {}
+    for layout, t in (("colocated", teacher), ("disaggregated", teacher),
+                      ("cohort", teacher_cohort)):
+        layouts[layout] = {"teacher_flops": t, "student_flops": student,
+                           "total_flops": t + student}
+    return {"layouts": layouts, "runs": len(runs), "cohorts": len(cohorts),
+            "cohort_size": cohort,
+            "cohort_members": [[r.run_id for r in c] for c in cohorts]}
+
+
+def device_hours(flops: float, mfu: float, peak_tflops: float) -> float:
+    """Hours of one device at `mfu` of a `peak_tflops` peak to execute `flops`."""
+    return flops / (mfu * peak_tflops * 1e12) / 3600.0
