@@ -14,6 +14,8 @@
      (straight-through);
    - the SparseGPT path recovered with reverse KL, and with Patient KD from the
      6-layer teacher (hidden-layer pairs);
+   - a control: the dense KD student through the same recovery steps and FP8,
+     unpruned;
 3. writes REPORT/results.json (every stage of every pipeline) and REPORT/report.md.
 
 Reruns reuse finished training runs and compression outputs.
@@ -81,6 +83,8 @@ def pipelines(workdir: Path, recover_steps: int, calib: int, eval_tasks: str, ev
     out = {}
     for method in ("magnitude", "wanda", "sparsegpt"):
         out[f"kd/{method}"] = CompressConfig(checkpoint=kd, prune=f"{method}-2:4", **common)
+    # control: the same recovery and FP8 without pruning (what the extra steps alone give)
+    out["kd/dense-control"] = CompressConfig(checkpoint=kd, prune="", **common)
     out["baseline/sparsegpt"] = CompressConfig(checkpoint=base, prune="sparsegpt-2:4", **common)
     out["kd/sparsegpt/fp8-in-loop"] = CompressConfig(checkpoint=kd, prune="sparsegpt-2:4",
                                                      quantize_in_loop=True, **common)

@@ -141,7 +141,7 @@ def recovery_config(run_cfg, ccfg, *, teacher_path: str, workdir: Path):
                                   layer_pairs=ccfg.layer_pairs)
     train = dataclasses.replace(run_cfg.train, steps=max(ccfg.recover_steps, 1), lr=ccfg.lr,
                                 warmup_steps=min(ccfg.warmup_steps, max(ccfg.recover_steps - 1, 0)),
-                                eval_every=0, checkpoint_every=0, keep_checkpoints=1,
+                                eval_every=0, checkpoint_every=0, keep_checkpoints=2,
                                 progress=ccfg.progress, seed=ccfg.seed)
     budget = dataclasses.replace(run_cfg.budget, flops=ccfg.recover_flops)
     teacher = dataclasses.replace(run_cfg.teacher, checkpoint=str(teacher_path))
