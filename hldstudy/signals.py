@@ -27,3 +27,12 @@ class StopSignals:
     def __exit__(self, *exc):
         for sig, old in self._old.items():
             signal.signal(sig, old)
+
+
+class Interrupted(Exception):
+    """Raised (after a checkpoint is saved) when SIGTERM / SIGINT stops training; the
+    trainer, the remote teacher's waits and the sweep all raise or catch this one."""
+
+    def __init__(self, step: int, signum: int):
+        self.step, self.signum = step, signum
+        super().__init__(f"interrupted at step {step}; checkpoint saved, rerun to resume")

@@ -49,7 +49,7 @@ from hldstudy.config import Config, ModelConfig, config_from_dict
 from hldstudy.distill.base import Batch, Strategy, TeacherOutputs, make_strategy
 from hldstudy.distill.methods import Stage
 from hldstudy.errors import ConfigError
-from hldstudy.signals import StopSignals
+from hldstudy.signals import Interrupted, StopSignals
 from hldstudy.teacher import protocol as proto
 from hldstudy.teacher.base import StageFeed, method_needs, stage_needs
 from hldstudy.teacher.ring import PrefetchRing
@@ -103,12 +103,6 @@ def stop_requested() -> int | None:
         if isinstance(owner, StopSignals) and owner.signum is not None:
             return owner.signum
     return None
-
-
-def _interrupted(step: int, signum: int) -> BaseException:
-    from hldstudy.train.loop import Interrupted  # the trainer's; the run stops as on a signal
-
-    return Interrupted(step, signum)
 
 
 @dataclass(frozen=True)
@@ -386,7 +380,7 @@ class RemoteFeeder:
             try:  # the state is the checkpointed (or initial) one: a signal loses nothing
                 emb_VxD = t.embedding(stop=stop_requested)
             except StopRequested as e:
-                raise _interrupted(start, e.signum) from None
+                raise Interrupted(start, e.signum) from None
             self.embedding_VxD = t.place_embedding(emb_VxD, self.mesh)
         open_spec = {"final": self.final, "layers": list(self.layers), "dtype": t.dtype,
                      "fingerprint": t.fingerprint}

@@ -35,7 +35,7 @@ from hldstudy.distill.base import make_strategy
 from hldstudy.errors import ConfigError
 from hldstudy.fileio import write_json_atomic
 from hldstudy.model import Transformer
-from hldstudy.signals import StopSignals
+from hldstudy.signals import Interrupted, StopSignals  # noqa: F401  (Interrupted re-exported)
 from hldstudy.teacher import load_teacher, with_teacher_tokenizer
 from hldstudy.teacher.base import NO_FEED, StageFeed
 from hldstudy.train.metrics import MetricsLogger
@@ -45,14 +45,6 @@ from hldstudy.train.step import GraphDefs, make_eval_step, make_train_step, spli
 # Config fields a resumed run may change (tagged `resume` in hldstudy.config); a
 # mesh change restores the checkpoint resharded onto the new mesh.
 RESUMABLE_CHANGES = fields_where("resume")
-
-
-class Interrupted(Exception):
-    """Raised (after a checkpoint is saved) when SIGTERM / SIGINT stops training."""
-
-    def __init__(self, step: int, signum: int):
-        self.step, self.signum = step, signum
-        super().__init__(f"interrupted at step {step}; checkpoint saved, rerun to resume")
 
 
 class _StopFlag(StopSignals):
