@@ -401,3 +401,20 @@ def test_cli_error_teacher_with_another_vocabulary(run_dirs, tmp_path, capsys):
     line = _one_line_error(code, err)
     assert "compress.teacher" in line and "640" in line and "512" in line
     assert not (tmp_path / "o" / "report.json").exists()  # refused before any compute
+
+
+@pytest.mark.slow  # ~40 s: two short recoveries through the Trainer
+def test_cli_recovery_for_a_flop_budget(run_dirs, tmp_path, capsys):
+    """--recover-flops gives the recovery floor(budget / FLOPs per step) steps."""
+    args = ["--checkpoint", str(run_dirs["student"]), "--prune", "magnitude-2:4",
+            "--no-progress", "--set", "compress.eval_batches=1"]
+    code, _, err = _cli(args + ["--recover-steps", "1", "--out", str(tmp_path / "a")], capsys)
+    assert code == 0, err
+    one = json.loads((tmp_path / "a" / "report.json").read_text())["stages"][-1]
+    per_step = one["recover_flops"]
+    assert one["recover_steps"] == 1 and per_step > 0
+    code, _, err = _cli(args + ["--recover-flops", str(2.5 * per_step),
+                                "--out", str(tmp_path / "b")], capsys)
+    assert code == 0, err
+    two = json.loads((tmp_path / "b" / "report.json").read_text())["stages"][-1]
+    assert two["recover_steps"] == 2 and two["masks_held"] and two["is_2_4"]

@@ -16,7 +16,29 @@ On CPU the forward is *simulated*: weights are dequantized to float32 before
 the matmul. `fp8_dot` runs a real FP8 x FP8 dot (activations quantized per
 tensor, float32 accumulation) where the backend has FP8 matmuls (NVIDIA
 compute capability >= 8.9, TPU v5+); elsewhere it falls back to the
-simulated path.
+simulated path. The Transformer's own forward always runs the simulated path
+(its einsums are the model package's); `fp8_dot` is the kernel-level path for
+a device benchmark.
+
+Why not qwix (v0.1.8, evaluated for this): `qwix.quantize` on one matrix
+(e4m3, channelwise on the output axis) gives bit-identical values and scales
+to `quantize_fp8` here, but (1) its PTQ provider does not run on this
+decoder: the forward reads weights as `param[...].astype(dtype)`, and qwix's
+PTQ wrapper (`WithAux` over a `QArray`) fails on that astype with
+"ValueError: Unsupported type: QArray" - fixing it means changing the model;
+(2) its quantized state is a tree of QArray / WithAux nodes, not the
+Transformer's parameter tree, so the trainer's checkpoints, every loader and
+the safetensors export would each need a translation layer; (3) its QAT
+provider runs, but on this model it quantizes only the attention einsums and
+silently leaves the MLP's `x @ W` matmuls (gate, up, down: most of the block
+weights) in float32 - with our FP8 restricted to q, k, v, o the two agree
+bit for bit on the logits, with all seven they do not; it also wraps a model
+instance, while the suite's Trainer builds the student itself from the
+config, so using it for recovery with FP8 in the loop would mean changing the trainer; the
+optimizer-side straight-through wrapper in `recover.py` gives the same
+arithmetic without that. What is left (scale, cast, dequantize, bound) is
+the few lines below. qwix's sparsity module covers N:M magnitude masks only
+(no Wanda, no SparseGPT).
 """
 
 from __future__ import annotations
