@@ -34,11 +34,12 @@ MAINS = {
     "eval": "hldstudy.eval.__main__",
     "analysis": "hldstudy.analysis.__main__",
     "serve": "hldstudy.teacher.serve",
+    "sweep": "hldstudy.sweep.__main__",
 }
 # `python -m` names of the CLIs (the subprocess cases).
 MODULES = {"train": "hldstudy.train", "plan": "hldstudy.plan", "flops": "hldstudy.flops",
            "eval": "hldstudy.eval", "analysis": "hldstudy.analysis",
-           "serve": "hldstudy.teacher.serve"}
+           "serve": "hldstudy.teacher.serve", "sweep": "hldstudy.sweep"}
 
 EXPERIMENT = '''\
 from hldstudy.config import Config, DataConfig
@@ -50,9 +51,22 @@ def get_config():
 '''
 
 
+SWEEP = '''\
+from hldstudy.config import Config, DataConfig
+from hldstudy.model.presets import preset
+from hldstudy.sweep import Sweep
+
+
+def get_sweep():
+    return Sweep(name="s", base=Config(model=preset("tiny"), data=DataConfig(seq_len=64)),
+                 methods=("baseline",), budget_baseline_steps=2)
+'''
+
+
 def make_world(root: Path) -> None:
     """The files every case starts from; none of them may change."""
     (root / "exp.py").write_text(EXPERIMENT)
+    (root / "sweep.py").write_text(SWEEP)
     run = root / "existing_run"
     run.mkdir()
     (run / "config.json").write_text('{"name": "existing"}\n')
@@ -231,6 +245,12 @@ CASES: list[Case] = [
          ("--workdir", "afile.txt", "is a file")),
     Case("train", ["--config", TINY, "--workdir", "{tmp}/afile.txt/run"],
          ("--workdir", "afile.txt", "is a file")),
+    Case("sweep", ["{tmp}/sweep.py", "--workdir", "{tmp}/afile.txt"],
+         ("--workdir", "afile.txt", "is a file")),
+    Case("sweep", ["{tmp}/sweep.py", "--workdir", "{tmp}/afile.txt/runs"],
+         ("--workdir", "afile.txt", "is a file")),
+    Case("sweep", ["{tmp}/sweep.py", "--set", "train.b2=1.5"], ("train.b2", "[0, 1)")),
+    Case("sweep", ["{tmp}/adir"], ("adir", "is a directory")),
     # --- the planner's inputs ---
     _plan("--hbm", "inf", needles=["--hbm", "finite"]),
     _plan("--hbm", "nan", needles=["--hbm", "finite"]),
