@@ -406,7 +406,7 @@ def check_fields(obj: Any, prefix: str = "") -> None:
         if isinstance(value, float) and not math.isfinite(value):
             where = f" ({domain.describe()})" if domain is not None else ""
             raise ConfigError(name, f"must be a finite number{where}, got {value!r}",
-                              f"the default is {f.default!r}")
+                              f"the default is {f.default!r}" if f.default is not None else "")
         if domain is not None:
             domain.check(name, value, None if f.default is dataclasses.MISSING else f.default)
 
