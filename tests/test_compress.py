@@ -418,3 +418,12 @@ def test_cli_recovery_for_a_flop_budget(run_dirs, tmp_path, capsys):
     assert code == 0, err
     two = json.loads((tmp_path / "b" / "report.json").read_text())["stages"][-1]
     assert two["recover_steps"] == 2 and two["masks_held"] and two["is_2_4"]
+
+
+def test_cli_error_out_under_a_file(run_dirs, tmp_path, capsys):
+    f = tmp_path / "a_file"
+    f.write_text("x")
+    code, _, err = _cli(["--checkpoint", str(run_dirs["student"]), "--prune", "magnitude-2:4",
+                         "--out", str(f / "sub"), "--no-progress"], capsys)
+    assert "compress.out" in _one_line_error(code, err)
+    assert f.read_text() == "x"

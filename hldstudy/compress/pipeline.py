@@ -204,6 +204,11 @@ def _stage(name: str, model, *, valid, sparse_keys, quantized, nm, ccfg, tokeniz
 def preflight(ccfg: CompressConfig):
     """Everything checkable before compute. Returns (model, tokenizer, run_cfg)."""
     validate(ccfg)
+    out = Path(ccfg.out)
+    for parent in (out, *out.parents):
+        if parent.exists() and not parent.is_dir():
+            raise ConfigError("compress.out", f"{parent} is a file, not a folder",
+                              "give --out a new or existing directory")
     path = Path(ccfg.checkpoint)
     if not path.exists():
         raise ConfigError("compress.checkpoint", f"{path} does not exist",
