@@ -1,7 +1,7 @@
 """SparseGPT 2:4 at the paper-123m shape: time per layer and peak memory.
 
     python benchmarks/compress.py                  # 6 blocks, 8 x 256 calibration tokens
-    python benchmarks/compress.py --layers 18      # every block
+    python benchmarks/compress.py --layers 18 --out compress_all_layers  # every block
     python benchmarks/compress.py --quick          # 2 blocks, 4 x 128 tokens
 
 The model is `paper-123m` (Gemma 3 270M layout, 18 blocks, d 640, 4 heads x
@@ -54,8 +54,10 @@ def render(r: dict) -> str:
           f"{r['layers_pruned']} of {r['n_layers_model']} blocks pruned (random weights).", "",
           "| block | seconds |", "|---:|---:|"]
     md += [f"| {i} | {s:.2f} |" for i, s in enumerate(r["layer_seconds"])]
+    total = (f"{sum(r['layer_seconds']):.0f} s measured" if r["layers_pruned"] ==
+             r["n_layers_model"] else f"~{r['projected_all_layers_seconds']:.0f} s projected")
     md += ["", f"Median {r['layer_seconds_median']:.2f} s per block (the first includes "
-           f"compilation) -> ~{r['projected_all_layers_seconds']:.0f} s for all "
+           f"compilation) -> {total} for all "
            f"{r['n_layers_model']} blocks. Peak RSS {r['peak_mib']:.0f} MiB (after model init "
            f"{r['peak_mib_after_model_init']:.0f} MiB); the largest Hessian (d_ff^2, float64) "
            f"is {r['largest_hessian_mib_float64']:.0f} MiB.", "",
