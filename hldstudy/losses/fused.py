@@ -52,6 +52,7 @@ from hldstudy.losses import pallas_kd
 from hldstudy.losses.kd import flatten_tokens, validate_kd_args
 from hldstudy.losses.kd_chunks import (
     KDConfig,
+    bind,
     cap_and_mask,
     chunk_columns,
     chunk_layout,
@@ -60,6 +61,7 @@ from hldstudy.losses.kd_chunks import (
     logit_grad,
     row_max,
     row_sum,
+    temperature_is_one,
     update_stats,
 )
 from hldstudy.numerics import softcap
@@ -148,7 +150,7 @@ def _xla_window_stats_and_grads(cfg, h_s_RxD, h_t_RxE, labels_R, mask_R, w_s, w_
 
     p_t, lse_a = softmax_and_lse(a)
     p_s, lse_b = softmax_and_lse(b)
-    p_z, lse_z = (p_s, lse_b) if cfg.temperature == 1.0 else softmax_and_lse(z_s)
+    p_z, lse_z = (p_s, lse_b) if temperature_is_one(cfg) else softmax_and_lse(z_s)
     is_label = jnp.arange(cfg.vocab)[None, :] == labels_R[:, None]
     nll = lse_z - row_sum(jnp.where(is_label, z_s, 0.0))
     if cfg.divergence == "forward_kl":
@@ -245,40 +247,50 @@ def _reduce(cfg, kl_R, nll_R, mask_R, inv_count):
     return loss, nll, kl
 
 
+def _bind(cfg, hp):
+    """The static cfg, or (traced hyperparameters: hp = [temperature, alpha]) with them
+    bound in. hp is an ordinary (non-differentiated) operand of the custom_vjp, so one
+    compiled program serves every temperature and NLL weight."""
+    return cfg if cfg.temperature is not None else bind(cfg, hp[0], hp[1])
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _fused(cfg, h_s, w_s, h_t, w_t, labels, mask):
+def _fused(cfg, h_s, w_s, h_t, w_t, labels, mask, hp):
+    cfg = _bind(cfg, hp)
     inv_count = 1.0 / jnp.maximum(jnp.sum(mask.astype(jnp.float32)), 1.0)
     _, _, _, kl_R, nll_R = _stats(cfg, h_s, w_s, h_t, w_t, labels)
     return _reduce(cfg, kl_R, nll_R, mask, inv_count)
 
 
-def _fused_fwd(cfg, h_s, w_s, h_t, w_t, labels, mask):
+def _fused_fwd(cfg, h_s, w_s, h_t, w_t, labels, mask, hp):
+    cfg = _bind(cfg, hp)
     inv_count = 1.0 / jnp.maximum(jnp.sum(mask.astype(jnp.float32)), 1.0)
     if _grads_in_forward(cfg):
         kl_R, nll_R, dh, dw = _xla_stats_and_grads(cfg, h_s, w_s, h_t, w_t, labels, mask, inv_count)
         out = _reduce(cfg, kl_R, nll_R, mask, inv_count)
         # Zero-size arrays carry the input dtypes (residuals must be arrays).
-        return out, (dh, dw, jnp.zeros((0,), h_s.dtype), jnp.zeros((0,), w_s.dtype))
+        return out, (dh, dw, jnp.zeros((0,), h_s.dtype), jnp.zeros((0,), w_s.dtype), hp)
     lse_a, lse_b, lse_z, kl_R, nll_R = _stats(cfg, h_s, w_s, h_t, w_t, labels)
     out = _reduce(cfg, kl_R, nll_R, mask, inv_count)
-    res = (h_s, w_s, h_t, w_t, labels, mask, inv_count, (lse_a, lse_b, lse_z, kl_R))
+    res = (h_s, w_s, h_t, w_t, labels, mask, inv_count, (lse_a, lse_b, lse_z, kl_R), hp)
     return out, res
 
 
 def _fused_bwd(cfg, res, cotangents):
     # Metrics are returned under stop_gradient by the wrapper: only d(loss) matters.
     g_loss = cotangents[0]
+    cfg = _bind(cfg, res[-1])
     if _grads_in_forward(cfg):
-        dh, dw, h_like, w_like = res
+        dh, dw, h_like, w_like, _ = res
         dh_s = (dh * g_loss).astype(h_like.dtype)
         dw_s = (dw * g_loss).astype(w_like.dtype)
     else:
-        h_s, w_s, h_t, w_t, labels, mask, inv_count, row_stats = res
+        h_s, w_s, h_t, w_t, labels, mask, inv_count, row_stats, _ = res
         coef_nll, coef_kl = _loss_coefs(cfg, mask, inv_count, g_loss)
         dh, dw = _grads(cfg, h_s, w_s, h_t, w_t, labels, row_stats, coef_nll, coef_kl)
         dh_s, dw_s = dh.astype(h_s.dtype), dw.astype(w_s.dtype)
-    # Teacher, labels and mask get no gradient (None = symbolic zero).
-    return dh_s, dw_s, None, None, None, None
+    # Teacher, labels, mask and the hyperparameters get no gradient (None = symbolic zero).
+    return dh_s, dw_s, None, None, None, None, None
 
 
 _fused.defvjp(_fused_fwd, _fused_bwd)
@@ -300,8 +312,8 @@ def fused_kd_loss(
     labels,
     mask=None,
     *,
-    temperature: float = 1.0,
-    alpha: float = 0.5,
+    temperature: float | jax.Array = 1.0,
+    alpha: float | jax.Array = 0.5,
     divergence: str = "forward_kl",
     softcap: float | None = None,
     row_block: int | None = None,
@@ -321,6 +333,9 @@ def fused_kd_loss(
       backend: "auto" (Pallas on GPU/TPU, XLA elsewhere), "xla", "pallas" (Triton
         kernels on GPU, Mosaic on TPU), or "pallas_triton" / "pallas_mosaic".
       interpret: run Pallas kernels in interpret mode (for CPU tests).
+      temperature, alpha: Python numbers (static: folded into the program) or scalar
+        arrays (traced, never differentiated: a cohort's students each pass their own
+        and share one compiled step; Pallas kernels take the temperature as an operand).
     """
     if divergence == "jsd":
         raise ValueError(
@@ -347,9 +362,15 @@ def fused_kd_loss(
     if backend == "xla":  # no point in windows taller than the input
         row_block = max(1, min(row_block, n_tokens))
     vocab_block = int(vocab_block or default_vocab)
+    static = isinstance(temperature, int | float) and isinstance(alpha, int | float)
+    if static:
+        hp = jnp.zeros((0,), jnp.float32)
+    else:
+        hp = jnp.stack([jnp.asarray(temperature, jnp.float32).reshape(()),
+                        jnp.asarray(alpha, jnp.float32).reshape(())])
     cfg = KDConfig(
-        temperature=float(temperature),
-        alpha=float(alpha),
+        temperature=float(temperature) if static else None,
+        alpha=float(alpha) if static else None,
         divergence=divergence,
         softcap=None if softcap is None else float(softcap),
         row_block=row_block,
@@ -368,5 +389,5 @@ def fused_kd_loss(
         mask = jnp.pad(mask, (0, n_pad))
     labels = labels.astype(jnp.int32)
     h_t, w_t = lax.stop_gradient(h_t), lax.stop_gradient(w_t)
-    loss, nll, kl = _fused(cfg, h_s, w_s, h_t, w_t, labels, mask)
+    loss, nll, kl = _fused(cfg, h_s, w_s, h_t, w_t, labels, mask, lax.stop_gradient(hp))
     return loss, {"nll": lax.stop_gradient(nll), "kl": lax.stop_gradient(kl)}

@@ -131,13 +131,23 @@ def divergence_per_token(
 
 
 def validate_kd_args(temperature: float, alpha: float, divergence: str, allowed=DIVERGENCES) -> None:
-    """Raises ValueError naming the bad argument. Called by both loss paths."""
-    if not isinstance(temperature, int | float) or not temperature > 0:
+    """Raises ValueError naming the bad argument. Called by both loss paths. A scalar
+    array (a traced per-member hyperparameter of a cohort) is checked for its shape only:
+    its value is known when the program runs (the config validated it)."""
+    if _is_scalar_array(temperature):
+        pass
+    elif not isinstance(temperature, int | float) or not temperature > 0:
         raise ValueError(f"temperature: must be > 0, got {temperature!r}")
-    if not isinstance(alpha, int | float) or not 0.0 <= alpha <= 1.0:
+    if _is_scalar_array(alpha):
+        pass
+    elif not isinstance(alpha, int | float) or not 0.0 <= alpha <= 1.0:
         raise ValueError(f"alpha: the NLL weight must be in [0, 1], got {alpha!r}")
     if divergence not in allowed:
         raise ValueError(f"divergence: {divergence!r} is not supported here (expected one of {allowed})")
+
+
+def _is_scalar_array(x) -> bool:
+    return isinstance(x, jax.Array) and x.ndim == 0
 
 
 def flatten_tokens(h_s, h_t, labels, mask):

@@ -16,10 +16,16 @@ from hldstudy.numerics import softcap
 
 @dataclasses.dataclass(frozen=True)
 class KDConfig:
-    """Static (hashable) description of one fused KD loss computation."""
+    """Static (hashable) description of one fused KD loss computation.
 
-    temperature: float
-    alpha: float
+    temperature / alpha: Python floats (static, folded into the program), or None in
+    the static description when they are traced values (a cohort's per-member
+    hyperparameters): `fused` binds the traced values back in (`bind`) inside the
+    custom_vjp, and the Pallas kernels read the temperature from a [1, 1] operand.
+    """
+
+    temperature: float | None
+    alpha: float | None
     divergence: str
     softcap: float | None
     row_block: int
@@ -27,6 +33,18 @@ class KDConfig:
     vocab: int
     backend: str  # one of BACKENDS
     interpret: bool = False  # Pallas interpret mode (CPU testing)
+
+
+def bind(cfg: KDConfig, temperature, alpha) -> KDConfig:
+    """`cfg` with traced temperature / alpha (unhashable: never a static argument)."""
+    return dataclasses.replace(cfg, temperature=temperature, alpha=alpha)
+
+
+def temperature_is_one(cfg: KDConfig) -> bool:
+    """Statically known tau = 1: the NLL's softmax is the tempered student softmax. A
+    traced temperature is never assumed to be 1 (the separate softmax gives the same
+    values at tau = 1: b = z_s * (1 / 1) is z_s exactly)."""
+    return isinstance(cfg.temperature, int | float) and cfg.temperature == 1.0
 
 
 def cap_and_mask(cfg: KDConfig, z_s_RxC, z_t_RxC, valid_1xC):
@@ -84,7 +102,7 @@ def update_stats(cfg: KDConfig, stats, z_s, z_t, valid_1xC, is_label_RxC):
         u_f = u_f * scale_a + row_sum(e_a * a_minus_b)
     else:
         u_r = u_r * scale_b - row_sum(e_b * a_minus_b)
-    if cfg.temperature == 1.0:  # NLL logits are the tempered student logits
+    if temperature_is_one(cfg):  # NLL logits are the tempered student logits
         m_z_new, s_z = m_b_new, s_b
     else:
         m_z_new = jnp.maximum(m_z, row_max(z_s))
@@ -113,7 +131,7 @@ def logit_grad(cfg: KDConfig, z_s, z_t, cap_grad, valid_1xC, is_label_RxC, row_s
     inv_tau = 1.0 / cfg.temperature
     a, b = z_t * inv_tau, z_s * inv_tau
     p_s = jnp.exp(b - lse_b)
-    p_z = p_s if cfg.temperature == 1.0 else jnp.exp(z_s - lse_z)
+    p_z = p_s if temperature_is_one(cfg) else jnp.exp(z_s - lse_z)
     g_nll = p_z - is_label_RxC.astype(jnp.float32)
     if cfg.divergence == "forward_kl":
         g_kl = (p_s - jnp.exp(a - lse_a)) * inv_tau

@@ -33,6 +33,7 @@ Run on CPU with `interpret=True` (tests); on GPU/TPU compiled.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -93,6 +94,29 @@ def _check_triton_tiles(cfg):
     for name, size in (("row_block", cfg.row_block), ("vocab_block", cfg.vocab_block)):
         if size < 16 or size & (size - 1):
             raise ValueError(f"{name}: the Triton kernels need a power of two >= 16, got {size}")
+
+
+def _traced_temperature(cfg):
+    """(static cfg, extra operands): a traced temperature (a cohort member's) enters the
+    kernels as a [1, 1] float32 operand after all the others, never closed over."""
+    if cfg.temperature is None or isinstance(cfg.temperature, int | float):
+        return cfg, ()
+    tau = jnp.reshape(cfg.temperature, (1, 1)).astype(jnp.float32)
+    return dataclasses.replace(cfg, temperature=None, alpha=None), (tau,)
+
+
+def _kernel(fn, cfg, extra, n_in: int, *static):
+    """`fn(cfg, *static, *refs)` as a pallas kernel; with a traced temperature (`extra`),
+    its ref (the last of the `n_in` inputs) is read and bound into cfg in the kernel."""
+    if not extra:
+        return functools.partial(fn, cfg, *static)
+
+    def kernel(*refs):
+        tau_ref = refs[n_in - 1]
+        bound = dataclasses.replace(cfg, temperature=tau_ref[...])
+        return fn(bound, *static, *refs[:n_in - 1], *refs[n_in:])
+
+    return kernel
 
 
 def _tile_columns(j, width: int, vocab: int):
@@ -179,6 +203,7 @@ def _triton_compiler_params(cfg):
 
 def _triton_stats(cfg, h_s, w_s, h_t, w_t, labels_Tx1):
     _check_triton_tiles(cfg)
+    cfg_in, extra = _traced_temperature(cfg)
     d_block = _d_block(max(h_s.shape[1], h_t.shape[1]))
     h_s, w_s = _pad_to(h_s, 1, d_block), _pad_to(_pad_to(w_s, 0, d_block), 1, cfg.vocab_block)
     h_t, w_t = _pad_to(h_t, 1, d_block), _pad_to(_pad_to(w_t, 0, d_block), 1, cfg.vocab_block)
@@ -188,20 +213,22 @@ def _triton_stats(cfg, h_s, w_s, h_t, w_t, labels_Tx1):
     full_spec = lambda x: pl.BlockSpec(x.shape, lambda i: (0, 0))
     stat_shape = jax.ShapeDtypeStruct((n_rows, 1), jnp.float32)
     stats = pl.pallas_call(
-        functools.partial(_triton_stats_kernel, cfg, d_block, n_chunks),
+        _kernel(_triton_stats_kernel, cfg_in, extra, 5 + len(extra), d_block, n_chunks),
         grid=(n_rows // rows,),
-        in_specs=[row_spec(h_s.shape[1]), row_spec(h_t.shape[1]), row_spec(1), full_spec(w_s), full_spec(w_t)],
+        in_specs=[row_spec(h_s.shape[1]), row_spec(h_t.shape[1]), row_spec(1), full_spec(w_s), full_spec(w_t)]
+        + [full_spec(x) for x in extra],
         out_specs=[row_spec(1)] * kd_chunks.N_STATS,
         out_shape=[stat_shape] * kd_chunks.N_STATS,
         interpret=cfg.interpret,
         compiler_params=_triton_compiler_params(cfg),
         name="fused_kd_stats_triton",
-    )(h_s, h_t, labels_Tx1, w_s, w_t)
+    )(h_s, h_t, labels_Tx1, w_s, w_t, *extra)
     return kd_chunks.finalize_stats(cfg, tuple(stats))
 
 
 def _triton_grads(cfg, h_s, w_s, h_t, w_t, labels_Tx1, row_stats, coef_nll, coef_kl):
     _check_triton_tiles(cfg)
+    cfg_in, extra = _traced_temperature(cfg)
     d_s, vocab = w_s.shape
     d_block = _d_block(max(h_s.shape[1], h_t.shape[1]))
     h_s, w_s = _pad_to(h_s, 1, d_block), _pad_to(_pad_to(w_s, 0, d_block), 1, cfg.vocab_block)
@@ -213,18 +240,19 @@ def _triton_grads(cfg, h_s, w_s, h_t, w_t, labels_Tx1, row_stats, coef_nll, coef
     dh0 = jnp.zeros(h_s.shape, jnp.float32)
     dw0 = jnp.zeros(w_s.shape, jnp.float32)
     dh, dw = pl.pallas_call(
-        functools.partial(_triton_grads_kernel, cfg, d_block),
+        _kernel(_triton_grads_kernel, cfg_in, extra, 13 + len(extra), d_block),
         grid=(n_rows // rows, n_chunks),
         in_specs=[row_spec(h_s.shape[1]), row_spec(h_t.shape[1]), row_spec(1)]
         + [row_spec(1)] * 6
-        + [full_spec(w_s), full_spec(w_t), full_spec(dh0), full_spec(dw0)],
+        + [full_spec(w_s), full_spec(w_t), full_spec(dh0), full_spec(dw0)]
+        + [full_spec(x) for x in extra],
         out_specs=[full_spec(dh0), full_spec(dw0)],
         out_shape=[jax.ShapeDtypeStruct(dh0.shape, jnp.float32), jax.ShapeDtypeStruct(dw0.shape, jnp.float32)],
         input_output_aliases={11: 0, 12: 1},
         interpret=cfg.interpret,
         compiler_params=_triton_compiler_params(cfg),
         name="fused_kd_grads_triton",
-    )(h_s, h_t, labels_Tx1, *row_stats, coef_nll, coef_kl, w_s, w_t, dh0, dw0)
+    )(h_s, h_t, labels_Tx1, *row_stats, coef_nll, coef_kl, w_s, w_t, dh0, dw0, *extra)
     return dh[:, :d_s], dw[:d_s, :vocab]
 
 
@@ -297,40 +325,44 @@ def _mosaic_dw_kernel(cfg, *refs):
 
 
 def _mosaic_stats(cfg, h_s, w_s, h_t, w_t, labels_Tx1):
+    cfg_in, extra = _traced_temperature(cfg)
     w_s, w_t = _pad_to(w_s, 1, cfg.vocab_block), _pad_to(w_t, 1, cfg.vocab_block)
     n_rows, rows, width = h_s.shape[0], cfg.row_block, cfg.vocab_block
     row_spec = lambda d: pl.BlockSpec((rows, d), lambda i, j: (i, 0))
     col_spec = lambda d: pl.BlockSpec((d, width), lambda i, j: (0, j))
     stat_shape = jax.ShapeDtypeStruct((n_rows, 1), jnp.float32)
     stats = pl.pallas_call(
-        functools.partial(_mosaic_stats_kernel, cfg),
+        _kernel(_mosaic_stats_kernel, cfg_in, extra, 5 + len(extra)),
         grid=(n_rows // rows, w_s.shape[1] // width),
         in_specs=[row_spec(h_s.shape[1]), row_spec(h_t.shape[1]), row_spec(1),
-                  col_spec(w_s.shape[0]), col_spec(w_t.shape[0])],
+                  col_spec(w_s.shape[0]), col_spec(w_t.shape[0])]
+        + [pl.BlockSpec((1, 1), lambda i, j: (0, 0)) for _ in extra],
         out_specs=[row_spec(1)] * kd_chunks.N_STATS,
         out_shape=[stat_shape] * kd_chunks.N_STATS,
         interpret=cfg.interpret,
         compiler_params=_mosaic_compiler_params(cfg, ("parallel", "arbitrary")),
         name="fused_kd_stats_mosaic",
-    )(h_s, h_t, labels_Tx1, w_s, w_t)
+    )(h_s, h_t, labels_Tx1, w_s, w_t, *extra)
     return kd_chunks.finalize_stats(cfg, tuple(stats))
 
 
 def _mosaic_grads(cfg, h_s, w_s, h_t, w_t, labels_Tx1, row_stats, coef_nll, coef_kl):
     d_s, vocab = w_s.shape
+    cfg_in, extra = _traced_temperature(cfg)
     w_s, w_t = _pad_to(w_s, 1, cfg.vocab_block), _pad_to(w_t, 1, cfg.vocab_block)
     n_rows, rows, width = h_s.shape[0], cfg.row_block, cfg.vocab_block
     n_row_blocks, n_chunks = n_rows // rows, w_s.shape[1] // width
-    operands = (h_s, h_t, labels_Tx1, *row_stats, coef_nll, coef_kl, w_s, w_t)
+    operands = (h_s, h_t, labels_Tx1, *row_stats, coef_nll, coef_kl, w_s, w_t, *extra)
 
     def specs(index):  # index(r, c) -> grid indices, r = row block, c = chunk
         row_spec = lambda d: pl.BlockSpec((rows, d), lambda *g: (index(*g)[0], 0))
         col_spec = lambda d: pl.BlockSpec((d, width), lambda *g: (0, index(*g)[1]))
         return ([row_spec(h_s.shape[1]), row_spec(h_t.shape[1]), row_spec(1)] + [row_spec(1)] * 6
-                + [col_spec(w_s.shape[0]), col_spec(w_t.shape[0])])
+                + [col_spec(w_s.shape[0]), col_spec(w_t.shape[0])]
+                + [pl.BlockSpec((1, 1), lambda *g: (0, 0)) for _ in extra])
 
     dh = pl.pallas_call(
-        functools.partial(_mosaic_dh_kernel, cfg),
+        _kernel(_mosaic_dh_kernel, cfg_in, extra, len(operands)),
         grid=(n_row_blocks, n_chunks),
         in_specs=specs(lambda i, j: (i, j)),
         out_specs=pl.BlockSpec((rows, h_s.shape[1]), lambda i, j: (i, 0)),
@@ -341,7 +373,7 @@ def _mosaic_grads(cfg, h_s, w_s, h_t, w_t, labels_Tx1, row_stats, coef_nll, coef
     )(*operands)
     # The dW kernel's grid is (chunk, row block): its output block stays resident over rows.
     dw = pl.pallas_call(
-        functools.partial(_mosaic_dw_kernel, cfg),
+        _kernel(_mosaic_dw_kernel, cfg_in, extra, len(operands)),
         grid=(n_chunks, n_row_blocks),
         in_specs=specs(lambda j, i: (i, j)),
         out_specs=pl.BlockSpec((w_s.shape[0], width), lambda j, i: (0, j)),
