@@ -1,9 +1,20 @@
-"""User-facing errors.
+"""User-facing errors and the exit codes every hldstudy command shares.
 
 Anything a user can fix (a bad config value, a missing file, incompatible
 teacher and student) raises `ConfigError` or `InputError` with a one-line
-message that names the field or file and the fix. CLIs print that line and
-exit non-zero; `--debug` shows the traceback.
+message that names the field or file and the fix; a fault met while running
+(a non-finite train state, a checkpoint that cannot be saved, a configuration
+that would not fit in memory) raises `RuntimeFault`. CLIs print that line and
+exit with the error's code; `--debug` shows the traceback.
+
+Exit codes (the sweep records each run's outcome with the same numbers):
+
+    0        success
+    1        an unexpected error (a bug: the traceback is printed)
+    2        bad input or configuration (EXIT_INPUT)
+    3        a runtime fault (EXIT_RUNTIME): non-finite state, a failed save, a run
+             refused because it would not fit in memory
+    128 + N  stopped by signal N (130 Ctrl-C, 143 SIGTERM), after a checkpoint
 """
 
 from __future__ import annotations
@@ -11,9 +22,21 @@ from __future__ import annotations
 import contextlib
 import sys
 
+EXIT_OK = 0
+EXIT_BUG = 1
+EXIT_INPUT = 2
+EXIT_RUNTIME = 3
+
+
+def exit_code_for_signal(signum: int) -> int:
+    """128 + N, as a shell reports a process stopped by signal N."""
+    return 128 + int(signum)
+
 
 class HLDError(Exception):
     """Base of errors the user can act on."""
+
+    exit_code = EXIT_INPUT
 
 
 class ConfigError(HLDError, ValueError):
@@ -31,13 +54,39 @@ class InputError(HLDError, ValueError):
     """An input file or directory is missing or malformed."""
 
 
+class RuntimeFault(HLDError, RuntimeError):
+    """A fault met while running (exit code 3): the state went non-finite, a checkpoint
+    could not be saved, the step would not fit in memory. The message names the step,
+    file or field and the likely fix."""
+
+    exit_code = EXIT_RUNTIME
+
+
+def exit_code_of(exc: BaseException) -> int:
+    """The exit code a CLI gives for `exc` (a sweep records the same for a run)."""
+    signum = getattr(exc, "signum", None)
+    if signum is not None:  # hldstudy.train.loop.Interrupted
+        return exit_code_for_signal(signum)
+    if isinstance(exc, HLDError):
+        return exc.exit_code
+    if isinstance(exc, SystemExit):
+        return exc.code if isinstance(exc.code, int) else EXIT_BUG
+    return EXIT_BUG
+
+
+def warn(message: str, prog: str = "hldstudy") -> None:
+    """One warning line on stderr (not through logging: the CLIs silence library logs)."""
+    print(f"{prog}: warning: {message}", file=sys.stderr, flush=True)
+
+
 @contextlib.contextmanager
 def user_errors(debug: bool = False, prog: str = "hldstudy"):
-    """Turns `HLDError` into `prog: error: <message>` and exit code 2."""
+    """Turns `HLDError` into `prog: error: <message>` and its exit code (2, or 3 for a
+    `RuntimeFault`)."""
     try:
         yield
     except HLDError as e:
         if debug:
             raise
         print(f"{prog}: error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
+        raise SystemExit(e.exit_code) from None

@@ -14,6 +14,12 @@
   runs execute in this process, one teacher load). Writes
   ``WORKDIR/wandb_sweep.yaml`` always; starting the sweep and the agent needs a
   W&B server (online mode) - offline, it says how to start them.
+
+Every executor records each run's outcome in its `outcome.json` (see
+`hldstudy.sweep.worker`): done (0), failed (2 bad input / configuration, 3 runtime
+fault, 1 a bug), interrupted (128 + N). A run a previous sweep left marked running
+(its process killed with SIGKILL, say) is reported as `killed earlier` and resumed.
+The sweep itself exits 0, 128 + N when a signal stopped it, 1 when a run failed.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hldstudy.errors import InputError
+from hldstudy.errors import InputError, exit_code_of
 from hldstudy.signals import StopSignals
 from hldstudy.sweep.spec import Run, Sweep, run_status, steps_done
 from hldstudy.wandb_online import wandb_online
@@ -45,6 +51,10 @@ class Outcome:
     failed: dict[str, str] = field(default_factory=dict)
     interrupted: list[str] = field(default_factory=list)
     no_eval: list[str] = field(default_factory=list)
+    # Runs found marked running by a process that is gone (resumed in this sweep).
+    killed_earlier: list[str] = field(default_factory=list)
+    # Exit code of each failed or interrupted run (as `python -m hldstudy.train` gives).
+    exit_codes: dict[str, int] = field(default_factory=dict)
     signum: int | None = None
     teacher_loads: int = 0
 
@@ -57,7 +67,15 @@ class Outcome:
     def as_dict(self) -> dict:
         return {"done": self.done, "skipped": self.skipped, "failed": self.failed,
                 "interrupted": self.interrupted, "no_eval": self.no_eval,
+                "killed_earlier": self.killed_earlier, "exit_codes": self.exit_codes,
                 "signal": self.signum, "teacher_loads": self.teacher_loads}
+
+    def merge(self, res: dict) -> None:
+        """Adds the bookkeeping of a worker's `as_dict()` (a SLURM job's result)."""
+        self.failed.update(res.get("failed", {}))
+        self.interrupted += res.get("interrupted", [])
+        self.killed_earlier += res.get("killed_earlier", [])
+        self.exit_codes.update(res.get("exit_codes", {}))
 
 
 def worker_kwargs(sweep: Sweep, workdir: Path) -> dict:
@@ -174,7 +192,13 @@ class _Stop(StopSignals):
 def run_many(runs: list[Run], kwargs: dict, report=None, stop: _Stop | None = None,
              worker=None) -> Outcome:
     """Runs `runs` one after another in this process with one Worker."""
-    from hldstudy.sweep.worker import EvalUnavailable, Worker, record_failure
+    from hldstudy.sweep.worker import (
+        EvalUnavailable,
+        Worker,
+        killed_earlier,
+        record_failure,
+        record_interrupted,
+    )
     from hldstudy.train.loop import Interrupted
 
     worker = worker or Worker(**kwargs)
@@ -189,11 +213,19 @@ def run_many(runs: list[Run], kwargs: dict, report=None, stop: _Stop | None = No
             out.skipped.append(run.run_id)
             report("skipped", run.run_id, "already done")
             continue
+        killed = killed_earlier(workdir / run.run_id)
+        if killed is not None:
+            out.killed_earlier.append(run.run_id)
+            report("killed earlier", run.run_id,
+                   f"marked running since {killed.get('started', '?')} by pid "
+                   f"{killed.get('pid', '?')}, which is gone; resuming")
         report("start", run.run_id, "")
         try:
             res = worker.run(run)
         except Interrupted as e:
+            record_interrupted(workdir / run.run_id, e)
             out.interrupted.append(run.run_id)
+            out.exit_codes[run.run_id] = 128 + e.signum
             out.signum = e.signum
             report("interrupted", run.run_id, f"checkpoint at step {e.step}")
             break
@@ -205,7 +237,9 @@ def run_many(runs: list[Run], kwargs: dict, report=None, stop: _Stop | None = No
         except Exception as e:  # noqa: BLE001 - one failed run must not stop the sweep
             msg = record_failure(workdir / run.run_id, e)
             out.failed[run.run_id] = msg
-            report("failed", run.run_id, f"{msg}; see {workdir / run.run_id / 'error.txt'}")
+            out.exit_codes[run.run_id] = exit_code_of(e)
+            report("failed", run.run_id, f"exit {exit_code_of(e)}: {msg}; see "
+                   f"{workdir / run.run_id / 'error.txt'}")
             continue
         out.done.append(run.run_id)
         report("done", run.run_id, _detail(res))
@@ -262,6 +296,8 @@ def run_local(runs: list[Run], sweep: Sweep, workdir: Path, *, parallel: int = 1
 def _run_pool(runs, kwargs, parallel, prog: Progress, stop: _Stop, workdir: Path) -> Outcome:
     import multiprocessing as mp
 
+    from hldstudy.sweep.worker import read_outcome
+
     ctx = mp.get_context("spawn")  # JAX is not fork-safe
     tasks, events = ctx.Queue(), ctx.Queue()
     for r in runs:
@@ -307,10 +343,16 @@ def _run_pool(runs, kwargs, parallel, prog: Progress, stop: _Stop, workdir: Path
                 out.no_eval.append(rid)
         elif kind == "skipped":
             out.skipped.append(rid)
-        elif kind == "failed":
-            out.failed[rid] = detail
-        elif kind == "interrupted":
-            out.interrupted.append(rid)
+        elif kind == "killed earlier":
+            out.killed_earlier.append(rid)
+        elif kind in ("failed", "interrupted"):
+            if kind == "failed":
+                out.failed[rid] = detail
+            else:
+                out.interrupted.append(rid)
+            code = (read_outcome(workdir / rid) or {}).get("exit_code")
+            if isinstance(code, int):
+                out.exit_codes[rid] = code
     for p in procs:
         p.join(timeout=120)
         if p.is_alive():
@@ -400,8 +442,7 @@ def run_slurm(runs: list[Run], sweep: Sweep, workdir: Path, *, parallel: int = 1
                 out.done.append(rid)
                 prog.event("done", rid, "")
             out.skipped += res["skipped"]
-            out.failed.update(res["failed"])
-            out.interrupted += res["interrupted"]
+            out.merge(res)
             for rid in res["interrupted"]:
                 prog.event("interrupted", rid, "checkpointed; rerun to resume")
             if res.get("signal") is not None:
@@ -491,9 +532,9 @@ def run_wandb(runs: list[Run], sweep: Sweep, workdir: Path, *, sweep_file: Path,
             if rid not in by_id:
                 raise InputError(f"W&B asked for run {rid!r}, which this grid does not have")
             res = run_many([by_id[rid]], worker_kwargs(sweep, workdir), worker=worker)
-            for k in ("done", "skipped", "interrupted", "no_eval"):
+            for k in ("done", "skipped", "no_eval"):
                 getattr(out, k).extend(getattr(res, k))
-            out.failed.update(res.failed)
+            out.merge(res.as_dict())
             _replay_metrics(wrun, workdir / rid)
 
     try:
@@ -511,8 +552,9 @@ def _replay_metrics(wrun, run_dir: Path) -> None:
     """Logs the run's metrics.jsonl and results.json to the agent's W&B run."""
     mpath, rpath = run_dir / "metrics.jsonl", run_dir / "results.json"
     if mpath.exists():
-        for line in mpath.read_text().splitlines():
-            rec = json.loads(line)
+        from hldstudy.train.metrics import read_records
+
+        for rec in read_records(mpath):  # a torn line is reported and skipped
             step = rec.pop("step", None)
             rec = {k: v for k, v in rec.items() if isinstance(v, (int, float))}
             wrun.log(rec, step=step)

@@ -6,6 +6,14 @@ data (tokenizer + packed rows) per data config. `Worker.run(run, dir)` trains
 or resumes the run (`hldstudy.train.loop.Trainer`), evaluates it
 (`hldstudy.eval.evaluate`), and completes its results.json with `run_id`,
 `config_hash`, `sweep` and `eval`.
+
+Each run's outcome is recorded in its `outcome.json` (written atomically):
+`{"status": "running", "pid", "host", "started"}` while a worker trains it, then
+`done` (exit_code 0), `failed` (the exit code `python -m hldstudy.train` would give:
+2 bad input or configuration, 3 runtime fault, 1 a bug; the traceback in error.txt)
+or `interrupted` (128 + N for signal N; resumable from its checkpoint). A run still
+marked `running` by a process that is gone (kill -9, a lost node) is recognised as
+interrupted by the next sweep (`killed_earlier`) and resumed.
 """
 
 from __future__ import annotations
@@ -13,17 +21,20 @@ from __future__ import annotations
 import json
 import logging
 import os
+import socket
 import time
 import traceback
 from pathlib import Path
 
 from hldstudy.distill import methods
+from hldstudy.errors import EXIT_OK, exit_code_of
 from hldstudy.rundir import write_json_atomic
 from hldstudy.sweep.spec import Run, run_status
 
 log = logging.getLogger("hldstudy.sweep")
 
 CACHE_DIR = ".sweep/data"
+OUTCOME_FILE = "outcome.json"
 COUNT_KEYS = ("tokens", "samples", "n", "items", "docs")
 
 
@@ -83,6 +94,7 @@ class Worker:
         if status == "done":
             return json.loads((run_dir / "results.json").read_text())
         (run_dir / "error.txt").unlink(missing_ok=True)
+        mark_running(run_dir)
         t0 = time.time()
         if status != "trained":
             from hldstudy.train.loop import Trainer
@@ -105,6 +117,7 @@ class Worker:
             results["eval"] = {**(results.get("eval") or {}), **self.evaluate(run_dir)}
             results["eval_seconds"] = round(time.time() - t1, 1)
             write_json_atomic(run_dir / "results.json", results)
+        record_outcome(run_dir, "done", EXIT_OK)
         return results
 
     def _identity(self, run: Run, run_dir: Path) -> dict:
@@ -143,8 +156,77 @@ class Worker:
 
 
 def record_failure(run_dir: Path, exc: BaseException) -> str:
-    """Writes run_dir/error.txt (the traceback); returns a one-line summary."""
+    """Writes run_dir/error.txt (the traceback) and the outcome (failed, with the exit code
+    the train CLI would give); returns a one-line summary."""
     run_dir.mkdir(parents=True, exist_ok=True)
     text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    (run_dir / "error.txt").write_text(text)
-    return f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+    write_text_atomic(run_dir / "error.txt", text)
+    line = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+    record_outcome(run_dir, "failed", exit_code_of(exc), error=line)
+    return line
+
+
+def record_interrupted(run_dir: Path, exc) -> None:
+    """A run stopped by a signal (`Interrupted`, checkpoint saved): 128 + N."""
+    record_outcome(run_dir, "interrupted", exit_code_of(exc), step=getattr(exc, "step", None))
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "w") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def mark_running(run_dir: Path) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(run_dir / OUTCOME_FILE, {
+        "status": "running", "pid": os.getpid(), "host": socket.gethostname(),
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+
+
+def record_outcome(run_dir: Path, status: str, exit_code: int, **extra) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(run_dir / OUTCOME_FILE, {
+        "status": status, "exit_code": int(exit_code),
+        "ended": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        **{k: v for k, v in extra.items() if v is not None}})
+
+
+def read_outcome(run_dir: Path) -> dict | None:
+    """The run's outcome.json, or None (missing or unreadable)."""
+    try:
+        rec = json.loads((Path(run_dir) / OUTCOME_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return rec if isinstance(rec, dict) else None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OSError):
+        return True
+    return True
+
+
+def killed_earlier(run_dir: Path) -> dict | None:
+    """The outcome of a run left marked `running` by a process that is gone (kill -9,
+    OOM killer, a lost node): it was interrupted without a word. None otherwise (no
+    record, a recorded end, or its process is alive on this host)."""
+    rec = read_outcome(run_dir)
+    if rec is None or rec.get("status") != "running":
+        return None
+    pid = rec.get("pid")
+    if rec.get("host") == socket.gethostname() and isinstance(pid, int) \
+            and pid != os.getpid() and _alive(pid):
+        return None
+    return rec

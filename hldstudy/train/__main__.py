@@ -2,6 +2,10 @@
 
 Trains (or resumes) one run. The resolved config lands in DIR/config.json,
 metrics in DIR/metrics.jsonl, the final evaluation in DIR/results.json.
+
+Exit codes: 0 done; 2 bad input or configuration; 3 a runtime fault (non-finite
+state, a checkpoint that cannot be saved, a step that does not fit in memory);
+128 + N stopped by signal N after saving a checkpoint (130 Ctrl-C, 143 SIGTERM).
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ from pathlib import Path
 
 from hldstudy.cli_common import add_config_args, check_output_dir, quiet_libraries, resolve_config
 from hldstudy.distill import methods
-from hldstudy.errors import user_errors
+from hldstudy.errors import RuntimeFault, exit_code_for_signal, user_errors
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,10 +40,27 @@ def main(argv: list[str] | None = None) -> int:
             result = train(cfg, workdir)
         except Interrupted as e:
             print(f"hldstudy.train: {e} ({workdir})", file=sys.stderr)
-            return 128 + e.signum
+            return exit_code_for_signal(e.signum)
+        except MemoryError as e:
+            raise _out_of_memory(cfg, e) from e
+        except OSError as e:
+            raise RuntimeFault(f"{e.strerror or e}{f': {e.filename}' if e.filename else ''} "
+                               "(check the disk and the permissions of --workdir; "
+                               "rerun to resume from the last checkpoint)") from e
+        except Exception as e:
+            if "RESOURCE_EXHAUSTED" in str(e) or "Out of memory" in str(e):
+                raise _out_of_memory(cfg, e) from e
+            raise
         print(f"done: {result['steps']} steps, valid_nll={result['valid_nll']:.4f} "
               f"(ppl {result['valid_ppl']:.2f}) -> {workdir / 'results.json'}")
     return 0
+
+
+def _out_of_memory(cfg, exc: BaseException) -> RuntimeFault:
+    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:160]
+    return RuntimeFault(f"out of memory while training ({first}); lower data.batch_size "
+                        f"(now {cfg.data.batch_size}) or data.seq_len (now {cfg.data.seq_len}), "
+                        "then rerun to resume from the last checkpoint")
 
 
 if __name__ == "__main__":
