@@ -250,7 +250,8 @@ def test_hold_masks_with_fp8_in_the_loop_stays_on_the_grid():
 
 
 def test_export_safetensors_and_run_dir_reload_identical_logits(tmp_path):
-    from hldstudy.compress.pipeline import _load_model, quantize_model
+    from hldstudy.compress.pipeline import quantize_model
+    from hldstudy.model.loading import load_model
 
     model = Transformer(preset("tiny"), rngs=nnx.Rngs(4))
     masks = prune.prune_model(model, "magnitude", progress=False)
@@ -280,7 +281,8 @@ def test_export_safetensors_and_run_dir_reload_identical_logits(tmp_path):
     tok = train_tokenizer((d for d in docs), 512, tmp_path / "tok")
     cfg = Config(model=preset("tiny"), data=_DATA)
     run = export.save_run_dir(model, cfg, tmp_path / "run", tokenizer_file=tok.model_path)
-    loaded, _, loaded_cfg = _load_model(run)
+    got = load_model(run)
+    loaded, loaded_cfg = got.model, got.config
     assert loaded_cfg.model == model.cfg
     assert np.array_equal(_logits(loaded, tokens), ref)
 
@@ -318,7 +320,8 @@ def _cli(argv, capsys):
 
 @pytest.mark.slow  # ~45 s: SparseGPT, a 3-step recovery through the Trainer, FP8, export
 def test_cli_prune_recover_quantize_export(run_dirs, tmp_path, capsys):
-    from hldstudy.compress.pipeline import _load_model, valid_perplexity
+    from hldstudy.compress.pipeline import valid_perplexity
+    from hldstudy.model.loading import load_model
 
     out = tmp_path / "out"
     code, stdout, err = _cli(["--checkpoint", str(run_dirs["student"]), "--prune",
@@ -345,7 +348,8 @@ def test_cli_prune_recover_quantize_export(run_dirs, tmp_path, capsys):
     assert cfg["divergence"] == "reverse_kl" and cfg["recover_steps"] == 3
     # the exports hold the evaluated final model: same logits, same perplexity
     model_st, meta = export.load_safetensors(out / "model.safetensors")
-    model_rd, tok, run_cfg = _load_model(out / "model")
+    got = load_model(out / "model")
+    model_rd, tok, run_cfg = got.model, got.tokenizer, got.config
     tokens = _random_batches(1)[0]["tokens"]
     assert np.array_equal(_logits(model_st, tokens), _logits(model_rd, tokens))
     from hldstudy.data import prepare_data

@@ -18,6 +18,8 @@ import argparse
 import sys
 
 from hldstudy.cli_common import quiet_libraries
+from hldstudy.compress.config import recover_methods
+from hldstudy.distill import methods
 from hldstudy.errors import user_errors
 
 PROG = "python -m hldstudy.compress"
@@ -41,7 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--recover-steps", type=int, help="recovery distillation steps (0 = none)")
     p.add_argument("--recover-flops", type=float, help="recovery FLOP budget (wins over steps)")
     p.add_argument("--teacher", help="recovery teacher (default: the dense checkpoint)")
-    p.add_argument("--method", choices=["kd", "patient"], help="recovery method (default kd)")
+    p.add_argument("--method", choices=recover_methods(),
+                   help=f"recovery method (default {methods.REFERENCE})")
     p.add_argument("--divergence", choices=["forward_kl", "reverse_kl"],
                    help="recovery divergence (default forward_kl)")
     p.add_argument("--quantize", choices=["fp8"], help="quantize the block linears to FP8")

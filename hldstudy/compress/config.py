@@ -19,17 +19,25 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import types
 import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hldstudy.distill import methods
 from hldstudy.errors import ConfigError, InputError
+from hldstudy.fileio import write_json_atomic  # noqa: F401  (the package writes with it)
 
 DIVERGENCES = ("forward_kl", "reverse_kl")
-RECOVER_METHODS = ("kd", "patient")
+
+
+def recover_methods() -> tuple[str, ...]:
+    """Methods a recovery can use: one stage that trains the whole student with the
+    logit-KD term (kd, hldc, patient), read from the method registry."""
+    return tuple(n for n in methods.teacher_methods()
+                 if len(methods.get(n).stages) == 1 and methods.get(n).stages[0].kd
+                 and methods.get(n).stages[0].depth == "all")
 
 
 @dataclass(frozen=True)
@@ -54,7 +62,7 @@ class CompressConfig:
     recover_flops: float = 0.0
     # Teacher of the recovery: None = the dense checkpoint before pruning.
     teacher: str | None = None
-    method: str = "kd"
+    method: str = methods.REFERENCE
     divergence: str = "forward_kl"
     # NLL weight of the recovery objective (0 = pure distillation to the teacher).
     alpha: float = 0.0
@@ -114,9 +122,9 @@ def validate(cfg: CompressConfig) -> CompressConfig:
         raise ConfigError("compress.percdamp", f"must be > 0, got {cfg.percdamp}")
     if cfg.recover_flops < 0 or not math.isfinite(cfg.recover_flops):
         raise ConfigError("compress.recover_flops", f"must be >= 0, got {cfg.recover_flops}")
-    if cfg.method not in RECOVER_METHODS:
+    if cfg.method not in recover_methods():
         raise ConfigError("compress.method", f"{cfg.method!r} is not one of "
-                          f"{', '.join(RECOVER_METHODS)}")
+                          f"{', '.join(recover_methods())}")
     if cfg.divergence not in DIVERGENCES:
         raise ConfigError("compress.divergence", f"{cfg.divergence!r} is not one of "
                           f"{', '.join(DIVERGENCES)}")
@@ -235,18 +243,3 @@ def _parse(text: str, field: str) -> Any:
 
 def to_dict(cfg: CompressConfig) -> dict:
     return {"compress": dataclasses.asdict(cfg)}
-
-
-def write_json_atomic(path: str | Path, data: Any) -> None:
-    """Readers see the old file or the new one: temp file, fsync, os.replace."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "w") as fh:
-            fh.write(json.dumps(data, indent=2, sort_keys=True) + "\n")
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise

@@ -30,8 +30,15 @@ import sys
 import time
 from pathlib import Path
 
-from hldstudy.compress.config import CompressConfig, write_json_atomic
+import jax.numpy as jnp
+import numpy as np
+
+from hldstudy.compress.config import CompressConfig
 from hldstudy.config import Config, DataConfig, DistillConfig, TrainConfig
+from hldstudy.data.pipeline import make_batches
+from hldstudy.distill import methods
+from hldstudy.fileio import write_json_atomic
+from hldstudy.model.loading import load_model
 
 DATA = DataConfig(source="synthetic", seq_len=128, batch_size=8, tokenizer_vocab_size=512,
                   synthetic_docs=4000, synthetic_valid_docs=200)
@@ -60,13 +67,13 @@ def train_models(workdir: Path, teacher_steps: int, student_steps: int, progress
     out = {"teacher": _train(tcfg, teacher_dir)}
     tok = str((teacher_dir / "tokenizer.model").absolute())
     data = dataclasses.replace(DATA, tokenizer=tok)  # one tokenizer for every model
-    for method in ("kd", "baseline"):
+    for method in (methods.REFERENCE, methods.BASELINE):
         scfg = Config(name=f"student-{method}", model=preset("tiny"), data=data,
                       train=TrainConfig(steps=student_steps, lr=3e-3, warmup_steps=10,
                                         log_every=50, checkpoint_every=0, eval_batches=8,
                                         progress=progress),
                       distill=DistillConfig(method=method, alpha=0.5, temperature=1.0))
-        if method != "baseline":
+        if methods.get(method).needs_teacher:
             scfg = dataclasses.replace(scfg, teacher=dataclasses.replace(
                 scfg.teacher, checkpoint=str(teacher_dir.absolute())))
         out[method] = _train(scfg, workdir / f"student-{method}")
@@ -102,13 +109,8 @@ def channel_norm_spread(run_dir: Path, n_batches: int = 4) -> list[dict]:
     (pre-attention norm output) on calibration tokens. Wanda's |W| x ||x|| score differs
     from magnitude only as far as these norms differ; LLMs with outlier features have
     a few channels 10-100x the median."""
-    import jax.numpy as jnp
-    import numpy as np
-
-    from hldstudy.compress.pipeline import _load_model
-    from hldstudy.data.pipeline import make_batches
-
-    model, tok, cfg = _load_model(run_dir)
+    loaded = load_model(run_dir)
+    model, tok, cfg = loaded.model, loaded.tokenizer, loaded.config
     stream = make_batches(cfg.data, tok, cfg.data.train_split, run_dir / "data_cache_demo")
     sq = np.zeros((cfg.model.n_layers, cfg.model.d_model))
     for i in range(n_batches):

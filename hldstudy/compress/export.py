@@ -26,9 +26,14 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from flax import nnx
+from safetensors import deserialize, safe_open
+from safetensors.numpy import save_file
 
+from hldstudy.checkpoint import Checkpointer
 from hldstudy.compress.layout import Target
+from hldstudy.config import ModelConfig, save_config
 from hldstudy.errors import InputError
+from hldstudy.model import Transformer
 
 FORMAT = "hldstudy-compressed-v1"
 _F8 = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}
@@ -57,8 +62,6 @@ def save_safetensors(model, path: str | Path, *, quantized: dict | None = None,
                      fp8_format: str | None = None, granularity: str | None = None,
                      extra: dict | None = None) -> Path:
     """quantized: {key: (q [in, out] FP8, scale)} from the pipeline's FP8 stage."""
-    from safetensors.numpy import save_file
-
     quantized = quantized or {}
     tensors = {}
     for key, value in _param_items(model).items():
@@ -97,8 +100,6 @@ def _out_ndim(name: str) -> int:
 def read_safetensors(path: str | Path) -> tuple[dict[str, np.ndarray], dict]:
     """(tensors, metadata). FP8 tensors come back in their ml_dtypes FP8 dtype (the
     package's numpy reader has no FP8 type, so raw views are mapped here)."""
-    from safetensors import deserialize, safe_open
-
     path = Path(path)
     if not path.is_file():
         raise InputError(f"{path} does not exist")
@@ -115,9 +116,6 @@ def read_safetensors(path: str | Path) -> tuple[dict[str, np.ndarray], dict]:
 
 def load_safetensors(path: str | Path):
     """(Transformer, metadata) from `save_safetensors`' file, FP8 weights dequantized."""
-    from hldstudy.config import ModelConfig
-    from hldstudy.model import Transformer
-
     tensors, meta = read_safetensors(path)
     if meta.get("format") != FORMAT:
         raise InputError(f"{path}: not an hldstudy compressed export (format "
@@ -146,19 +144,14 @@ def load_safetensors(path: str | Path):
 
 
 def _checkpointer(directory: Path):
-    # The trainer's own checkpoint writer (whatever module it lives in), so an export
-    # is read back by the same code as a trained run.
-    from hldstudy.train import loop
-
-    return loop.Checkpointer(directory, 1)
+    # The trainer's own checkpoint writer, so an export is read back by the same code
+    # as a trained run.
+    return Checkpointer(directory, 1)
 
 
 def save_run_dir(model, run_cfg, out_dir: str | Path, *, tokenizer_file: str | Path | None,
                  meta: dict | None = None, step: int = 1) -> Path:
     """A run directory holding `model` as its student (config.json + checkpoints/)."""
-    from hldstudy.compress.config import write_json_atomic
-    from hldstudy.config import config_to_dict
-
     out = Path(out_dir)
     if out.exists():
         shutil.rmtree(out)
@@ -167,7 +160,7 @@ def save_run_dir(model, run_cfg, out_dir: str | Path, *, tokenizer_file: str | P
     cfg = dataclasses.replace(run_cfg, model=model.cfg, data=data)
     if tokenizer_file is not None:
         shutil.copyfile(tokenizer_file, out / "tokenizer.model")
-    write_json_atomic(out / "config.json", config_to_dict(cfg))
+    save_config(cfg, out / "config.json")
     _, params = nnx.split(model, nnx.Param)
     ck = _checkpointer(out / "checkpoints")
     try:

@@ -40,6 +40,7 @@ from hldstudy.compress.config import (
     validate,
     write_json_atomic,
 )
+from hldstudy.compress.export import _param_items, save_run_dir, save_safetensors
 from hldstudy.compress.layout import Target, targets
 from hldstudy.compress.prune import (
     check_prunable,
@@ -48,7 +49,12 @@ from hldstudy.compress.prune import (
     prune_model,
     sparsity_report,
 )
+from hldstudy.compress.recover import recover
+from hldstudy.data import prepare_data
+from hldstudy.data.pipeline import make_batches
 from hldstudy.errors import ConfigError, InputError
+from hldstudy.losses.kd import nll_per_token
+from hldstudy.model.loading import load_model, model_config_of
 
 NO_SPEEDUP = ("No speed-up is claimed: the 2:4 weights are stored and multiplied as dense "
               "matrices with zeros (no 2:4 sparse kernel runs on CPU, and JAX has none today), "
@@ -56,19 +62,10 @@ NO_SPEEDUP = ("No speed-up is claimed: the 2:4 weights are stored and multiplied
               "`weight_bytes_packed` is what a 2:4 + FP8 kernel would read, not a measured gain.")
 
 
-def _load_model(path):
-    """(model, tokenizer, config) for any checkpoint the suite can load: the one place this
-    package calls a loader."""
-    from hldstudy.model.loading import load_model
-
+def _load(path):
+    """(model, tokenizer, config) of any checkpoint the suite's loader reads."""
     loaded = load_model(path)
     return loaded.model, loaded.tokenizer, loaded.config
-
-
-def _model_config_of(path):
-    from hldstudy.model.loading import model_config_of
-
-    return model_config_of(path)
 
 
 # --------------------------------------------------------------------------- #
@@ -79,8 +76,6 @@ def _model_config_of(path):
 def weight_bytes(model, *, sparse_keys=(), quantized=None, nm=(2, 4)) -> dict:
     """{weight_bytes, weight_bytes_packed} of one forward's weights (see module doc)."""
     quantized = quantized or {}
-    from hldstudy.compress.export import _param_items
-
     stored = packed = 0
     for key, value in _param_items(model).items():
         n = int(np.prod(value.shape))
@@ -99,8 +94,6 @@ def weight_bytes(model, *, sparse_keys=(), quantized=None, nm=(2, 4)) -> dict:
 
 
 def _make_nll(model):
-    from hldstudy.losses.kd import nll_per_token
-
     graphdef, state = nnx.split(model)
 
     @jax.jit
@@ -164,8 +157,6 @@ def quantize_model(model, names, fmt: str, granularity: str) -> dict:
 
 def calibration_batches(ccfg: CompressConfig, run_cfg, tokenizer, workdir: Path) -> list[dict]:
     """The first `calibration_batches` batches of the calibration stream."""
-    from hldstudy.data.pipeline import make_batches
-
     n = ccfg.calibration_batches
     dc = dataclasses.replace(run_cfg.data,
                              batch_size=ccfg.calibration_batch_size or run_cfg.data.batch_size,
@@ -213,7 +204,7 @@ def preflight(ccfg: CompressConfig):
     if not path.exists():
         raise ConfigError("compress.checkpoint", f"{path} does not exist",
                           "give an hldstudy run directory")
-    model, tokenizer, run_cfg = _load_model(path)
+    model, tokenizer, run_cfg = _load(path)
     if run_cfg is None:
         raise ConfigError("compress.checkpoint",
                           f"{path} is an imported checkpoint without an hldstudy config: "
@@ -227,7 +218,7 @@ def preflight(ccfg: CompressConfig):
         check_prunable(model.cfg, m, names)
     recovering = ccfg.recover_steps > 0 or ccfg.recover_flops > 0
     if recovering and ccfg.teacher:
-        tcfg = _model_config_of(ccfg.teacher)
+        tcfg = model_config_of(ccfg.teacher)
         if tcfg is None:
             raise ConfigError("compress.teacher", f"{ccfg.teacher} does not exist",
                               "give a run directory, GGUF file or HF directory")
@@ -246,8 +237,6 @@ def run(ccfg: CompressConfig) -> dict:
     write_json_atomic(out / "config.json", to_dict(ccfg))
     work = out / "work"
     names = prune_names(ccfg)
-    from hldstudy.data import prepare_data
-
     tok_file = getattr(tokenizer, "model_path", None) or run_cfg.data.tokenizer
     if tok_file is None:
         tok_file = Path(ccfg.checkpoint) / "tokenizer.model"
@@ -308,8 +297,6 @@ def run(ccfg: CompressConfig) -> dict:
         teacher_path = ccfg.teacher or str(Path(ccfg.checkpoint).absolute())
         if not masks:
             masks = masks_from_zeros(model, names) if method else {}
-        from hldstudy.compress.recover import recover
-
         t0 = time.time()
         in_loop = quant if ccfg.quantize_in_loop else None
         model, result = recover(model, masks, run_cfg, ccfg, teacher_path=teacher_path,
@@ -328,8 +315,6 @@ def run(ccfg: CompressConfig) -> dict:
                           "teacher": teacher_path, "masks_held": bool(held)}))
     if quant and not ccfg.quantize_in_loop:
         do_quantize(qname)
-
-    from hldstudy.compress.export import save_run_dir, save_safetensors
 
     final = stages[-1]["stage"]
     save_safetensors(model, out / "model.safetensors", quantized=quantized,

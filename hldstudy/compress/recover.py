@@ -28,8 +28,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from flax import nnx
 
+from hldstudy.compress.fp8 import fake_quant
 from hldstudy.compress.layout import to2d
+from hldstudy.model.loading import load_model
+from hldstudy.train import loop
 
 
 class HoldState(NamedTuple):
@@ -48,8 +52,6 @@ def _key(path) -> str | None:
 
 
 def _quantize_like(w, name: str, quant):
-    from hldstudy.compress.fp8 import fake_quant
-
     fmt, gran = quant
     return jnp.reshape(fake_quant(to2d(name, w), fmt, gran), w.shape)
 
@@ -104,8 +106,6 @@ def hold_masks(inner: optax.GradientTransformation, masks: dict[str, np.ndarray]
 
 
 def _trainer_class():
-    from hldstudy.train import loop
-
     class RecoveryTrainer(loop.Trainer):
         """The suite's Trainer, started from given student weights with the optimizer
         wrapped (no change to the trainer itself: its first stage's initial student and
@@ -154,10 +154,6 @@ def recover(model, masks: dict[str, np.ndarray], run_cfg, ccfg, *, teacher_path:
             data, workdir: Path, quant: tuple[str, str] | None = None):
     """Trains `model` (pruned, in place semantics: returns the new model) with the masks
     held; returns (model, trainer result dict)."""
-    from flax import nnx
-
-    from hldstudy.compress.pipeline import _load_model
-
     workdir = Path(workdir)
     if workdir.exists():
         shutil.rmtree(workdir)  # a fresh recovery each time: never resume a stale one
@@ -167,5 +163,5 @@ def recover(model, masks: dict[str, np.ndarray], run_cfg, ccfg, *, teacher_path:
     trainer = _trainer_class()(cfg, workdir, data=data, init_student=student,
                                wrap=lambda opt: hold_masks(opt, masks_shaped, quant))
     result = trainer.run()
-    loaded = _load_model(workdir)
-    return loaded[0], result
+    loaded = load_model(workdir)
+    return loaded.model, result
