@@ -4,6 +4,13 @@ Parameter layouts are chosen so checkpoint import is a reshape, not a
 rewrite: projections are stored input-dim first (`q: [D, N, H]`,
 `o: [N, H, D]`, `gate/up: [D, F]`, `down: [F, D]`). Normalisation and
 softmax run in float32 whatever the compute dtype.
+
+Projections multiply token-flattened 2-D operands (`[B*T, D] @ [D, N*H]`), not
+`[B, T, D]` einsums: the same dot products (bit-identical results), but XLA's CPU
+backend lays out the backward of a 3-D contraction with transposing elementwise
+fusions (for the GeGLU, a transposed `[F, B*T]` copy of the gate gradient per
+layer: 15% of the paper-123m KD step, benchmarks/README.md "CPU step profile"),
+which the 2-D form does not need.
 """
 
 from __future__ import annotations
@@ -20,6 +27,11 @@ __all__ = ["Attention", "Block", "GeGLU", "RMSNorm", "apply_rope", "attention_ma
 
 def _dtype(name: str):
     return jnp.dtype(name)
+
+
+def _tokens(x_BxTxD: jax.Array) -> jax.Array:
+    """[B, T, D] -> [B*T, D] (a bitcast)."""
+    return x_BxTxD.reshape(-1, x_BxTxD.shape[-1])
 
 
 def _init_normal(rngs: nnx.Rngs, shape: tuple[int, ...], fan_in: int, dtype) -> jax.Array:
@@ -86,10 +98,12 @@ class Attention(nnx.Module):
     def __call__(self, x_BxTxD, positions_BxT, segment_ids_BxT, rope_base: float):
         """segment_ids_BxT: packed-document ids, or None for one document per row."""
         dt = self.compute_dtype
-        x = x_BxTxD.astype(dt)
-        q_BxTxNxH = jnp.einsum("btd,dnh->btnh", x, self.q[...].astype(dt))
-        k_BxSxKxH = jnp.einsum("btd,dkh->btkh", x, self.k[...].astype(dt))
-        v_BxSxKxH = jnp.einsum("btd,dkh->btkh", x, self.v[...].astype(dt))
+        b, t, d = x_BxTxD.shape
+        n, k, h = self.n_heads, self.n_kv_heads, self.head_dim
+        x_MxD = _tokens(x_BxTxD.astype(dt))  # M = B * T tokens
+        q_BxTxNxH = (x_MxD @ self.q[...].astype(dt).reshape(d, n * h)).reshape(b, t, n, h)
+        k_BxSxKxH = (x_MxD @ self.k[...].astype(dt).reshape(d, k * h)).reshape(b, t, k, h)
+        v_BxSxKxH = (x_MxD @ self.v[...].astype(dt).reshape(d, k * h)).reshape(b, t, k, h)
         if self.q_norm is not None:
             q_BxTxNxH = self.q_norm(q_BxTxNxH)
             k_BxSxKxH = self.k_norm(k_BxSxKxH)
@@ -98,7 +112,8 @@ class Attention(nnx.Module):
         out_BxTxNxH = attend(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, segment_ids_BxT,
                              implementation=self.implementation, window=self.window,
                              softcap=self.softcap)
-        return jnp.einsum("btnh,nhd->btd", out_BxTxNxH, self.o[...].astype(dt))
+        out_MxD = out_BxTxNxH.reshape(b * t, n * h) @ self.o[...].astype(dt).reshape(n * h, d)
+        return out_MxD.reshape(b, t, d)
 
 
 class GeGLU(nnx.Module):
@@ -114,9 +129,10 @@ class GeGLU(nnx.Module):
 
     def __call__(self, x_BxTxD):
         dt = self.compute_dtype
-        x = x_BxTxD.astype(dt)
-        gate_BxTxF = jax.nn.gelu(x @ self.gate[...].astype(dt), approximate=True)
-        return (gate_BxTxF * (x @ self.up[...].astype(dt))) @ self.down[...].astype(dt)
+        x_MxD = _tokens(x_BxTxD.astype(dt))
+        gate_MxF = jax.nn.gelu(x_MxD @ self.gate[...].astype(dt), approximate=True)
+        out_MxD = (gate_MxF * (x_MxD @ self.up[...].astype(dt))) @ self.down[...].astype(dt)
+        return out_MxD.reshape(x_BxTxD.shape[:-1] + (out_MxD.shape[-1],))
 
 
 class Block(nnx.Module):
