@@ -368,6 +368,14 @@ def test_resume_with_a_torn_metrics_line(tmp_path, interrupted_run, tokenizer_pa
     assert sorted(_losses(work)) == list(range(1, 9))
 
 
+def test_an_unreadable_config_json_is_named(tmp_path, interrupted_run, tokenizer_path):
+    work = tmp_path / "run"
+    shutil.copytree(interrupted_run, work)
+    (work / "config.json").write_text('{"name": "t", "mod')
+    with pytest.raises(InputError, match=r"config.json is not a readable config"):
+        Trainer(_cfg(8, tokenizer_path), work, devices=ONE_DEVICE)
+
+
 def test_retry_after_a_failed_data_load_takes_a_corrected_config(tmp_path, tokenizer_path):
     """Before: the retry was refused ("was trained with 'text'") although nothing trained."""
     empty = tmp_path / "empty.txt"
@@ -506,3 +514,57 @@ def test_a_run_left_running_by_a_killed_process_is_recognised(tmp_path):
     from hldstudy.sweep.worker import killed_earlier
 
     assert killed_earlier(tmp_path / "r") is None
+
+
+def _baseline_sweep(tmp_path: Path, tokenizer_path: str, steps: int) -> Path:
+    f = tmp_path / "kill_sweep.py"
+    f.write_text(f'''"""One baseline run, long enough to be killed mid-way."""
+from hldstudy.config import Config, DataConfig, TrainConfig
+from hldstudy.model import preset
+from hldstudy.sweep import Sweep
+
+
+def get_sweep():
+    base = Config(name="k", model=preset("tiny", vocab_size=384),
+                  data=DataConfig(seq_len=64, batch_size=8, tokenizer_vocab_size=384,
+                                  synthetic_docs=600, synthetic_valid_docs=50,
+                                  tokenizer={tokenizer_path!r}),
+                  train=TrainConfig(warmup_steps=1, log_every=1, checkpoint_every=10,
+                                    eval_batches=1))
+    return Sweep(name="kill", base=base, methods=("baseline",), lr=(3e-3,),
+                 budget_baseline_steps={steps}, eval_tasks=())
+''')
+    return f
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_sweep_run_killed_with_sigkill_is_reported_and_resumed(tmp_path, tokenizer_path):
+    """A real kill -9 mid-run leaves outcome.json 'running'; the next sweep says the run was
+    killed, resumes it from its checkpoint, and records it done."""
+    import signal
+    import time
+
+    sweep = _baseline_sweep(tmp_path, tokenizer_path, steps=60)
+    runs = tmp_path / "runs"
+    cmd = [sys.executable, "-m", "hldstudy.sweep", str(sweep), "--workdir", str(runs),
+           "--no-progress"]
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        ck = list(runs.glob("*/checkpoints/1[0-9]"))
+        if ck:
+            break
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=60)
+    (run_dir,) = [p for p in runs.iterdir() if (p / "outcome.json").exists()]
+    assert json.loads((run_dir / "outcome.json").read_text())["status"] == "running"
+    again = _run(cmd, timeout=400)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"{run_dir.name}: killed earlier" in again.stderr
+    assert json.loads((run_dir / "outcome.json").read_text())["status"] == "done"
+    launch = json.loads((runs / ".sweep" / "last_launch.json").read_text())
+    assert launch["killed_earlier"] == [run_dir.name]
+    assert sorted(_losses(run_dir)) == list(range(1, 61))

@@ -27,7 +27,7 @@ import traceback
 from pathlib import Path
 
 from hldstudy.distill import methods
-from hldstudy.errors import EXIT_OK, exit_code_of
+from hldstudy.errors import EXIT_OK, InputError, exit_code_of
 from hldstudy.rundir import write_json_atomic
 from hldstudy.sweep.spec import Run, run_status
 
@@ -92,7 +92,7 @@ class Worker:
         run_dir = self.workdir / run.run_id
         status = run_status(run, run_dir, self.eval_tasks)
         if status == "done":
-            return json.loads((run_dir / "results.json").read_text())
+            return _read_json(run_dir / "results.json")
         (run_dir / "error.txt").unlink(missing_ok=True)
         mark_running(run_dir)
         t0 = time.time()
@@ -108,7 +108,7 @@ class Worker:
                             "real config differs from the one used for counting?)",
                             run.run_id, planned, run.stage_steps)
             trainer.run(stop_at_step=stop_at_step)
-        results = json.loads((run_dir / "results.json").read_text())
+        results = _read_json(run_dir / "results.json")
         results["train_seconds"] = results.get("train_seconds") or round(time.time() - t0, 1)
         results.update(self._identity(run, run_dir))
         write_json_atomic(run_dir / "results.json", results)
@@ -123,7 +123,7 @@ class Worker:
     def _identity(self, run: Run, run_dir: Path) -> dict:
         from hldstudy.analysis.runs import config_hash
 
-        cfg = json.loads((run_dir / "config.json").read_text())
+        cfg = _read_json(run_dir / "config.json")
         return {"run_id": run.run_id, "sweep": self.sweep_name, "params": run.params,
                 "config_hash": config_hash(cfg)}
 
@@ -153,6 +153,20 @@ class Worker:
         return {task: {k: float(v) for k, v in m.items()
                        if isinstance(v, (int, float)) and k not in COUNT_KEYS}
                 for task, m in metrics.items()}
+
+
+def _read_json(path: Path) -> dict:
+    """A run file's JSON object; an InputError naming the file when it is not one."""
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise InputError(f"{path} is missing") from None
+    except (OSError, ValueError) as e:
+        raise InputError(f"{path} is unreadable ({e}); rerun the run, or remove the file") \
+            from None
+    if not isinstance(data, dict):
+        raise InputError(f"{path} holds {type(data).__name__}, not a JSON object")
+    return data
 
 
 def record_failure(run_dir: Path, exc: BaseException) -> str:

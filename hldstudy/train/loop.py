@@ -90,7 +90,13 @@ def check_resume_compatible(cfg: Config, workdir: Path) -> None:
         return
     if not checkpoint_steps(workdir) and not (workdir / RESULTS_FILE).exists():
         return
-    old = flatten(config_to_dict(read_config(path)))
+    try:
+        old = flatten(config_to_dict(read_config(path)))
+    except ValueError as e:
+        if isinstance(e, ConfigError):
+            raise
+        raise InputError(f"{path} is not a readable config ({_one_line(e)}); restore it (the "
+                         "run's checkpoints need it) or use a new --workdir") from None
     new = flatten(config_to_dict(cfg))
     for key in sorted(new):
         if key not in RESUMABLE_CHANGES and old.get(key) != new[key]:
