@@ -32,6 +32,9 @@ from hldstudy.distill import methods as method_registry
 from hldstudy.errors import ConfigError
 
 SWEEP_FILE = SWEEPS / "cpu.py"
+# Cohorts of the CLI by default: 1 (every run alone) until benchmarks/cohort.py's
+# end-to-end arm measures them faster on the quickstart grid.
+COHORT = 1
 # size -> teacher steps (the students' budget and eval items are SIZES in the sweep file).
 SIZES = {"tiny": 8, "small": 200, "medium": 800, "large": 3000}
 SIZE_HELP = ("tiny: a smoke test of the whole pipeline in a few minutes (8 teacher steps, "
@@ -69,8 +72,10 @@ def train_teacher(workdir: Path, steps: int, progress: bool, timings: dict) -> d
 
 def run_quickstart(workdir: Path, size: str = "small", methods: tuple[str, ...] | None = None,
                    overrides: tuple[str, ...] = (), progress: bool = True, parallel: int = 1,
-                   force: bool = False, grid: dict | None = None) -> dict:
-    """grid: Sweep fields to replace (e.g. {"lr": (3e-3,)}) - a smaller grid for tests."""
+                   force: bool = False, grid: dict | None = None, cohort: int = 1) -> dict:
+    """grid: Sweep fields to replace (e.g. {"lr": (3e-3,)}) - a smaller grid for tests.
+    cohort: K > 1 trains compatible runs as cohorts of at most K sharing one teacher
+    forward per step (`python -m hldstudy.sweep --cohort K`); 1: every run alone."""
     from hldstudy.sweep.executors import run_local
     from hldstudy.sweep.launch import prepare_workdir
     from hldstudy.sweep.spec import expand, load_sweep
@@ -96,7 +101,13 @@ def run_quickstart(workdir: Path, size: str = "small", methods: tuple[str, ...] 
     prepare_workdir(sweep, runs, runs, runs_dir, sweep_file=SWEEP_FILE, overrides=overrides,
                     force=force)
     t0 = time.time()
-    out = run_local(runs, sweep, runs_dir, parallel=parallel, progress=progress)
+    if cohort > 1:
+        from hldstudy.sweep.cohort_exec import run_local_cohorts
+
+        out = run_local_cohorts(runs, sweep, runs_dir, k=cohort, parallel=parallel,
+                                progress=progress)
+    else:
+        out = run_local(runs, sweep, runs_dir, parallel=parallel, progress=progress)
     _phase(timings, "students_train_eval", t0)
     if out.signum is not None:
         raise SystemExit(out.exit_code)
@@ -225,16 +236,21 @@ def main(argv: list[str] | None = None) -> int:
                         help="override a field of every student config")
     parser.add_argument("--force", action="store_true",
                         help="rerun student runs whose config changed (old ones moved aside)")
+    parser.add_argument("--cohort", type=int, default=COHORT, metavar="K",
+                        help="train compatible runs as cohorts of at most K sharing one teacher "
+                             f"forward per step (default {COHORT}; 1: every run alone)")
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("--debug", action="store_true")
     args = parser.parse_args(argv)
+    if args.cohort < 1:
+        parser.error(f"--cohort must be >= 1, got {args.cohort}")
     quiet_libraries()
     methods = tuple(m.strip() for m in args.methods.split(",") if m.strip()) \
         if args.methods else None
     with user_errors(args.debug, prog="hldstudy quickstart"):
         results = run_quickstart(Path(args.workdir), args.size, methods, tuple(args.overrides),
                                  progress=not args.no_progress, parallel=args.parallel,
-                                 force=args.force)
+                                 force=args.force, cohort=args.cohort)
         print(render(results))
         print(f"written: {Path(args.workdir) / 'results.json'}, "
               f"{Path(args.workdir) / 'report' / 'report.md'} ({results['seconds']['total']} s)")

@@ -1,5 +1,5 @@
 """`python -m hldstudy.sweep SWEEP [--executor local|slurm|wandb] [--parallel N] [--dry-run]
-[--json] [--workdir DIR] [--set key=value ...] [--force]`.
+[--json] [--workdir DIR] [--set key=value ...] [--force] [--cohort K] [--methods a,b]`.
 
 Expands the sweep file's grid into runs (one directory each under WORKDIR,
 default runs/<sweep name>), writes WORKDIR/sweep.json listing every expected
@@ -10,6 +10,12 @@ each gets (`--json`: one JSON object per run). A run directory whose
 config.json no longer matches what the grid asks for is refused (the message
 names the field) unless --force, which moves it to WORKDIR/.sweep/stale/ and
 reruns it.
+
+`--cohort K` (local executor) trains compatible runs (one method, differing only in
+lr, seed, temperature, alpha, hidden_weight) as cohorts of at most K sharing one
+teacher forward per step (`hldstudy.train.cohort`); each run keeps its own
+directory, steps and FLOPs, and `--dry-run --json` gives each its `cohort` id.
+`--methods a,b` restricts the sweep to some of its methods.
 
 SWEEP is a sweep file or the name of a built-in one (hldstudy/configs/sweeps/):
 
@@ -68,8 +74,18 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="slurm: wait for the jobs (default: only for --cluster local/debug)")
     p.add_argument("--sweep-id", default=None, help="wandb: join this existing W&B sweep")
     p.add_argument("--count", type=int, default=None, help="wandb: runs this agent executes")
+    p.add_argument("--cohort", type=int, default=None, metavar="K",
+                   help="train compatible runs as cohorts of at most K students sharing one "
+                        "teacher forward per step (local executor)")
+    p.add_argument("--methods", default=None, metavar="A,B",
+                   help="only the runs of these methods (comma-separated)")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
     args = p.parse_args(argv)
+    if args.cohort is not None and args.cohort < 1:
+        p.error(f"--cohort must be >= 1, got {args.cohort}")
+    if args.cohort is not None and args.cohort > 1 and args.executor != "local" \
+            and not args.dry_run:
+        p.error("--cohort goes with --executor local (slurm / wandb run one run per job)")
     if args.parallel < 1:
         p.error(f"--parallel must be >= 1, got {args.parallel}")
     if args.json and not args.dry_run:
@@ -146,8 +162,18 @@ def _main(args) -> int:
         print(f"{PROG}: warning: {w}", file=sys.stderr)
     workdir = Path(args.workdir or Path("runs") / sweep.name)
     selected = runs
+    if args.methods is not None:
+        from hldstudy.distill import methods as registry
+
+        wanted = [m.strip() for m in args.methods.split(",") if m.strip()]
+        for m in wanted:
+            registry.get(m, "--methods")
+        selected = [r for r in runs if r.method in wanted]
+        if not selected:
+            raise InputError(f"--methods {args.methods}: no run of {sweep.name} uses them "
+                             f"(its methods: {', '.join(sorted({r.method for r in runs}))})")
     if args.run_id is not None:
-        selected = [r for r in runs if r.run_id == args.run_id]
+        selected = [r for r in selected if r.run_id == args.run_id]
         if not selected:
             raise InputError(f"--run-id {args.run_id!r} is not a run of {sweep.name} "
                              f"(e.g. {', '.join(r.run_id for r in runs[:3])})")
@@ -159,8 +185,14 @@ def _main(args) -> int:
             statuses[r.run_id] = (f"stale ({drift[0][0]})" if drift else
                                   run_status(r, workdir / r.run_id, sweep.eval_tasks))
         if args.json:
-            print(json.dumps([{**r.entry(), "status": statuses[r.run_id]} for r in selected],
-                             indent=1))
+            cohorts = {}
+            if args.cohort is not None:
+                from hldstudy.sweep.cohort_exec import cohort_ids
+
+                cohorts = cohort_ids(selected, args.cohort)
+            print(json.dumps([{**r.entry(), "status": statuses[r.run_id],
+                               **({"cohort": cohorts[r.run_id]} if cohorts else {})}
+                              for r in selected], indent=1))
         else:
             budget = runs[0].config.budget
             print(f"sweep {sweep.name}: {len(selected)} run(s), budget {budget.flops:.4e} FLOPs "
@@ -176,7 +208,12 @@ def _main(args) -> int:
                     overrides=args.overrides, force=args.force)
 
     progress = not args.no_progress
-    if args.executor == "local":
+    if args.executor == "local" and args.cohort is not None and args.cohort > 1:
+        from hldstudy.sweep.cohort_exec import run_local_cohorts
+
+        out = run_local_cohorts(selected, sweep, workdir, k=args.cohort, parallel=args.parallel,
+                                progress=progress)
+    elif args.executor == "local":
         out = executors.run_local(selected, sweep, workdir, parallel=args.parallel,
                                   progress=progress)
     elif args.executor == "slurm":

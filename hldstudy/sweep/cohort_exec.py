@@ -1,0 +1,259 @@
+"""Running a sweep's runs as cohorts (`python -m hldstudy.sweep SWEEP --cohort K`).
+
+`hldstudy.sweep.cohorts.group` puts compatible runs (same method, stage steps and
+every non-member field) into cohorts of at most K; each cohort trains in one
+process as one `hldstudy.train.cohort.CohortTrainer` (one teacher forward per
+step for all its members), with `--parallel N` worker processes taking cohorts
+from a queue. Every member writes its own run directory exactly as a solo run
+does and is then completed by the sweep's `Worker` (identity fields in
+results.json, evaluation, outcome.json), so the sweep's accounting, `--dry-run`
+statuses and the analysis are unchanged.
+
+Finished members are skipped; a half-finished cohort resumes from the last step
+all its unfinished members committed (its marker lives in
+WORKDIR/.sweep/cohorts/<cohort id>/). Members whose checkpoints stand at
+different steps (trained before in other groupings) are split into sub-cohorts of
+equal steps so no work is dropped. A member that diverges is recorded failed
+(exit 3, error.txt) alone.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+from hldstudy.errors import EXIT_OK, RuntimeFault, exit_code_of
+from hldstudy.rundir import checkpoint_steps, read_results, write_json_atomic
+from hldstudy.sweep.cohorts import group
+from hldstudy.sweep.executors import INTERNAL, Outcome, _Stop, worker_kwargs
+from hldstudy.sweep.spec import Run, run_status
+
+COHORTS_DIR = "cohorts"
+
+
+def cohort_id(members: list[Run]) -> str:
+    """Stable id of a cohort: its method and a hash of its members' run ids."""
+    digest = hashlib.sha1("\n".join(r.run_id for r in members).encode()).hexdigest()[:10]
+    return f"{members[0].method}-{digest}"
+
+
+def cohort_ids(runs: list[Run], k: int) -> dict[str, str]:
+    """run_id -> cohort id for every run (`--dry-run --json`)."""
+    return {r.run_id: cohort_id(c) for c in group(runs, k) for r in c}
+
+
+def _complete(worker, run: Run, run_dir: Path, t0: float) -> dict:
+    """What `Worker.run` does after training: identity fields, evaluation, outcome."""
+    from hldstudy.sweep.worker import record_outcome
+
+    results = json.loads((run_dir / "results.json").read_text())
+    results["train_seconds"] = results.get("train_seconds") or round(time.time() - t0, 1)
+    results.update(worker._identity(run, run_dir))
+    write_json_atomic(run_dir / "results.json", results)
+    if worker.eval_tasks and not all(t in (results.get("eval") or {})
+                                     for t in worker.eval_tasks):
+        t1 = time.time()
+        results["eval"] = {**(results.get("eval") or {}), **worker.evaluate(run_dir)}
+        results["eval_seconds"] = round(time.time() - t1, 1)
+        write_json_atomic(run_dir / "results.json", results)
+    record_outcome(run_dir, "done", EXIT_OK)
+    return results
+
+
+def run_cohort(worker, members: list[Run], workdir: Path, report, out: Outcome) -> None:
+    """Trains (or resumes) one cohort and completes its members; fills `out`."""
+    from hldstudy.sweep.worker import (
+        EvalUnavailable,
+        killed_earlier,
+        mark_running,
+        record_failure,
+        record_interrupted,
+    )
+    from hldstudy.train.cohort import DIVERGED, CohortTrainer
+    from hldstudy.train.loop import Interrupted
+
+    todo = []
+    for run in members:
+        run_dir = workdir / run.run_id
+        if run_status(run, run_dir, worker.eval_tasks) == "done":
+            out.skipped.append(run.run_id)
+            report("skipped", run.run_id, "already done")
+            continue
+        if killed_earlier(run_dir) is not None:
+            out.killed_earlier.append(run.run_id)
+            report("killed earlier", run.run_id, "its process is gone; resuming")
+        todo.append(run)
+    cid = cohort_id(members)
+    cohort_dir = workdir / INTERNAL / COHORTS_DIR / cid
+    train = [r for r in todo
+             if run_status(r, workdir / r.run_id, worker.eval_tasks) != "trained"
+             and (read_results(workdir / r.run_id) or {}).get("status") != DIVERGED]
+    # Members at different steps without this cohort's marker: sub-cohorts of equal steps.
+    if (cohort_dir / "cohort.json").exists():
+        parts = [train] if train else []
+    else:
+        by_step: dict[int, list[Run]] = {}
+        for r in train:
+            steps = checkpoint_steps(workdir / r.run_id)
+            by_step.setdefault(steps[-1] if steps else 0, []).append(r)
+        parts = list(by_step.values())
+    t0 = time.time()
+    failed: dict[str, BaseException] = {}
+    for part in parts:
+        for r in part:
+            (workdir / r.run_id / "error.txt").unlink(missing_ok=True)
+            mark_running(workdir / r.run_id)
+            report("start", r.run_id, f"cohort {cid} ({len(part)} members)")
+        try:
+            cfg = part[0].config
+            data = worker.data_for(cfg)
+            teacher = worker.teacher_for(cfg, data.tokenizer if data else None)
+            trainer = CohortTrainer([r.config for r in part],
+                                    [workdir / r.run_id for r in part],
+                                    teacher=teacher, data=data,
+                                    cohort_dir=cohort_dir if len(parts) == 1 else
+                                    cohort_dir / str(parts.index(part)))
+            trainer.run()
+        except Interrupted as e:
+            for r in part:
+                record_interrupted(workdir / r.run_id, e)
+                out.interrupted.append(r.run_id)
+                out.exit_codes[r.run_id] = 128 + e.signum
+                report("interrupted", r.run_id, f"checkpoint at step {e.step}")
+            out.signum = e.signum
+            return
+        except Exception as e:  # noqa: BLE001 - a failed cohort fails its members, not the sweep
+            for r in part:
+                failed[r.run_id] = e
+    for run in todo:
+        run_dir = workdir / run.run_id
+        try:
+            if run.run_id in failed:
+                raise failed[run.run_id]
+            results = json.loads((run_dir / "results.json").read_text())
+            if results.get("status") == DIVERGED:
+                raise RuntimeFault(results.get("error", "diverged"))
+            res = _complete(worker, run, run_dir, t0)
+        except EvalUnavailable as e:
+            out.no_eval.append(run.run_id)
+            out.done.append(run.run_id)
+            report("done", run.run_id, f"trained; not evaluated: {e}")
+            continue
+        except Exception as e:  # noqa: BLE001
+            msg = record_failure(run_dir, e)
+            out.failed[run.run_id] = msg
+            out.exit_codes[run.run_id] = exit_code_of(e)
+            report("failed", run.run_id, f"exit {exit_code_of(e)}: {msg}")
+            continue
+        out.done.append(run.run_id)
+        report("done", run.run_id, f"valid_nll {res.get('valid_nll', float('nan')):.4f}")
+
+
+def _run_cohorts_here(cohorts, kwargs, report, stop, worker=None) -> Outcome:
+    from hldstudy.sweep.worker import Worker
+
+    worker = worker or Worker(**kwargs)
+    out = Outcome()
+    for members in cohorts:
+        if stop is not None and stop.signum is not None:
+            out.signum = stop.signum
+            break
+        run_cohort(worker, members, Path(kwargs["workdir"]), report, out)
+        if out.signum is not None:
+            break
+    out.teacher_loads = worker.teacher_loads
+    return out
+
+
+def _cohort_worker(index: int, kwargs: dict, tasks, results, log_path: str) -> None:
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    sys.stdout = os.fdopen(1, "w", buffering=1)
+    sys.stderr = os.fdopen(2, "w", buffering=1)
+    from hldstudy.cli_common import quiet_libraries
+    from hldstudy.sweep.worker import Worker
+
+    quiet_libraries()
+    worker = Worker(**kwargs)
+    total = Outcome()
+    with _Stop() as stop:
+        while stop.signum is None:
+            members = tasks.get()
+            if members is None:
+                break
+            out = _run_cohorts_here([members], kwargs, lambda *a: None, stop, worker)
+            for f in ("done", "skipped", "interrupted", "no_eval", "killed_earlier"):
+                getattr(total, f).extend(getattr(out, f))
+            total.failed.update(out.failed)
+            total.exit_codes.update(out.exit_codes)
+            if out.signum is not None:
+                stop.signum = out.signum
+    total.signum = stop.signum
+    total.teacher_loads = worker.teacher_loads
+    results.put(total.as_dict())
+
+
+def run_local_cohorts(runs: list[Run], sweep, workdir: Path, *, k: int, parallel: int = 1,
+                      progress: bool = True) -> Outcome:
+    """The local executor with cohorts of at most `k` (`parallel` processes)."""
+    from hldstudy.sweep.executors import Progress
+
+    kwargs = worker_kwargs(sweep, workdir)
+    cohorts = group(runs, k)
+    with Progress(runs, workdir, enabled=progress) as prog, _Stop() as stop:
+        if parallel <= 1 or len(cohorts) <= 1:
+            out = _run_cohorts_here(cohorts, kwargs, prog.event, stop)
+            if stop.signum is not None and out.signum is None:
+                out.signum = stop.signum
+            return out
+        import multiprocessing as mp
+
+        ctx = mp.get_context("spawn")  # JAX is not fork-safe
+        tasks, results = ctx.Queue(), ctx.Queue()
+        for c in cohorts:
+            tasks.put(c)
+        n = min(parallel, len(cohorts))
+        for _ in range(n):
+            tasks.put(None)
+        logs = workdir / INTERNAL / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        procs = [ctx.Process(target=_cohort_worker, name=f"hldstudy-cohort-{i}",
+                             args=(i, kwargs, tasks, results, str(logs / f"cohort{i}.log")))
+                 for i in range(n)]
+        for p in procs:
+            p.start()
+        out, got, forwarded = Outcome(), 0, False
+        while got < n:
+            if stop.signum is not None and not forwarded:
+                forwarded = True
+                for p in procs:
+                    if p.is_alive():
+                        os.kill(p.pid, signal.SIGTERM)
+            try:
+                res = results.get(timeout=0.5)
+            except Exception:  # queue.Empty
+                if not any(p.is_alive() for p in procs):
+                    break
+                continue
+            got += 1
+            for f in ("done", "skipped", "interrupted", "no_eval", "killed_earlier"):
+                getattr(out, f).extend(res.get(f, []))
+            out.failed.update(res.get("failed", {}))
+            out.exit_codes.update(res.get("exit_codes", {}))
+            out.teacher_loads += res.get("teacher_loads", 0)
+            if res.get("signal") is not None and out.signum is None:
+                out.signum = res["signal"]
+        for p in procs:
+            p.join(timeout=120)
+        for i, p in enumerate(procs):
+            if p.exitcode not in (0, None) and out.signum is None:
+                out.failed[f"cohort worker{i}"] = f"exited with code {p.exitcode}"
+        if stop.signum is not None and out.signum is None:
+            out.signum = stop.signum
+        return out
