@@ -78,6 +78,13 @@ DRY = {
     "fp8_n": 128, "fp8_reps": 2,
 }
 TEMPERATURE, ALPHA = 1.0, 0.5
+# Wall-clock deadline (time.time()) of this run: a case that would start after it is
+# skipped with a line, so the whole suite stays inside the device lease.
+DEADLINE = [float("inf")]
+
+
+def out_of_time() -> str | None:
+    return "skipped: the run's time budget (--budget-s) is spent" if time.time() > DEADLINE[0] else None
 
 
 def block_heavy_imports() -> None:
@@ -149,6 +156,10 @@ def jax_loss(p: dict, dry: bool) -> list[dict]:
         h_s, w_s, h_t, w_t, labels = _loss_inputs(T, d, V, jnp.bfloat16)
         for name, loss in impls.items():
             row = {"impl": name, "T": T, "d": d, "V": V, "dtype": "bfloat16"}
+            if out_of_time():
+                row["skipped"] = out_of_time()
+                rows.append(row)
+                continue
             try:
                 step = jax.jit(jax.value_and_grad(
                     lambda hs, ws, fn=loss, ht=h_t, wt=w_t, y=labels: fn(hs, ws, ht, wt, y)[0],
@@ -191,6 +202,8 @@ def jax_attention(p: dict, dry: bool) -> list[dict]:
                 row = {"impl": impl, "T": T, "window": window, "dtype": dtype}
                 if impl == "cudnn" and not gpu:
                     row["skipped"] = "cudnn needs an NVIDIA GPU"
+                elif out_of_time():
+                    row["skipped"] = out_of_time()
                 else:
                     try:
                         r = bench.run_case(impl, T, window, False, None, dtype,
@@ -325,11 +338,15 @@ def run_jax(p: dict, dry: bool, sections: list[str], out: dict, save) -> None:
 
     out["jax"] = {"version": jax.__version__, "backend": jax.default_backend(),
                   "device": jax.devices()[0].device_kind}
+    # Most wanted first: a run cut by the budget loses the attention grid and FP8 first.
     steps = [("peak", lambda: jax_peak(p)), ("loss", lambda: jax_loss(p, dry)),
-             ("attention", lambda: jax_attention(p, dry)), ("kd_step", lambda: jax_kd_step(p)),
+             ("kd_step", lambda: jax_kd_step(p)), ("attention", lambda: jax_attention(p, dry)),
              ("fp8", lambda: jax_fp8(p, dry))]
     for name, fn in steps:
         if name not in sections:
+            continue
+        if out_of_time() and name != "peak":
+            out[name] = {"skipped": out_of_time()}
             continue
         t0 = time.perf_counter()
         try:
@@ -401,8 +418,8 @@ def torch_peers(p: dict, dry: bool) -> list[dict]:
         out_bytes = (h_s.numel() + w_s.numel()) * 2  # the two gradients it returns
         for name, make in peers.items():
             row = {"impl": name, "T": T, "d": d, "V": V, "dtype": "bfloat16"}
-            if isinstance(make, str):
-                row["skipped"] = make
+            if isinstance(make, str) or out_of_time():
+                row["skipped"] = make if isinstance(make, str) else out_of_time()
                 rows.append(row)
                 print(f"[peers] {json.dumps(row)}", flush=True)
                 continue
@@ -540,6 +557,10 @@ def main(argv=None) -> int:
                     help="every section at tiny shapes on CPU (Pallas in interpret mode)")
     ap.add_argument("--sections", default="peak,loss,peers,attention,kd_step,fp8")
     ap.add_argument("--out-dir", type=Path, default=RESULTS)
+    ap.add_argument("--budget-s", type=float, default=270.0,
+                    help="wall-clock seconds for the whole run; cases that would start later "
+                         "are skipped with a line (default 270: the suite must fit 5 minutes)")
+    ap.add_argument("--deadline", type=float, help=argparse.SUPPRESS)
     ap.add_argument("--part", choices=("jax", "torch"), help=argparse.SUPPRESS)
     ap.add_argument("--part-out", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -548,6 +569,7 @@ def main(argv=None) -> int:
     sections = args.sections.split(",")
 
     if args.part:  # a worker process: one framework, results to --part-out
+        DEADLINE[0] = args.deadline or float("inf")
         out: dict = {}
 
         def save():
@@ -582,6 +604,10 @@ def main(argv=None) -> int:
     out = {"dry_run": args.dry_run, "params": {k: v for k, v in p.items()},
            "started": time.strftime("%Y-%m-%d %H:%M:%S"), "sections": sections}
     t_start = time.perf_counter()
+    # Started processes pay their imports and the GPU probe: leave the report 10 s. The
+    # PyTorch peers (run first) get at most a third of the budget for starting cases.
+    deadline = time.time() + args.budget_s - 10
+    torch_deadline = time.time() + args.budget_s / 3
     parts = []
     if "peers" in sections:
         parts.append("torch")  # first: its process is gone before JAX takes the GPU
@@ -592,7 +618,8 @@ def main(argv=None) -> int:
         args.out_dir.mkdir(parents=True, exist_ok=True)
         part_out.unlink(missing_ok=True)
         cmd = [sys.executable, __file__, "--part", part, "--part-out", str(part_out),
-               "--sections", args.sections, "--out-dir", str(args.out_dir)]
+               "--sections", args.sections, "--out-dir", str(args.out_dir),
+               "--deadline", str(deadline if part == "jax" else torch_deadline)]
         if args.dry_run:
             cmd.append("--dry-run")
         rc = subprocess.run(cmd, env=env).returncode
