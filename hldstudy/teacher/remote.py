@@ -27,6 +27,15 @@ SIGINT received while waiting for the head stop the run at once
 (`Interrupted`). With `teacher.token_file` every call carries the shared
 secret; with `teacher.tls_ca` the channel is TLS, trusting that root. Every
 frame is checked against the handshake before it is used.
+
+Cohorts (`hldstudy.teacher.fanout`): a replica started with `--cohort` serves
+several trainer processes from one forward per step; each names itself with
+`remote://host:port?member=ID`. The handshake refuses a run that names no
+member of the replicas' cohort (or a member of a replica without one), and a
+`teacher.timeout_s` not above the cohort's lag timeout (a member waiting for
+the slowest would take the replica for dead). Each stream's open request tells
+the replica the member, the stage's `[start, end)` and whether it is the run's
+last stage, so the replica knows which steps the member still needs.
 """
 
 from __future__ import annotations
@@ -351,8 +360,9 @@ class RemoteFeeder:
     """One stage's `StageFeed`: the streamed hidden states of each step, over a ring."""
 
     def __init__(self, teacher: RemoteTeacher, final: bool, layers: tuple[int, ...], mesh,
-                 embedding_VxD):
+                 embedding_VxD, last_stage: bool = True):
         self.teacher, self.final, self.layers, self.mesh = teacher, final, layers, mesh
+        self.last_stage = last_stage
         self.embedding_VxD = embedding_VxD
         self.ring: PrefetchRing | None = None
         self.links: list[GrpcLink] = []
@@ -384,6 +394,9 @@ class RemoteFeeder:
             self.embedding_VxD = t.place_embedding(emb_VxD, self.mesh)
         open_spec = {"final": self.final, "layers": list(self.layers), "dtype": t.dtype,
                      "fingerprint": t.fingerprint}
+        if t.member is not None:
+            open_spec.update(member=t.member, start=int(start), end=int(end),
+                             last_stage=self.last_stage)
         links = [t.link(a, check=t.check_info, open_spec=open_spec,
                         expect=t.expected_tensors(self.final, self.layers))
                  for a in t.addresses]
@@ -468,8 +481,10 @@ class RemoteTeacher:
     rejoin_s = 0.5
 
     def __init__(self, cfg: Config, addresses: list[str], infos: dict[str, dict],
-                 expected_fingerprint: str | None = None, security: Security | None = None):
+                 expected_fingerprint: str | None = None, security: Security | None = None,
+                 member: str | None = None):
         self.cfg = cfg
+        self.member = member
         self.security = security if security is not None else Security.from_config(cfg)
         self.addresses = addresses
         self.source = cfg.teacher.checkpoint
@@ -509,7 +524,8 @@ class RemoteTeacher:
         if down:
             log.warning("teacher replicas are down (%s); they join when they answer",
                         "; ".join(down))
-        teacher = cls(cfg, addresses, infos, opts.get("fingerprint"), security)
+        teacher = cls(cfg, addresses, infos, opts.get("fingerprint"), security,
+                      opts.get("member"))
         teacher._check_layers()
         return teacher
 
@@ -555,6 +571,29 @@ class RemoteTeacher:
             raise ConfigError(FIELD, f"{address} serves layers "
                               f"{_fmt(info['final'], info['layers'])}, other replicas "
                               f"{_fmt(ref['final'], ref['layers'])}")
+        self._check_cohort(address, info.get("cohort"), ref.get("cohort"))
+
+    def _check_cohort(self, address: str, cohort, ref) -> None:
+        if cohort != ref:
+            raise ConfigError(FIELD, f"{address} serves the cohort {cohort}, other replicas "
+                              f"{ref}", "start every replica with the same --cohort")
+        if cohort is None:
+            if self.member is not None:
+                raise ConfigError(FIELD, f"?member={self.member} names a cohort member, but "
+                                  f"{address} serves no cohort",
+                                  "start the replicas with --cohort, or drop ?member=")
+            return
+        members = cohort.get("members") or []
+        if self.member not in members:
+            raise ConfigError(FIELD, f"{address} serves the cohort {', '.join(members)}; this "
+                              f"run is {'no member' if self.member is None else repr(self.member)}",
+                              "name the run's member: remote://host:port?member=ID")
+        lag = cohort.get("lag_timeout_s")
+        if isinstance(lag, (int, float)) and self.timeout_s <= lag:
+            raise ConfigError("teacher.timeout_s", f"{self.timeout_s:g} s is not above the "
+                              f"cohort's lag timeout ({lag:g} s at {address}): waiting for the "
+                              "slowest member would look like a dead replica",
+                              f"set teacher.timeout_s above {lag:g}")
 
     def _check_layers(self) -> None:
         needs = method_needs(make_strategy(self.cfg, self.cfg.model, self.model_cfg),
@@ -651,7 +690,9 @@ class RemoteTeacher:
         """The stage's feed; the head (stages that need it) is fetched when it begins."""
         needs = stage_needs(strategy, stage, self.model_cfg)
         self.close()
-        feeder = RemoteFeeder(self, needs.final, needs.layers, mesh, None)
+        stages = list(strategy.stages())
+        feeder = RemoteFeeder(self, needs.final, needs.layers, mesh, None,
+                              last_stage=not stages or stage == stages[-1])
         self._feeders.append(feeder)
         return feeder
 

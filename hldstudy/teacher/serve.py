@@ -29,6 +29,19 @@ which steps each replica computes; start one process per replica.
                  a stream that asks for no step (or does not read what it
                  asked for) this long is closed (default 300); a trainer
                  reconnects by itself
+  --cohort       fan-out: the trainer processes this replica serves, each with
+                 the layers it needs, e.g. "kd-1=final;hldc-1=final,3". Each
+                 step is computed once for the union of the layers and every
+                 member gets its part; a trainer names itself with
+                 teacher.checkpoint=remote://host:port?member=kd-1
+                 (hldstudy.teacher.fanout)
+  --window       steps held for the cohort (default 4): the fastest member
+                 runs at most this far ahead of the slowest
+  --lag-timeout-s
+                 a member that holds the window (or has not connected) this
+                 long while others wait is detached; it is served later by
+                 recomputing its steps alone (default 20; below the trainers'
+                 teacher.timeout_s)
 
 SIGTERM / SIGINT stop the replica (exit 128+N); a temporary --workdir is
 removed on exit.
@@ -45,6 +58,7 @@ import hmac
 import ipaddress
 import json
 import logging
+import math
 import queue
 import re
 import shutil
@@ -70,6 +84,7 @@ from hldstudy.model.loading import load_model
 from hldstudy.teacher import protocol as proto
 from hldstudy.teacher.base import check_layers, method_needs, stage_needs
 from hldstudy.teacher.colocated import ColocatedTeacher
+from hldstudy.teacher.fanout import CohortSpec, MemberGone, StepWindow, parse_cohort
 from hldstudy.teacher.load import with_teacher_tokenizer
 
 log = logging.getLogger("hldstudy.teacher.serve")
@@ -182,7 +197,8 @@ class TeacherServer:
 
     def __init__(self, cfg, checkpoint: str, *, layers: str | None = None,
                  dtype: str | None = None, step: int | None = None,
-                 workdir: str | Path | None = None):
+                 workdir: str | Path | None = None, cohort: str | CohortSpec | None = None,
+                 window: int = 4, lag_s: float = 20.0):
         dtype = check_dtype(dtype or cfg.teacher.dtype)
         cfg = dataclasses.replace(cfg, teacher=dataclasses.replace(
             cfg.teacher, checkpoint=checkpoint, dtype=dtype))
@@ -210,7 +226,13 @@ class TeacherServer:
         except BaseException:
             self.cleanup()
             raise
-        if layers:
+        cohort = parse_cohort(cohort) if isinstance(cohort, str) else cohort
+        if cohort is not None and layers:
+            raise ConfigError("--layers", "a cohort replica serves the union of its members' "
+                              "layers (--cohort)", "drop --layers")
+        if cohort is not None:
+            self.final, self.layers = cohort.union
+        elif layers:
             self.final, self.layers = parse_layers(layers)
         else:
             needs = method_needs(make_strategy(cfg, cfg.model, self.model_cfg), self.model_cfg)
@@ -223,17 +245,38 @@ class TeacherServer:
         self._lock = threading.Lock()
         self._stats_lock = threading.Lock()
         self._init_service()
+        self.set_cohort(cohort, window, lag_s)
 
     def _init_service(self) -> None:
         self._stats_lock = threading.Lock()
+        # forwards: teacher forwards run for streams (a cohort's shared ones included once)
         self.stats = {"steps": 0, "payload_bytes": 0, "frame_bytes": 0, "head_bytes": 0,
-                      "streams": 0, "refused": 0, "closed_idle": 0}
+                      "streams": 0, "refused": 0, "closed_idle": 0, "forwards": 0}
+        self.cohort: CohortSpec | None = None
+        self.window: StepWindow | None = None
         self._server = None
         self.port = None
         self._token: bytes | None = None
         self._stopped = threading.Event()
         self._sending: dict[int, list] = {}  # id(context) -> [context, send started at]
         self._sending_lock = threading.Lock()
+
+    def set_cohort(self, cohort: CohortSpec | None, window: int = 4,
+                   lag_s: float = 20.0) -> None:
+        """Serves `cohort` (None: every stream computes its own steps) through a window of
+        `window` steps; every member's layers must be among the served ones."""
+        if cohort is None:
+            self.cohort, self.window = None, None
+            return
+        for member, (final, layers) in cohort.members.items():
+            if (final and not self.final) or not set(layers) <= set(self.layers):
+                raise ConfigError("--cohort", f"member {member} needs layers "
+                                  f"{format_layers(final, layers)}, this replica serves "
+                                  f"{format_layers(self.final, self.layers)}")
+        final, layers = self.final, self.layers
+        self.cohort = cohort
+        self.window = StepWindow(cohort.members, window, lag_s,
+                                 lambda step: self.compute(step, final, layers))
 
     # ------------------------------------------------------------- compute
 
@@ -245,7 +288,14 @@ class TeacherServer:
                 "final": self.final, "layers": list(self.layers),
                 "tokenizer": {"fingerprint": self.data.tokenizer.fingerprint(),
                               "vocab_size": self.data.tokenizer.vocab_size},
-                "data": proto.data_identity(self.cfg.data, self.data.train)}
+                "data": proto.data_identity(self.cfg.data, self.data.train),
+                **self._cohort_info()}
+
+    def _cohort_info(self) -> dict:
+        if self.cohort is None:
+            return {}
+        return {"cohort": {"members": sorted(self.cohort.members), "window": self.window.window,
+                           "lag_timeout_s": self.window.lag_s}}
 
     def _forward(self, final: bool, layers: tuple[int, ...]):
         key = (final, layers)
@@ -350,7 +400,13 @@ class TeacherServer:
     def _stats(self, request: bytes, context) -> bytes:
         self._authorize(context)
         with self._stats_lock:
-            return proto.encode(dict(self.stats))
+            out = dict(self.stats)
+        if self.window is not None:
+            w = self.window.stats()
+            out["forwards"] = w["forwards"]
+            out["recomputed"] = w["recomputed"]
+            out["cohort"] = w
+        return proto.encode(out)
 
     def _head(self, request: bytes, context):
         self._authorize(context)
@@ -383,6 +439,18 @@ class TeacherServer:
         if (want_final and not self.final) or not want <= set(self.layers):
             return (f"this replica serves layers {format_layers(self.final, self.layers)}, the "
                     f"trainer wants {format_layers(want_final, want)}")
+        if self.cohort is not None:
+            member = spec.get("member")
+            ids = ", ".join(sorted(self.cohort.members))
+            if member not in self.cohort.members:
+                return (f"this replica serves the cohort {ids}; the trainer is "
+                        f"{'no member' if member is None else repr(member)} (name it with "
+                        "teacher.checkpoint=remote://...?member=ID)")
+            if not self.cohort.covers(member, want_final, want):
+                mf, ml = self.cohort.members[member]
+                return (f"cohort member {member} was declared with layers "
+                        f"{format_layers(mf, ml)}, its trainer wants "
+                        f"{format_layers(want_final, want)}")
         return None
 
     def _stream(self, request_iterator, context):
@@ -461,26 +529,55 @@ class TeacherServer:
             self.stats["streams"] += 1
         idle = (f"no step requested for {self.idle_s:g} s; closed (--idle-timeout-s; "
                 "a trainer reconnects by itself)")
-        while True:
-            raw = next_request(self.idle_s, idle)
-            if raw is end:
-                return
-            step = request(raw).get("step")
-            if not proto.is_int(step) or step < 0:
-                invalid(f"a step must be an integer >= 0, got {step!r}")
-            try:
-                digest, tensors = self.compute(step, final, layers)
-            except IndexError:
-                invalid(f"step {step} is beyond the end of the data this replica serves")
-            payload = frame_bytes = 0
-            for frame, n in proto.step_frames(step, digest, tensors, self.CHUNK_BYTES):
-                payload += n
-                frame_bytes += len(frame)
-                yield from self._send(context, frame)
-            with self._stats_lock:
-                self.stats["steps"] += 1
-                self.stats["payload_bytes"] += payload
-                self.stats["frame_bytes"] += frame_bytes
+        window, member, gen = self.window, spec.get("member"), 0
+        if window is not None:
+            start, stop_ = spec.get("start", 0), spec.get("end")
+            if not proto.is_int(start) or start < 0 or not (
+                    stop_ is None or (proto.is_int(stop_) and stop_ >= start)):
+                invalid(f"a cohort stream needs 0 <= start <= end, got {start!r}, {stop_!r}")
+            gen = window.connect(member, start, math.inf if stop_ is None else stop_,
+                                 bool(spec.get("last_stage", True)))
+            names = proto.tensor_names(layers, final)
+
+            def cancelled() -> bool:
+                return done.is_set() or not context.is_active()
+        try:
+            while True:
+                raw = next_request(self.idle_s, idle)
+                if raw is end:
+                    return
+                step = request(raw).get("step")
+                if not proto.is_int(step) or step < 0:
+                    invalid(f"a step must be an integer >= 0, got {step!r}")
+                try:
+                    if window is None:
+                        digest, tensors = self.compute(step, final, layers)
+                        with self._stats_lock:
+                            self.stats["forwards"] += 1
+                    else:
+                        (digest, union), _ = window.take(member, gen, step, cancelled)
+                        union = dict(union)
+                        tensors = [(n, union[n]) for n in names]
+                except IndexError:
+                    invalid(f"step {step} is beyond the end of the data this replica serves")
+                except MemberGone:
+                    return
+                yield from self._frames(context, step, digest, tensors)
+        finally:
+            if window is not None:
+                window.disconnect(member, gen)
+
+    def _frames(self, context, step: int, digest: str, tensors):
+        """Sends one step's frames and counts them."""
+        payload = frame_bytes = 0
+        for frame, n in proto.step_frames(step, digest, tensors, self.CHUNK_BYTES):
+            payload += n
+            frame_bytes += len(frame)
+            yield from self._send(context, frame)
+        with self._stats_lock:
+            self.stats["steps"] += 1
+            self.stats["payload_bytes"] += payload
+            self.stats["frame_bytes"] += frame_bytes
 
     def start(self, port: int = 0, host: str = "127.0.0.1", *, token: str | None = None,
               tls: tuple[bytes, bytes] | None = None, max_streams: int = 8,
@@ -594,7 +691,8 @@ class SyntheticTeacherServer(TeacherServer):
     def info(self) -> dict:
         return {"protocol": proto.PROTOCOL_VERSION, "fingerprint": self.fingerprint,
                 "checkpoint": self.checkpoint, "dtype": self.dtype, "final": self.final,
-                "layers": list(self.layers), "shape": list(self._array.shape)}
+                "layers": list(self.layers), "shape": list(self._array.shape),
+                **self._cohort_info()}
 
     def compute(self, step: int, final: bool, layers: tuple[int, ...]):
         if step < 0:
@@ -647,6 +745,11 @@ def main(argv: list[str] | None = None, server_cls: type[TeacherServer] = Teache
     parser.add_argument("--max-streams", type=int, default=8, help="concurrent streams")
     parser.add_argument("--idle-timeout-s", type=float, default=300.0,
                         help="close a stream idle this long")
+    parser.add_argument("--cohort", default=None,
+                        help='fan-out to trainer processes: "ID=LAYERS;ID=LAYERS..."')
+    parser.add_argument("--window", type=int, default=4, help="steps held for the cohort")
+    parser.add_argument("--lag-timeout-s", type=float, default=20.0,
+                        help="detach a cohort member that holds the window this long")
     parser.add_argument("--workdir", default=None, help="data cache directory (default: temp)")
     parser.add_argument("--no-warmup", action="store_true", help="compile on the first request")
     parser.add_argument("--debug", action="store_true")
@@ -681,6 +784,22 @@ def main(argv: list[str] | None = None, server_cls: type[TeacherServer] = Teache
             if not 0 < args.idle_timeout_s < float("inf"):
                 raise ConfigError("--idle-timeout-s",
                                   f"must be a positive number, got {args.idle_timeout_s}")
+            cohort = parse_cohort(args.cohort) if args.cohort is not None else None
+            if cohort is not None:
+                if args.layers:
+                    raise ConfigError("--layers", "a cohort replica serves the union of its "
+                                      "members' layers (--cohort)", "drop --layers")
+                if args.window < 1:
+                    raise ConfigError("--window", f"must be >= 1, got {args.window}")
+                if not 0 < args.lag_timeout_s < float("inf"):
+                    raise ConfigError("--lag-timeout-s",
+                                      f"must be a positive number, got {args.lag_timeout_s}")
+                if args.max_streams < len(cohort.members):
+                    raise ConfigError("--max-streams", f"{args.max_streams} streams cannot serve "
+                                      f"a cohort of {len(cohort.members)}",
+                                      f"pass --max-streams {2 * len(cohort.members)}")
+                server_kwargs = {"cohort": cohort, "window": args.window,
+                                 "lag_s": args.lag_timeout_s, **server_kwargs}
             if args.port:
                 _probe_port(args.host, args.port)
             cfg = load_student_config(args.config, args.overrides)
@@ -694,9 +813,11 @@ def main(argv: list[str] | None = None, server_cls: type[TeacherServer] = Teache
                 server.warmup()
             port = server.start(args.port, args.host, token=token, tls=tls,
                                 max_streams=args.max_streams, idle_s=args.idle_timeout_s)
+        cohort_note = (f", cohort {','.join(sorted(server.cohort.members))} window "
+                       f"{server.window.window}") if server.cohort is not None else ""
         print(f"serving teacher {server.fingerprint} ({checkpoint}, {server.dtype}, layers "
-              f"{format_layers(server.final, server.layers)}) on {args.host}:{port}"
-              f"{' (TLS)' if tls else ''}", flush=True)
+              f"{format_layers(server.final, server.layers)}{cohort_note}) on "
+              f"{args.host}:{port}{' (TLS)' if tls else ''}", flush=True)
         while not server.wait(0.5):
             pass
         return 0

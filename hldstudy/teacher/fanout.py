@@ -1,0 +1,312 @@
+"""Fan-out: one teacher replica serves a cohort of trainer processes, one forward per step.
+
+A replica started with `--cohort "a=final;b=final;c=final,3"` knows its cohort before
+anyone connects: the members' ids and the teacher layers each needs. It computes
+every step once, for the union of those layers, keeps the result in a bounded
+window, and streams each member its own part of it (`serve.TeacherServer`). A
+trainer names its member with `teacher.checkpoint=remote://host:port?member=a`.
+
+`StepWindow` is the logic (no gRPC, no JAX; tests drive it with threads):
+
+- **Window.** At most `window` computed steps are held (host memory: `window`
+  steps x the union of layers x `[B, T, D]` in the stream dtype; the planner's
+  `fanout_window_bytes`). A member *holds* a cached step while it is attached
+  and has not passed it yet (its floor: the step it is taking, else the one
+  after the last it took, else its declared start; never-connected members hold
+  everything), and the step is before the member's end. A step nobody holds is
+  dropped.
+- **Backpressure.** A member asking for a step beyond the window's newest waits
+  while the window is full: the slowest attached member sets the pace, and the
+  fastest runs at most `window` steps ahead of it (per replica).
+- **Laggards.** A waiter that waits longer than `lag_s` (`--lag-timeout-s`; the
+  join deadline of members that have not connected yet too) detaches every
+  member holding the window's oldest step, with a warning naming them; the
+  others go on. A detached member is not lost: a step it asks for that is still
+  in the window is served from it (and it is attached again); a step behind the
+  window (one that an attached member has passed) is computed for it alone
+  (`recomputed`, counted apart from the shared forwards); a step nobody has
+  passed yet enters the window as usual and attaches it.
+- **Rejoin after a crash.** A member's stream that ends before its last step
+  keeps holding its place until the lag deadline detaches it. When the trainer
+  comes back (it resumes at its checkpoint, so from an earlier step), the steps
+  behind the window are recomputed for it alone (it is detached at once: the
+  others do not wait for it to catch up) and it is attached again when it
+  reaches the window.
+- **Stage boundaries.** A stream opened for a stage that is not the member's
+  last (HLDF stage 1) keeps holding from its end when it closes, so the next
+  stage's stream finds its steps; the last stage's stream holds nothing once it
+  has taken its last step (a member that finishes early never slows the rest).
+- A step the window does not hold that an attached member has already passed
+  (the asker is behind: it is detached), or that lies inside the window's range
+  (a step of a failed replica, reissued here), is computed for the asker alone,
+  never waited for, so a member cannot wait on a window it holds itself.
+
+Exactly-once per member stays the trainer's (its prefetch ring and
+`teacher_steps.log`): the window only decides who computes what. Counters:
+`forwards` (every teacher forward), `recomputed` (those for one member alone),
+`detached` (times a member was detached), `peak` (most steps held at once).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from hldstudy.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+_ID_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
+
+
+@dataclass(frozen=True)
+class CohortSpec:
+    """The declared members: id -> (final hidden state needed, block layers needed)."""
+
+    members: dict[str, tuple[bool, tuple[int, ...]]]
+
+    @property
+    def union(self) -> tuple[bool, tuple[int, ...]]:
+        final = any(f for f, _ in self.members.values())
+        layers = sorted({i for _, ls in self.members.values() for i in ls})
+        return final, tuple(layers)
+
+    def covers(self, member: str, final: bool, layers) -> bool:
+        mf, ml = self.members[member]
+        return (mf or not final) and set(layers) <= set(ml)
+
+
+def parse_cohort(text: str, field_name: str = "--cohort") -> CohortSpec:
+    """`"a=final;b=final,3"` -> CohortSpec; ConfigError(field_name) on anything else."""
+    fix = "write ID=LAYERS;ID=LAYERS..., e.g. kd-1=final;hldc-1=final,9"
+    members: dict[str, tuple[bool, tuple[int, ...]]] = {}
+    for part in (p.strip() for p in (text or "").split(";") if p.strip()):
+        ident, eq, spec = part.partition("=")
+        ident = ident.strip()
+        if not eq or not ident or not set(ident) <= _ID_CHARS or len(ident) > 64:
+            raise ConfigError(field_name, f"{part!r} is not ID=LAYERS (ids: letters, digits, "
+                              "'.', '_', '-')", fix)
+        if ident in members:
+            raise ConfigError(field_name, f"member {ident!r} is declared twice", fix)
+        final, layers = False, []
+        for tok in (t.strip() for t in spec.split(",") if t.strip()):
+            if tok == "final":
+                final = True
+                continue
+            try:
+                layers.append(int(tok))
+            except ValueError:
+                raise ConfigError(field_name, f"member {ident!r}: {tok!r} is neither 'final' "
+                                  "nor a layer index", fix) from None
+        if not final and not layers:
+            raise ConfigError(field_name, f"member {ident!r} needs no teacher layer", fix)
+        members[ident] = (final, tuple(sorted(set(layers))))
+    if not members:
+        raise ConfigError(field_name, "the cohort declares no member", fix)
+    return CohortSpec(members)
+
+
+class MemberGone(Exception):
+    """The asking stream ended while it waited (the trainer went away)."""
+
+
+@dataclass
+class _Member:
+    attached: bool = True
+    connected: bool = False
+    gen: int = 0
+    start: float = -math.inf  # unknown until it connects: holds every step
+    end: float = math.inf
+    last_stage: bool = True
+    current: int | None = None  # the step it is taking
+    next: int | None = None  # one past the last step it took
+    taken: int = 0
+    shared: int = 0
+    recomputed: int = 0
+    detached: int = 0
+    why: str = ""
+
+    def floor(self) -> float:
+        if self.current is not None:
+            return self.current
+        if self.next is not None:
+            return max(self.next, self.start)
+        return self.start
+
+    def holds(self, step: int) -> bool:
+        return self.attached and self.floor() <= step < self.end
+
+
+class StepWindow:
+    """The shared, bounded window of computed steps of one replica (see the module doc).
+
+    `compute(step)` runs one teacher forward for the union of the cohort's layers
+    (it may raise, e.g. IndexError beyond the data: the asker gets the error).
+    """
+
+    def __init__(self, members, window: int, lag_s: float, compute: Callable[[int], Any], *,
+                 clock: Callable[[], float] = time.monotonic, tick_s: float = 0.05):
+        if not (isinstance(window, int) and window >= 1):
+            raise ConfigError("--window", f"must be an integer >= 1, got {window!r}",
+                              "steps held for the cohort; 2..ring size + 2 is plenty")
+        if not (isinstance(lag_s, (int, float)) and 0 < lag_s < math.inf):
+            raise ConfigError("--lag-timeout-s", f"must be a positive number, got {lag_s!r}")
+        self.window, self.lag_s, self._compute = window, float(lag_s), compute
+        self._clock, self._tick = clock, tick_s
+        self._members = {m: _Member() for m in members}
+        if not self._members:
+            raise ConfigError("--cohort", "the cohort declares no member")
+        self._cv = threading.Condition()
+        self._cache: dict[int, Any] = {}
+        self._computing: set[int] = set()
+        self.forwards = 0
+        self.recomputed = 0
+        self.detached = 0
+        self.peak = 0
+
+    # ------------------------------------------------------------ streams
+
+    def connect(self, member: str, start: int = 0, end: float = math.inf,
+                last_stage: bool = True) -> int:
+        """A member's stream opens for steps [start, end); returns its generation."""
+        with self._cv:
+            m = self._members[member]
+            m.gen += 1
+            m.connected, m.current = True, None
+            m.start, m.end, m.last_stage = start, end, last_stage
+            m.next = None  # its floor is its start until it takes a step
+            self._evict()
+            self._cv.notify_all()
+            return m.gen
+
+    def disconnect(self, member: str, gen: int) -> None:
+        """The member's stream ended (however it ended)."""
+        with self._cv:
+            m = self._members[member]
+            if m.gen != gen:
+                return  # a newer stream of the member replaced this one
+            m.connected, m.current = False, None
+            if m.next is not None and m.next >= m.end and not m.last_stage:
+                m.start, m.end = m.end, math.inf  # its next stage continues from here
+            self._evict()
+            self._cv.notify_all()
+
+    # -------------------------------------------------------------- steps
+
+    def take(self, member: str, gen: int, step: int,
+             cancelled: Callable[[], bool] = lambda: False) -> tuple[Any, bool]:
+        """The union payload of `step` for `member`: (payload, shared). Waits while the
+        window is full (backpressure); raises MemberGone when `cancelled()` turns true."""
+        with self._cv:
+            m = self._members[member]
+            m.current = step
+            t0 = self._clock()
+            try:
+                while True:
+                    if step in self._cache:
+                        if not m.attached:
+                            log.warning("cohort member %s is back in the window at step %d",
+                                        member, step)
+                        m.attached = True
+                        payload, shared = self._cache[step], True
+                        break
+                    if step in self._computing:
+                        self._wait(cancelled)
+                        continue
+                    passed = [k for k, o in self._members.items()
+                              if k != member and o.attached and o.floor() > step]
+                    if passed or (self._cache and step < max(self._cache)):
+                        if passed and (not self._cache or step < min(self._cache)):
+                            self._detach(m, member, f"asked for step {step}, which "
+                                         f"{', '.join(sorted(passed))} already passed")
+                        payload, shared = self._run(step, alone=True), False
+                        break
+                    self._evict()
+                    if len(self._cache) + len(self._computing) < self.window:
+                        m.attached = True
+                        payload, shared = self._run(step, alone=False), True
+                        break
+                    if self._clock() - t0 > self.lag_s:
+                        self._detach_laggards(member)
+                        t0 = self._clock()
+                        continue
+                    self._wait(cancelled)
+                m.taken += 1
+                m.shared += shared
+                m.recomputed += not shared
+                m.next = step + 1
+                return payload, shared
+            finally:
+                if m.gen == gen:
+                    m.current = None
+                self._evict()
+                self._cv.notify_all()
+
+    def _wait(self, cancelled) -> None:
+        if cancelled():
+            raise MemberGone()
+        self._cv.wait(self._tick)
+
+    def _run(self, step: int, *, alone: bool):
+        """One forward, outside the lock; into the window unless `alone`."""
+        if not alone:
+            self._computing.add(step)
+        self._cv.release()
+        try:
+            payload = self._compute(step)
+        finally:
+            self._cv.acquire()
+            self._computing.discard(step)
+            self._cv.notify_all()
+        self.forwards += 1
+        if alone:
+            self.recomputed += 1
+        else:
+            self._cache[step] = payload
+            self.peak = max(self.peak, len(self._cache))
+        return payload
+
+    def _evict(self) -> None:
+        for s in sorted(self._cache):
+            if not any(m.holds(s) for m in self._members.values()):
+                del self._cache[s]
+
+    def _detach(self, m: _Member, member: str, why: str) -> None:
+        if m.attached:
+            m.attached = False
+            m.detached += 1
+            m.why = why
+            self.detached += 1
+            log.warning("cohort member %s detached from the window: %s (its steps behind the "
+                        "window are recomputed for it alone)", member, why)
+
+    def _detach_laggards(self, waiter: str) -> None:
+        oldest = min(self._cache)
+        for name, m in self._members.items():
+            if name != waiter and m.holds(oldest):
+                state = "has not connected" if m.gen == 0 else (
+                    "is disconnected" if not m.connected else "is slow")
+                self._detach(m, name, f"held step {oldest} for more than {self.lag_s:g} s "
+                             f"(--lag-timeout-s); it {state}")
+        self._evict()
+
+    # -------------------------------------------------------------- stats
+
+    def stats(self) -> dict:
+        with self._cv:
+            return {"window": self.window, "held": len(self._cache), "peak": self.peak,
+                    "forwards": self.forwards, "recomputed": self.recomputed,
+                    "detached": self.detached,
+                    "members": {k: {"attached": m.attached, "connected": m.connected,
+                                    "taken": m.taken, "shared": m.shared,
+                                    "recomputed": m.recomputed, "detached": m.detached}
+                                for k, m in self._members.items()}}
+
+    def held(self) -> list[int]:
+        with self._cv:
+            return sorted(self._cache)
