@@ -44,7 +44,8 @@ trainer names its member with `teacher.checkpoint=remote://host:port?member=a`.
 Exactly-once per member stays the trainer's (its prefetch ring and
 `teacher_steps.log`): the window only decides who computes what. Counters:
 `forwards` (every teacher forward), `recomputed` (those for one member alone),
-`detached` (times a member was detached), `peak` (most steps held at once).
+`detached` (times a member was detached), `peak` / `peak_bytes` (most steps, and
+bytes, held at once: the planner's `fanout_window_bytes` bounds the latter).
 """
 
 from __future__ import annotations
@@ -150,7 +151,8 @@ class StepWindow:
     """
 
     def __init__(self, members, window: int, lag_s: float, compute: Callable[[int], Any], *,
-                 clock: Callable[[], float] = time.monotonic, tick_s: float = 0.05):
+                 clock: Callable[[], float] = time.monotonic, tick_s: float = 0.05,
+                 nbytes: Callable[[Any], int] | None = None):
         if not (isinstance(window, int) and window >= 1):
             raise ConfigError("--window", f"must be an integer >= 1, got {window!r}",
                               "steps held for the cohort; 2..ring size + 2 is plenty")
@@ -158,6 +160,7 @@ class StepWindow:
             raise ConfigError("--lag-timeout-s", f"must be a positive number, got {lag_s!r}")
         self.window, self.lag_s, self._compute = window, float(lag_s), compute
         self._clock, self._tick = clock, tick_s
+        self._nbytes = nbytes or (lambda payload: 0)
         self._members = {m: _Member() for m in members}
         if not self._members:
             raise ConfigError("--cohort", "the cohort declares no member")
@@ -168,6 +171,7 @@ class StepWindow:
         self.recomputed = 0
         self.detached = 0
         self.peak = 0
+        self.peak_bytes = 0
 
     # ------------------------------------------------------------ streams
 
@@ -269,6 +273,8 @@ class StepWindow:
         else:
             self._cache[step] = payload
             self.peak = max(self.peak, len(self._cache))
+            self.peak_bytes = max(self.peak_bytes,
+                                  sum(self._nbytes(p) for p in self._cache.values()))
         return payload
 
     def _evict(self) -> None:
@@ -300,6 +306,7 @@ class StepWindow:
     def stats(self) -> dict:
         with self._cv:
             return {"window": self.window, "held": len(self._cache), "peak": self.peak,
+                    "peak_bytes": self.peak_bytes,
                     "forwards": self.forwards, "recomputed": self.recomputed,
                     "detached": self.detached,
                     "members": {k: {"attached": m.attached, "connected": m.connected,

@@ -20,8 +20,14 @@ frame: a 4-byte big-endian header length, a UTF-8 JSON header, then raw bytes
   then "layer:<i>" ascending). Credits are the backpressure: a replica never
   computes a step nobody asked for, so the trainer's ring bounds how far
   teachers run ahead. `digest` hashes the step's tokens and segment ids so the
-  trainer proves both sides saw the same batch.
-- `Stats` (unary): counters (steps served, tensor payload bytes, frame bytes).
+  trainer proves both sides saw the same batch. A cohort replica
+  (`hldstudy.teacher.fanout`, `Info` has `"cohort": {"members", "window",
+  "lag_timeout_s"}`) also needs `"member"`, `"start"`, `"end"` (the stage's
+  steps) and `"last_stage"` in the open request, and answers from its shared
+  window of steps computed once for the union of its members' layers.
+- `Stats` (unary): counters (steps served, teacher forwards run, tensor payload
+  bytes, frame bytes; a cohort replica adds `recomputed` and its window's
+  `cohort` state).
 
 Every call carries the replica's shared secret when it has one (metadata
 `x-hldstudy-token`, compared in constant time); a replica bound beyond

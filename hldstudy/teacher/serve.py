@@ -276,7 +276,8 @@ class TeacherServer:
         final, layers = self.final, self.layers
         self.cohort = cohort
         self.window = StepWindow(cohort.members, window, lag_s,
-                                 lambda step: self.compute(step, final, layers))
+                                 lambda step: self.compute(step, final, layers),
+                                 nbytes=lambda out: sum(a.nbytes for _, a in out[1]))
 
     # ------------------------------------------------------------- compute
 
@@ -568,16 +569,19 @@ class TeacherServer:
                 window.disconnect(member, gen)
 
     def _frames(self, context, step: int, digest: str, tensors):
-        """Sends one step's frames and counts them."""
+        """Sends one step's frames; the step is counted as its last frame is handed over (a
+        client that has what it asked for may end the call before the generator resumes)."""
+        total = sum(int(a.nbytes) for _, a in tensors)
         payload = frame_bytes = 0
         for frame, n in proto.step_frames(step, digest, tensors, self.CHUNK_BYTES):
             payload += n
             frame_bytes += len(frame)
+            if payload == total:  # the last frame (an empty step has one empty frame)
+                with self._stats_lock:
+                    self.stats["steps"] += 1
+                    self.stats["payload_bytes"] += payload
+                    self.stats["frame_bytes"] += frame_bytes
             yield from self._send(context, frame)
-        with self._stats_lock:
-            self.stats["steps"] += 1
-            self.stats["payload_bytes"] += payload
-            self.stats["frame_bytes"] += frame_bytes
 
     def start(self, port: int = 0, host: str = "127.0.0.1", *, token: str | None = None,
               tls: tuple[bytes, bytes] | None = None, max_streams: int = 8,
