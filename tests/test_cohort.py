@@ -1,4 +1,8 @@
-"""Cohort training: a member equals its solo run, resumes exactly, diverges alone."""
+"""Cohort training: a member equals its solo run, resumes exactly, diverges alone.
+
+The default suite keeps the traced-hyperparameter checks and the divergence test (which
+also holds two members to their solo runs); member == solo per method, resume after
+SIGTERM / kill -9 / a damaged checkpoint are `-m slow` (40-120 s each on 2 cores)."""
 
 import dataclasses
 import json
@@ -138,10 +142,12 @@ def _member_equals_solo(tmp_path, teacher_dir, method, steps=8):
     return cfgs
 
 
+@pytest.mark.slow  # 40-120 s on 2 shared cores
 def test_kd_member_equals_solo(tmp_path, teacher_dir):
     _member_equals_solo(tmp_path, teacher_dir, "kd")
 
 
+@pytest.mark.slow  # 40-120 s on 2 shared cores
 def test_hldf_member_equals_solo_across_stages(tmp_path, teacher_dir):
     cfgs = _member_equals_solo(tmp_path, teacher_dir, "hldf")
     stages = [json.loads(line).get("stage") for line in
@@ -155,6 +161,7 @@ def test_member_equals_solo_other_methods(tmp_path, teacher_dir, method):
     _member_equals_solo(tmp_path, teacher_dir, method)
 
 
+@pytest.mark.slow  # 40-120 s on 2 shared cores
 def test_seed_only_members_match_their_solo_run(tmp_path, teacher_dir):
     """Members differing only in the seed: no traced hyperparameter. The first steps are
     bitwise; the vmapped (batched) matmuls may round differently later (measured: step 5
@@ -172,6 +179,7 @@ def test_seed_only_members_match_their_solo_run(tmp_path, teacher_dir):
 # Resume and divergence
 
 
+@pytest.mark.slow  # 40-120 s on 2 shared cores
 def test_cohort_resumes_exactly_after_sigterm(tmp_path, teacher_dir):
     cfgs = _cohort("hldf", teacher_dir, steps=10)
     full = [tmp_path / "full" / c.name for c in cfgs]
@@ -187,6 +195,7 @@ def test_cohort_resumes_exactly_after_sigterm(tmp_path, teacher_dir):
         assert _losses(a) == _losses(b)  # bitwise: the same program from the same state
 
 
+@pytest.mark.slow  # 40-120 s on 2 shared cores
 def test_cohort_resumes_from_the_last_step_every_member_saved(tmp_path, teacher_dir):
     """A crash between members' saves: the newer step of some members is dropped."""
     cfgs = _cohort("kd", teacher_dir, steps=8)
@@ -202,6 +211,31 @@ def test_cohort_resumes_from_the_last_step_every_member_saved(tmp_path, teacher_
     CohortTrainer(cfgs, split, devices=DEV).run()
     for a, b in zip(full, split, strict=True):
         assert _losses(a) == _losses(b)
+
+
+@pytest.mark.slow  # 40-120 s on 2 shared cores
+def test_cohort_falls_back_from_a_members_damaged_checkpoint(tmp_path, teacher_dir, capsys):
+    """A member's latest checkpoint that cannot be restored is moved to
+    checkpoints.damaged/ and the cohort resumes from the previous step all members hold."""
+    cfgs = _cohort("kd", teacher_dir, steps=8)[:2]
+    dirs = [tmp_path / c.name for c in cfgs]
+    with pytest.raises(Interrupted):  # checkpoints 4 and 6 (checkpoint_every 4, stop at 6)
+        CohortTrainer(cfgs, dirs, devices=DEV).run(stop_at_step=6)
+    before = [_losses(d) for d in dirs]
+    step6 = dirs[1] / "checkpoints" / "6"
+    files = [p for p in (step6 / "state").rglob("*") if p.is_file() and "/d/" in str(p)]
+    biggest = max(files, key=lambda p: p.stat().st_size)
+    with open(biggest, "r+b") as fh:  # a torn write of member b's state
+        fh.truncate(biggest.stat().st_size // 3)
+    out = CohortTrainer(cfgs, dirs, devices=DEV).run()
+    err = capsys.readouterr().err
+    assert f"{step6} of cohort member 'b' cannot be restored" in err, err
+    assert (dirs[1] / "checkpoints.damaged" / "6").is_dir()
+    for c, d, b in zip(cfgs, dirs, before, strict=True):
+        assert out[c.name]["status"] == "done" and out[c.name]["steps"] == 8
+        losses = _losses(d)
+        assert sorted(losses) == list(range(1, 9))  # each step once
+        assert [losses[s] for s in (5, 6)] == [b[s] for s in (5, 6)]  # again, bitwise
 
 
 def test_diverging_member_stops_alone(tmp_path, teacher_dir):

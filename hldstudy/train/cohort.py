@@ -47,11 +47,11 @@ import jax.numpy as jnp
 
 from hldstudy import sharding as mesh_lib
 from hldstudy.config import Config, config_to_dict, field_rules, flatten
-from hldstudy.errors import ConfigError, RuntimeFault
+from hldstudy.errors import ConfigError, InputError, RuntimeFault, warn
 from hldstudy.fileio import write_json_atomic
 from hldstudy.rundir import RESULTS_FILE, TOKENIZER_FILE, read_results
 from hldstudy.signals import StopSignals
-from hldstudy.train.loop import Interrupted, Trainer
+from hldstudy.train.loop import Interrupted, Trainer, check_fits
 from hldstudy.train.metrics import MetricsLogger
 from hldstudy.train.optim import make_optimizer
 from hldstudy.train.step import make_train_step
@@ -125,6 +125,55 @@ def make_cohort_step(strategy, stage, graphdefs, optimizer, make_opt, teacher_fo
     return step
 
 
+def cohort_step_probe(cfg: Config, k: int, method: str | None = None, stage: str | None = None,
+                      teacher_model=None, *, layout: str = "colocated",
+                      varying: tuple[str, ...] = ("lr", "temperature")):
+    """`(step, args)` of the cohort step the trainer compiles, all abstract (nothing is
+    allocated): `jax.jit(step, donate_argnums=(0,)).lower(*args)` for XLA's analyses.
+    Built like `hldstudy.train.probe.train_step_probe`, with K stacked states and
+    `varying` hyperparameters as [K] arrays."""
+    from hldstudy.train.probe import train_step_probe
+
+    # The solo probe gives the abstract state, batch and teacher input; the pieces of
+    # the step are rebuilt exactly as the trainer builds them.
+    _, state, batch, teacher_in = train_step_probe(cfg, method, stage, teacher_model,
+                                                   layout=layout)
+    from flax import nnx
+
+    from hldstudy.distill import methods
+    from hldstudy.distill.base import make_strategy
+    from hldstudy.model.transformer import Transformer
+    from hldstudy.teacher.colocated import teacher_forward_fn
+    from hldstudy.train.step import split_params
+
+    spec = methods.get(method or cfg.distill.method)
+    st_name = spec.stage(cfg, stage).name
+    cfg = dataclasses.replace(cfg, distill=dataclasses.replace(cfg.distill, method=spec.name))
+    strategy = make_strategy(cfg, cfg.model, teacher_model if spec.needs_teacher else None)
+    st = next(s for s in strategy.stages() if s.name == st_name)
+    graphdefs, _ = split_params(*nnx.eval_shape(
+        lambda: (Transformer(cfg.model, rngs=nnx.Rngs(0)), strategy.init_aux(st, nnx.Rngs(1)))))
+    trainable = strategy.trainable_student_layers(st)
+    optimizer = make_optimizer(cfg.train, cfg.train.steps, trainable_layers=trainable)
+
+    def make_opt(lr):
+        return make_optimizer(cfg.train, cfg.train.steps, trainable_layers=trainable, lr=lr)
+
+    forward = None
+    if spec.needs_teacher and layout == "colocated":
+        tcfg = dataclasses.replace(teacher_model, dtype=cfg.teacher.dtype, remat=False)
+        t_gd, _ = nnx.split(nnx.eval_shape(lambda: Transformer(tcfg, rngs=nnx.Rngs(2))),
+                            nnx.Param)
+        forward = teacher_forward_fn(t_gd, strategy.teacher_layers(st),
+                                     strategy.teacher_needs_head(st))
+    step = make_cohort_step(strategy, st, graphdefs, optimizer, make_opt, forward)
+    states = jax.tree_util.tree_map(
+        lambda x: jax.ShapeDtypeStruct((k, *x.shape), x.dtype), state)
+    hps = {n: jax.ShapeDtypeStruct((k,), jnp.float32) for n in varying}
+    bad = jax.ShapeDtypeStruct((k,), jnp.int32)
+    return step, (states, batch, teacher_in if spec.needs_teacher else None, hps, bad)
+
+
 def stack(trees):
     return jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *trees)
 
@@ -135,6 +184,19 @@ def unstack(tree, k: int):
 
 class _StopFlag(StopSignals):
     stop_at_step: int | None = None
+
+
+class _DamagedMember(Exception):
+    """Member `index`'s checkpoint of `step` cannot be restored."""
+
+    def __init__(self, index: int, step: int, reason: str):
+        super().__init__(f"member {index}: step {step}: {reason}")
+        self.index, self.step, self.reason = index, step, reason
+
+
+def _one_line(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}".strip().splitlines()
+    return (text[0] if text else type(exc).__name__)[:300]
 
 
 class CohortTrainer:
@@ -228,8 +290,32 @@ class CohortTrainer:
         there); returns {member name: its results.json}. Raises `Interrupted` after the
         commit when stopped by a signal."""
         loggers: dict[int, MetricsLogger] = {}
+        damaged: list[tuple[int, int, str]] = []
         try:
-            return self._run(stop_at_step, loggers)
+            while True:
+                try:
+                    return self._run(stop_at_step, loggers)
+                except _DamagedMember as e:
+                    # As the Trainer does: a member's checkpoint that cannot be restored is
+                    # moved to checkpoints.damaged/; the cohort then resumes from the newest
+                    # step every member still holds (an older committed one).
+                    for lg in loggers.values():
+                        lg.close()
+                    loggers.clear()
+                    m = self.members[e.index]
+                    damaged.append((e.index, e.step, e.reason))
+                    dest = m.ckpt.quarantine(e.step)
+                    warn(f"checkpoint {m.ckpt.step_dir(e.step)} of cohort member "
+                         f"{m.cfg.name!r} cannot be restored ({e.reason}); moved to {dest}, "
+                         "falling back to the previous step every member holds",
+                         "hldstudy.train")
+                    if not m.ckpt.steps():
+                        listed = "; ".join(f"{self.members[i].cfg.name} step {s}: {r}"
+                                           for i, s, r in damaged)
+                        raise InputError(
+                            f"no checkpoint of cohort member {m.cfg.name!r} in "
+                            f"{m.ckpt.directory} can be restored ({listed}); move the "
+                            "members' checkpoints aside to start the cohort over") from e
         finally:
             for lg in loggers.values():
                 lg.close()
@@ -249,8 +335,15 @@ class CohortTrainer:
         if not active:
             return self.outcomes
         resume = self._resume_point(active)
-        metas = {i: self.members[i].ckpt.restore_meta(resume) for i in active} \
-            if resume is not None else {}
+        metas = {}
+        for i in active if resume is not None else ():
+            try:
+                metas[i] = self.members[i].ckpt.restore_meta(resume)
+                if not isinstance(metas[i], dict) or \
+                        not {"stage", "flops_spent"} <= set(metas[i]):
+                    raise ValueError(f"metadata without stage/flops_spent: {metas[i]!r}"[:200])
+            except Exception as e:  # noqa: BLE001 - any unreadable checkpoint is damaged
+                raise _DamagedMember(i, resume, _one_line(e)) from e
         for i in active:
             loggers[i] = MetricsLogger(self.members[i].workdir, self.members[i].cfg, resume or 0)
         flops = {i: float(metas[i]["flops_spent"]) if metas else 0.0 for i in active}
@@ -272,8 +365,11 @@ class CohortTrainer:
                     if here:
                         from hldstudy.checkpoint import abstract_like
 
-                        state, _ = self.members[i].ckpt.restore(resume,
-                                                                abstract_like(state, shardings))
+                        try:
+                            state, _ = self.members[i].ckpt.restore(
+                                resume, abstract_like(state, shardings))
+                        except Exception as e:  # noqa: BLE001 - fall back to an older step
+                            raise _DamagedMember(i, resume, _one_line(e)) from e
                     member_states.append(state)
                 active, member_states = self._run_stage(plan, graphdefs, optimizer, active,
                                                         member_states, loggers, stop, flops)
@@ -285,6 +381,18 @@ class CohortTrainer:
                 m = self.members[i]
                 self.outcomes[m.cfg.name] = m._finish(graphdefs, state, flops[i], loggers[i])
         return self.outcomes
+
+    def _compile(self, cohort_step, args, stage: str, k: int):
+        """Compiles the cohort step and refuses it, before it runs, when XLA's memory
+        analysis says it cannot fit in the memory available (the Trainer's check)."""
+        compiled = cohort_step.lower(*args).compile()
+        lead = self.members[0]
+        try:
+            check_fits(compiled, lead.mesh, lead.cfg, f"{stage}, cohort of {k}")
+        except RuntimeFault as e:
+            raise RuntimeFault(f"{e}; or train fewer students per cohort (now {k}: "
+                               "--cohort K, or --cohort auto)") from e
+        return compiled
 
     def _run_stage(self, plan, graphdefs, optimizer, active, member_states, loggers, stop,
                    flops):
@@ -303,12 +411,17 @@ class CohortTrainer:
         feed.begin(step, end, lead.workdir)
         hps = {n: jnp.asarray([_value(self.members[i].cfg, n) for i in active], jnp.float32)
                for n in self.varying}
-        cohort_step = jax.jit(make_cohort_step(strategy, stage, graphdefs, optimizer, make_opt,
-                                               feed.forward), donate_argnums=(0,))
         states = stack(member_states)
         del member_states
         k = len(active)
-        bad = jnp.zeros((k,), jnp.int32)
+        bad = jax.device_put(jnp.zeros((k,), jnp.int32), mesh_lib.replicated(lead.mesh))
+        # The step's outputs keep its inputs' placement, so the one compiled program
+        # (checked for memory before it runs) takes them back at every step.
+        cohort_step = jax.jit(make_cohort_step(strategy, stage, graphdefs, optimizer, make_opt,
+                                               feed.forward),
+                              out_shardings=(jax.tree_util.tree_map(lambda x: x.sharding,
+                                                                    states), None, bad.sharding),
+                              donate_argnums=(0,))
         alive = [True] * k
         last_saved = {i: self.members[i].ckpt.latest_step() for i in active}
         tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
@@ -323,11 +436,15 @@ class CohortTrainer:
                     alive[j] = False
                     self._diverge(i, plan, int(bad_host[j]) or step, loss, last_saved[i])
 
+        compiled = None
         try:
             while step < end and any(alive):
                 batch = mesh_lib.put_batch(lead.data.train.batch_at(step), lead.mesh)
-                states, metrics, bad = cohort_step(states, batch, feed.inputs(step, batch),
-                                                   hps, bad)
+                args = (states, batch, feed.inputs(step, batch), hps, bad)
+                if compiled is None:
+                    compiled = self._compile(cohort_step, args, stage.name, k)
+                states, metrics, bad = compiled(*args)
+                del args
                 step += 1
                 steps_since += 1
                 for i in active:
