@@ -157,9 +157,18 @@ def restore_partial(directory: str | Path, target, step: int | None = None):
         step = manager.latest_step() if step is None else step
         if step is None:
             raise InputError(f"{directory} holds no complete checkpoint")
-        restored = manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
-            item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
-            partial_restore=True)))
+        try:
+            restored = manager.restore(step, args=ocp.args.Composite(
+                state=ocp.args.PyTreeRestore(
+                    item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+                    partial_restore=True)))
+        except (ValueError, KeyError, TypeError, FileNotFoundError) as e:
+            # Another model's shapes (config.json edited, or a checkpoint copied in), or a
+            # damaged step: say which step directory, not orbax's traceback.
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise InputError(f"{directory / str(step)} cannot be restored into the model its "
+                             f"config.json describes ({first[:200]}); check that config.json "
+                             "belongs to this checkpoint") from e
     finally:
         manager.close()
     return restored.state

@@ -367,3 +367,20 @@ def test_load_model_and_model_config_of_every_kind(tiny_model, tiny_gguf, tmp_pa
         load_model(untrained)
     with pytest.raises(InputError, match="does not exist"):
         load_model(tmp_path / "nope")
+
+
+def test_checkpoint_of_another_shape_is_one_clear_error(tmp_path):
+    """A run whose config.json describes another model than its checkpoint holds."""
+    import json
+
+    from hldstudy.errors import InputError
+    from hldstudy.eval.testing import tiny_run_dir
+    from hldstudy.model.loading import load_model
+
+    run = tiny_run_dir(tmp_path / "run", tokenizer=False)
+    cfg = json.loads((run / "config.json").read_text())
+    cfg["model"]["d_ff"] = cfg["model"]["d_ff"] * 2
+    (run / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(InputError, match=r"checkpoints/1 cannot be restored") as e:
+        load_model(run)
+    assert "config.json" in str(e.value) and "\n" not in str(e.value)
