@@ -155,6 +155,8 @@ def torch_worker(dtype: str, tiny: bool):
     import torch
     import torch.nn.functional as F
     from flax import nnx
+
+    torch.set_num_threads(len(os.sched_getaffinity(0)))
     from transformers import AutoModelForCausalLM
 
     from hldstudy.model import Transformer
@@ -208,7 +210,9 @@ def torch_worker(dtype: str, tiny: bool):
 # Worker protocol: "step" -> one step, its seconds; "quit".
 
 
-def worker_main(kind: str, dtype: str, tiny: bool) -> None:
+def worker_main(kind: str, dtype: str, tiny: bool, cores: int | None = None) -> None:
+    if cores:  # before jax / torch size their thread pools
+        os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:cores])
     out = sys.stdout
     sys.stdout = sys.stderr  # library chatter must not corrupt the protocol
     if kind == "torch":
@@ -226,12 +230,12 @@ def worker_main(kind: str, dtype: str, tiny: bool) -> None:
 
 
 class Worker:
-    def __init__(self, kind: str, dtype: str, tiny: bool):
+    def __init__(self, kind: str, dtype: str, tiny: bool, cores: int | None = None):
         self.kind, self.dtype = kind, dtype
         env = {**os.environ, "PYTHONPATH": str(REPO)}
         self.proc = subprocess.Popen(
             [sys.executable, __file__, "--worker", kind, "--dtypes", dtype]
-            + (["--tiny"] if tiny else []),
+            + (["--tiny"] if tiny else []) + ([f"--cores={cores}"] if cores else []),
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=REPO)
         self.info = None
         self.times: list[float] = []
@@ -266,12 +270,13 @@ def loadavg() -> float:
     return os.getloadavg()[0]
 
 
-def run_dtype(dtype: str, kinds: list[str], rounds: int, tiny: bool) -> list[dict]:
+def run_dtype(dtype: str, kinds: list[str], rounds: int, tiny: bool,
+              cores: int | None = None) -> list[dict]:
     # Started one after another (compiles would fight for the two cores otherwise).
     workers = []
     try:
         for kind in kinds:
-            w = Worker(kind, dtype, tiny)
+            w = Worker(kind, dtype, tiny, cores)
             w.ready()
             workers.append(w)
             print(f"[{dtype}] {kind} ready: {w.info}", flush=True)
@@ -293,7 +298,8 @@ def run_dtype(dtype: str, kinds: list[str], rounds: int, tiny: bool) -> list[dic
         rows.append({"impl": w.kind, "dtype": dtype, "step_s_median": med,
                      "step_s_min": min(w.times), "tokens_per_s": b * t / med,
                      "speedup_vs_torch": statistics.median(ratios) if ratios else None,
-                     "speedup_vs_torch_per_round": ratios, "times": w.times, **w.info})
+                     "speedup_vs_torch_per_round": ratios, "times": w.times,
+                     "cores": cores or len(os.sched_getaffinity(0)), **w.info})
     return rows
 
 
@@ -312,11 +318,11 @@ def write_results(rows: list[dict], meta: dict, stem: str) -> str:
         f"{meta['load_start']:.1f} at start). jax {meta['jax']}, torch {meta.get('torch')}. "
         f"{meta['rounds']} interleaved rounds; speedup = median over rounds of "
         "torch step / our step (same round).", "",
-        "| implementation | dtype | step s (median) | tokens/s | speedup vs torch | first loss |",
-        "|---|---|---:|---:|---:|---:|"]
+        "| implementation | dtype | cores | step s (median) | tokens/s | speedup vs torch | first loss |",
+        "|---|---|---:|---:|---:|---:|---:|"]
     for r in rows:
         sp = "—" if r["speedup_vs_torch"] is None else f"{r['speedup_vs_torch']:.2f}x"
-        lines.append(f"| {LABELS.get(r['impl'], r['impl'])} | {r['dtype']} | "
+        lines.append(f"| {LABELS.get(r['impl'], r['impl'])} | {r['dtype']} | {r['cores']} | "
                      f"{r['step_s_median']:.2f} | {r['tokens_per_s']:.0f} | {sp} | "
                      f"{r['first_loss']:.4f} |")
     md = "\n".join(lines) + "\n"
@@ -331,10 +337,14 @@ def main() -> None:
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--impls", default="ours-fused,ours-materialized,torch")
     p.add_argument("--tiny", action="store_true", help="tiny models (smoke test)")
+    p.add_argument("--cores", type=int, default=None,
+                   help="pin every worker to this many cores (threads follow); default: all. "
+                        "1 core = one thread each: no OpenMP/Eigen barrier spinning when "
+                        "other jobs share the machine")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
-        worker_main(args.worker, args.dtypes, args.tiny)
+        worker_main(args.worker, args.dtypes, args.tiny, args.cores)
         return
     missing = [m for m in ("torch", "transformers") if importlib.util.find_spec(m) is None]
     if missing:
@@ -354,14 +364,15 @@ def main() -> None:
     meta = {"batch": b, "seq": t, "vocab": model_configs(args.tiny)[0].vocab_size,
             "cpu": cpu, "cores": os.cpu_count(), "jax": jax.__version__,
             "torch": torch.__version__, "rounds": args.rounds, "load_start": loadavg(),
-            "tiny": args.tiny}
+            "tiny": args.tiny, "cores_arg": args.cores}
     rows = []
     impls = args.impls.split(",")
     for dtype in args.dtypes.split(","):
         kinds = [k for k in impls if not (dtype == "bfloat16" and k == "ours-materialized")]
-        rows += run_dtype(dtype, kinds, args.rounds, args.tiny)
+        rows += run_dtype(dtype, kinds, args.rounds, args.tiny, args.cores)
     meta["load_end"] = loadavg()
-    print(write_results(rows, meta, "peer_torch" + ("_tiny" if args.tiny else "")))
+    stem = "peer_torch" + ("_tiny" if args.tiny else "") + (f"_{args.cores}core" if args.cores else "")
+    print(write_results(rows, meta, stem))
 
 
 if __name__ == "__main__":
