@@ -78,7 +78,7 @@ from hldstudy.distill import methods
 from hldstudy.errors import ConfigError, user_errors
 from hldstudy.flops import step_flops, trainable_params
 from hldstudy.shapes import ModelShape as PlanModel
-from hldstudy.sweep.cohorts import device_hours, study_flops
+from hldstudy.sweep.cohorts import device_hours, group, study_flops
 from hldstudy.sweep.spec import expand, load_sweep, teacher_model_config
 
 GB = 1e9
@@ -485,6 +485,7 @@ def predict_step_memory(cfg: Config, teacher_model: ModelConfig | None = None, *
              "activations": acts, "logits": logits}
     argument = state + batch
     temp = trainable + acts + logits
+    working = 0.0
     if spec.needs_teacher:
         t = PlanModel.from_model_config(teacher_model, "teacher")
         tpb = dtype_bytes(cfg.teacher.dtype)
@@ -507,7 +508,97 @@ def predict_step_memory(cfg: Config, teacher_model: ModelConfig | None = None, *
     output = state + 4 * 4
     alias = state if donate else 0.0
     return {"argument_bytes": argument, "output_bytes": output, "alias_bytes": alias,
-            "temp_bytes": temp, "total_bytes": argument + output - alias + temp, "terms": terms}
+            "temp_bytes": temp, "total_bytes": argument + output - alias + temp, "terms": terms,
+            "state_bytes": state, "teacher_working_bytes": working if layout == "colocated" else 0.0}
+
+
+# Measured, not derived: XLA (CPU) keeps ~25% more activation bytes per member in the
+# vmapped cohort step than K solo steps would (batched-dot operand layouts; per-member
+# temporaries of the tiny KD step: 12.7 MB for K <= 3, 14.3 MB for K = 4, 8 vs the solo
+# step's 13.3 MB, of which 9.6 MB activations). Calibrated on tests/test_cohort_plan.py's
+# shapes (K = 2..8 within 10%).
+VMAP_ACT_EXTRA = 0.25
+
+
+def cohort_memory(cfg: Config, teacher_model: ModelConfig | None, k: int, *,
+                  method: str | None = None, stage: str | None = None,
+                  layout: str = "colocated", varying: int = 2, donate: bool = True,
+                  attention: str = "dense") -> dict:
+    """Predicted `compiled.memory_analysis()` of one cohort step (`hldstudy.train.cohort`):
+    K students vmapped, one teacher.
+
+    Per member (x K): the train state (params + optimizer state, argument, output and
+    aliased when donated), and in temporaries its gradients, activations and logits
+    peak. Once: the batch, the teacher's params (colocated) or streamed outputs
+    (disaggregated), the teacher's kept outputs, and its forward's working set where it
+    exceeds the K students' peak (it runs first). Plus K x `varying` float32
+    hyperparameters and the [K] int32 divergence record. Same keys as
+    `predict_step_memory` (k = 1 is the solo step plus those few bytes), and
+    "per_member_bytes" / "shared_bytes" (what one more member adds / what stays)."""
+    if k < 1:
+        raise ConfigError("cohort", f"a cohort has at least one member, got {k}")
+    one = predict_step_memory(cfg, teacher_model, method=method, stage=stage, layout=layout,
+                              donate=donate, attention=attention)
+    t = one["terms"]
+    state = one["state_bytes"]
+    member_temp = t["grads"] + t["activations"] + t["logits"]
+    if k > 1:  # batched (vmapped) layers: XLA keeps more of each member's activations
+        member_temp += VMAP_ACT_EXTRA * t["activations"]
+    small = k * (4 * varying + 4)  # hyperparameters and the divergence record
+    argument = k * state + t["batch"] + t.get("teacher_params", 0.0) \
+        + t.get("teacher_inputs", 0.0) + small
+    output = k * (state + 4 * 4) + 4 * k
+    alias = k * state if donate else 0.0
+    teacher_temp = t.get("teacher_outputs", 0.0) \
+        + max(0.0, one["teacher_working_bytes"] - k * (t["activations"] + t["logits"]))
+    temp = k * member_temp + teacher_temp
+    per_member = 2 * state + member_temp - (state if donate else 0.0)
+    total = argument + output - alias + temp
+    return {"argument_bytes": argument, "output_bytes": output, "alias_bytes": alias,
+            "temp_bytes": temp, "total_bytes": total, "k": k,
+            "per_member_bytes": per_member, "shared_bytes": total - k * per_member}
+
+
+def largest_cohort(fits, k_max: int) -> int:
+    """The largest K in 1..k_max with fits(K) (memory grows with K); 0 when none fits."""
+    best = 0
+    for k in range(1, max(k_max, 0) + 1):
+        if not fits(k):
+            break
+        best = k
+    return best
+
+
+def auto_cohort(runs, teacher_model: ModelConfig | None, limit_bytes: float,
+                devices: int = 1) -> dict:
+    """`--cohort auto`: the largest K such that every cohort of the grid (each method's
+    compatible runs, each of its stages) fits `limit_bytes` of one device per
+    `cohort_memory`, the run's batch split over `devices` data-parallel devices (each
+    holding the whole cohort's state: FSDP would need less). Returns {"k", "limit_bytes", "largest_group", "bytes_at_k",
+    "bytes_at_k_plus_1"} (the worst cohort's predicted total; k = 0: not even one
+    student fits; k = largest_group: every compatible run fits in one cohort)."""
+    groups = group(runs, max(len(runs), 1))
+
+    def need(k: int) -> float:
+        worst = 0.0
+        for members in groups:
+            run = members[0]
+            t = teacher_model if methods.get(run.method).needs_teacher else None
+            cfg = run.config
+            if devices > 1:
+                cfg = dataclasses.replace(cfg, data=dataclasses.replace(
+                    cfg.data, batch_size=max(cfg.data.batch_size // devices, 1)))
+            for stage in run.stage_steps:
+                mem = cohort_memory(cfg, t, min(k, len(members)), method=run.method,
+                                    stage=stage)
+                worst = max(worst, mem["total_bytes"])
+        return worst
+
+    largest = max((len(g) for g in groups), default=0)
+    k = largest_cohort(lambda n: need(n) <= limit_bytes, largest)
+    return {"k": k, "limit_bytes": limit_bytes, "largest_group": largest,
+            "bytes_at_k": need(k) if k else need(1),
+            "bytes_at_k_plus_1": need(k + 1) if k < largest else None}
 
 
 def xla_memory(compiled) -> dict[str, float]:
@@ -574,9 +665,15 @@ def study_main(argv: list[str]) -> int:
                                  description="FLOPs and device-hours of a whole sweep: colocated "
                                              "vs disaggregated vs cohort teacher.")
     ap.add_argument("--sweep", required=True, help="sweep file or built-in sweep name")
-    ap.add_argument("--cohort", type=int, default=None,
+    ap.add_argument("--cohort", default=None, metavar="K|auto",
                     help="at most K students per cohort (default: every compatible run of a "
-                         "method in one cohort)")
+                         "method in one cohort); auto: the largest K whose cohorts fit --hbm")
+    ap.add_argument("--hbm", type=float, default=None,
+                    help="GB of memory per device (with --cohort auto)")
+    ap.add_argument("--usable", type=float, default=0.9,
+                    help="usable fraction of --hbm (with --cohort auto)")
+    ap.add_argument("--devices", type=int, default=1,
+                    help="data-parallel devices per run, splitting its batch (with --cohort auto)")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="K=V")
     ap.add_argument("--tflops", type=float, default=989.0, help="peak TFLOPS per device")
     ap.add_argument("--mfu", type=float, default=0.4)
@@ -584,8 +681,21 @@ def study_main(argv: list[str]) -> int:
     ap.add_argument("--debug", action="store_true")
     a = ap.parse_args(argv)
     with user_errors(a.debug, prog="hldstudy.plan"):
-        if a.cohort is not None and a.cohort < 1:
-            raise ConfigError("--cohort", f"must be >= 1, got {a.cohort}")
+        auto = a.cohort == "auto"
+        if auto:
+            if a.hbm is None or not (math.isfinite(a.hbm) and a.hbm > 0):
+                raise ConfigError("--hbm", "--cohort auto needs the device memory",
+                                  "give --hbm GB (> 0) per device")
+            if not 0 < a.usable <= 1:
+                raise ConfigError("--usable", f"{a.usable} is out of range", "0 < F <= 1")
+        elif a.cohort is not None:
+            try:
+                a.cohort = int(a.cohort)
+            except ValueError:
+                raise ConfigError("--cohort", f"{a.cohort!r} is not a number",
+                                  "--cohort K (K >= 1) or --cohort auto") from None
+            if a.cohort < 1:
+                raise ConfigError("--cohort", f"must be >= 1, got {a.cohort}")
         for name, value in (("--mfu", a.mfu), ("--tflops", a.tflops)):
             if not (math.isfinite(value) and value > 0) or (name == "--mfu" and value > 1):
                 raise ConfigError(name, f"{value} is out of range",
@@ -593,7 +703,23 @@ def study_main(argv: list[str]) -> int:
         sweep = load_sweep(find_builtin(a.sweep, SWEEPS))
         runs = expand(sweep, a.overrides)
         teacher = teacher_model_config(runs[0].config.teacher.checkpoint, sweep.teacher_preset)
+        chosen = None
+        if auto:
+            if a.devices < 1:
+                raise ConfigError("--devices", f"must be >= 1, got {a.devices}")
+            chosen = auto_cohort(runs, teacher, a.hbm * GB * a.usable, a.devices)
+            if chosen["k"] == 0:
+                raise ConfigError("--cohort", f"not even one student fits: the largest cohort "
+                                  f"step needs {_gb(chosen['bytes_at_k'])} GB of the "
+                                  f"{_gb(chosen['limit_bytes'])} GB usable "
+                                  f"({a.hbm:g} GB x {a.usable:g}) with the batch over "
+                                  f"{a.devices} device(s)",
+                                  "more data-parallel devices (--devices N), or a device with "
+                                  "more memory")
+            a.cohort = chosen["k"]
         r = study_flops(runs, teacher, a.cohort or len(runs))
+        if chosen is not None:
+            r["cohort_auto"] = chosen
         r.update({"sweep": sweep.name, "mfu": a.mfu, "peak_tflops": a.tflops})
         for lay in r["layouts"].values():
             lay["device_hours"] = device_hours(lay["total_flops"], a.mfu, a.tflops)
@@ -604,6 +730,14 @@ def study_main(argv: list[str]) -> int:
         if a.json:
             print(json.dumps(r, sort_keys=True))
             return 0
+        if chosen is not None:
+            nxt = chosen["bytes_at_k_plus_1"]
+            print(f"--cohort auto: K = {chosen['k']}, the largest cohort that fits "
+                  f"{_gb(chosen['limit_bytes'])} GB ({a.hbm:g} GB x {a.usable:g} usable, the "
+                  f"batch over {a.devices} device(s)): "
+                  f"its step needs {_gb(chosen['bytes_at_k'])} GB"
+                  + (f", K = {chosen['k'] + 1} would need {_gb(nxt)} GB" if nxt else
+                     " (every compatible run of a method in one cohort)"))
         print(f"sweep {sweep.name}: {r['runs']} runs, {r['cohorts']} cohorts "
               f"(at most {r['cohort_size']} students each); device-hours at "
               f"{a.mfu:.0%} MFU of {a.tflops:g} TFLOPS")

@@ -76,3 +76,118 @@ def test_bad_study_inputs_are_one_line(capsys):
         plan_main(["--sweep", "c4_123m", "--cohort", "0"])
     assert e.value.code == 2
     assert capsys.readouterr().err.strip().count("\n") == 0
+
+
+# --------------------------------------------------------------------------- #
+# Memory: K students + one teacher
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_cohort_memory_matches_xla(k):
+    """The planner's cohort step vs XLA's memory_analysis() of the compiled (donated)
+    cohort step the trainer runs, within the planner's tolerance for the solo step."""
+    import jax
+
+    from hldstudy.config import DistillConfig
+    from hldstudy.plan import cohort_memory, xla_memory
+    from hldstudy.train.cohort import cohort_step_probe
+
+    cfg = Config(model=preset("tiny"), data=DataConfig(batch_size=4, seq_len=64),
+                 distill=DistillConfig(method="kd", loss_impl="fused", fused_backend="xla"))
+    teacher = preset("tiny-teacher")
+    step, args = cohort_step_probe(cfg, k, "kd", None, teacher)
+    xla = xla_memory(jax.jit(step, donate_argnums=(0,)).lower(*args).compile())
+    pred = cohort_memory(cfg, teacher, k)
+    assert pred["argument_bytes"] == pytest.approx(xla["argument_bytes"], rel=0.02)
+    assert pred["output_bytes"] == pytest.approx(xla["output_bytes"], rel=0.02)
+    assert pred["alias_bytes"] == pytest.approx(xla["alias_bytes"], rel=0.02)
+    assert pred["temp_bytes"] == pytest.approx(xla["temp_bytes"], rel=0.15)
+    assert pred["total_bytes"] == pytest.approx(xla["total_bytes"], rel=0.15)
+
+
+def test_cohort_memory_is_k_students_plus_one_teacher():
+    from hldstudy.config import DistillConfig
+    from hldstudy.plan import cohort_memory, predict_step_memory
+
+    cfg = Config(model=preset("tiny"), data=DataConfig(batch_size=4, seq_len=64),
+                 distill=DistillConfig(method="kd"))
+    solo = predict_step_memory(cfg, TEACHER)
+    one, four = cohort_memory(cfg, TEACHER, 1), cohort_memory(cfg, TEACHER, 4)
+    assert one["total_bytes"] == pytest.approx(solo["total_bytes"], rel=1e-3)
+    t = solo["terms"]
+    # Each member: its state (params + optimizer) and its gradients / activations / logits.
+    assert four["argument_bytes"] - one["argument_bytes"] == pytest.approx(
+        3 * solo["state_bytes"], rel=1e-3)
+    assert four["per_member_bytes"] >= t["params"] + t["optimizer"] + t["grads"]
+    # The teacher is paid once: 4 students in one cohort < 4 colocated solo steps.
+    assert four["total_bytes"] < 4 * solo["total_bytes"]
+    from hldstudy.errors import ConfigError
+
+    with pytest.raises(ConfigError):
+        cohort_memory(cfg, TEACHER, 0)
+
+
+def test_plan_cohort_auto_picks_the_largest_k_that_fits(capsys):
+    from hldstudy.plan import GB, auto_cohort
+
+    runs = expand(_sweep())
+    small = auto_cohort(runs, TEACHER, 1e12)
+    assert small["k"] == small["largest_group"] == 4 and small["bytes_at_k_plus_1"] is None
+    two = auto_cohort(runs, TEACHER, (small["bytes_at_k"] + auto_cohort(runs, TEACHER, 0)
+                                      ["bytes_at_k"]) / 2)
+    assert 1 <= two["k"] < 4 and two["bytes_at_k"] <= two["limit_bytes"] \
+        < two["bytes_at_k_plus_1"]
+    assert auto_cohort(runs, TEACHER, 1.0)["k"] == 0
+
+    # The CLI on the 123M grid, its batch over 16 devices of 80 GB: K fits, K + 1 does not.
+    assert plan_main(["--sweep", "c4_123m", "--cohort", "auto", "--hbm", "80", "--devices", "16",
+                      "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    auto = r["cohort_auto"]
+    assert r["cohort_size"] == auto["k"] >= 1
+    assert auto["bytes_at_k"] <= 80 * GB * 0.9
+    assert auto["bytes_at_k_plus_1"] is None or auto["bytes_at_k_plus_1"] > 80 * GB * 0.9
+    assert plan_main(["--sweep", "c4_123m", "--cohort", "auto", "--hbm", "80", "--devices", "16",
+                      "--usable", "0.5"]) == 0
+    out = capsys.readouterr().out
+    assert "--cohort auto: K = " in out and "(80 GB x 0.5 usable, the batch over 16" in out
+    for bad in (["--cohort", "auto"],  # auto needs the device's memory
+                ["--cohort", "auto", "--hbm", "80"]):  # 256 x 2048 tokens on one device
+        with pytest.raises(SystemExit) as e:
+            plan_main(["--sweep", "c4_123m", *bad])
+        assert e.value.code == 2
+        assert capsys.readouterr().err.strip().count("\n") == 0
+
+
+def test_sweep_cohort_auto_from_the_available_memory(tmp_path, monkeypatch, capsys):
+    """`python -m hldstudy.sweep SWEEP --cohort auto`: K from the memory available now."""
+    from hldstudy.plan import auto_cohort
+    from hldstudy.sweep.__main__ import main as sweep_main
+    from hldstudy.train import loop
+
+    f = tmp_path / "auto_sweep.py"
+    f.write_text('''from hldstudy.config import Config, DataConfig, TrainConfig
+from hldstudy.model import preset
+from hldstudy.sweep import Sweep
+
+
+def get_sweep():
+    base = Config(name="c", model=preset("tiny", vocab_size=384),
+                  data=DataConfig(seq_len=64, batch_size=8, tokenizer_vocab_size=384),
+                  train=TrainConfig(warmup_steps=1))
+    return Sweep(name="c", base=base, methods=("baseline", "kd", "hldf"), lr=(1e-3, 3e-3),
+                 temperature=(1.0, 2.0), budget_baseline_steps=20, teacher_preset="tiny-teacher")
+''')
+    runs = expand(_sweep())
+    one = auto_cohort(runs, TEACHER, 0)["bytes_at_k"]  # the worst single student's step
+    for avail, want in ((1e12, 4), (one / 0.9 * 1.001, 1)):
+        monkeypatch.setattr(loop, "memory_available", lambda device, a=avail: int(a))
+        assert sweep_main([str(f), "--workdir", str(tmp_path / "runs"), "--dry-run", "--json",
+                           "--cohort", "auto"]) == 0
+        captured = capsys.readouterr()
+        assert f"--cohort auto: K = {want} " in captured.err, captured.err
+        listing = json.loads(captured.out)
+        sizes: dict[str, int] = {}
+        for r in listing:
+            sizes[r["cohort"]] = sizes.get(r["cohort"], 0) + 1
+        assert max(sizes.values()) == want

@@ -74,16 +74,23 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="slurm: wait for the jobs (default: only for --cluster local/debug)")
     p.add_argument("--sweep-id", default=None, help="wandb: join this existing W&B sweep")
     p.add_argument("--count", type=int, default=None, help="wandb: runs this agent executes")
-    p.add_argument("--cohort", type=int, default=None, metavar="K",
+    p.add_argument("--cohort", default=None, metavar="K|auto",
                    help="train compatible runs as cohorts of at most K students sharing one "
-                        "teacher forward per step (local executor)")
+                        "teacher forward per step (local executor); auto: the largest K whose "
+                        "cohort step fits the device's available memory (hldstudy.plan's "
+                        "cohort_memory)")
     p.add_argument("--methods", default=None, metavar="A,B",
                    help="only the runs of these methods (comma-separated)")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
     args = p.parse_args(argv)
-    if args.cohort is not None and args.cohort < 1:
-        p.error(f"--cohort must be >= 1, got {args.cohort}")
-    if args.cohort is not None and args.cohort > 1 and args.executor != "local" \
+    if args.cohort is not None and args.cohort != "auto":
+        try:
+            args.cohort = int(args.cohort)
+        except ValueError:
+            p.error(f"--cohort must be a number or auto, got {args.cohort!r}")
+        if args.cohort < 1:
+            p.error(f"--cohort must be >= 1, got {args.cohort}")
+    if args.cohort is not None and args.cohort != 1 and args.executor != "local" \
             and not args.dry_run:
         p.error("--cohort goes with --executor local (slurm / wandb run one run per job)")
     if args.parallel < 1:
@@ -91,6 +98,40 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.json and not args.dry_run:
         p.error("--json goes with --dry-run")
     return args
+
+
+def _auto_cohort(sweep, runs) -> int:
+    """`--cohort auto`: the largest K whose cohort step (`hldstudy.plan.cohort_memory`,
+    worst method and stage of the grid) fits the memory available on this process's
+    first device now (the host's on the CPU), less a 10% margin; says so on stderr."""
+    import jax
+
+    from hldstudy.plan import GB, auto_cohort
+    from hldstudy.sweep.spec import teacher_model_config
+    from hldstudy.train.loop import memory_available
+
+    device = jax.local_devices()[0]
+    avail = memory_available(device)
+    if avail is None:
+        print(f"{PROG}: --cohort auto: the memory of {device.platform} devices is unknown; "
+              "training every run alone (--cohort 1)", file=sys.stderr)
+        return 1
+    checkpoint = next((r.config.teacher.checkpoint for r in runs if r.config.teacher.checkpoint),
+                      None)
+    if checkpoint is not None:
+        teacher = teacher_model_config(checkpoint, sweep.teacher_preset)
+    else:
+        from hldstudy.model import preset
+
+        teacher = preset(sweep.teacher_preset) if sweep.teacher_preset else None
+    chosen = auto_cohort(runs, teacher, 0.9 * avail)
+    k = max(chosen["k"], 1)
+    nxt = chosen["bytes_at_k_plus_1"]
+    print(f"{PROG}: --cohort auto: K = {k} ({chosen['bytes_at_k'] / GB:.3g} GB predicted per "
+          f"cohort step, {0.9 * avail / GB:.3g} GB usable of {device.platform} memory"
+          + (f"; K = {k + 1} would need {nxt / GB:.3g} GB)" if nxt else
+             "; every compatible run of a method in one cohort)"), file=sys.stderr)
+    return k
 
 
 def _parse_params(items: list[str]) -> dict:
@@ -178,6 +219,8 @@ def _main(args) -> int:
             raise InputError(f"--run-id {args.run_id!r} is not a run of {sweep.name} "
                              f"(e.g. {', '.join(r.run_id for r in runs[:3])})")
 
+    if args.cohort == "auto":
+        args.cohort = _auto_cohort(sweep, selected)
     if args.dry_run:
         statuses = {}
         for r in selected:
