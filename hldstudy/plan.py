@@ -38,6 +38,10 @@ Memory terms (bytes per device):
   gradient) + the `d_s x V` float32 head-gradient accumulator + per-row
   statistics (`16` bytes per token).
 - ring (disaggregated): `K * tokens_dev_step * n_streamed * d_t * stream_bytes`.
+- fan-out window (a replica serving a cohort of trainer processes,
+  `hldstudy.teacher.fanout`): `W * tokens_per_step * n_union * d_t *
+  stream_bytes` of host memory per replica, W = `--window` steps of the
+  hidden states of the union of the members' layers (`fanout_window_bytes`).
 
 Network bytes per step: hidden = `tokens * n_streamed * d_t * stream_bytes`
 (n_streamed = final hidden + `hidden_layers` intermediate layers) versus
@@ -212,6 +216,13 @@ def ring_bytes(ring: int, tokens: float, n_streamed: int, d_teacher: int,
     return ring * tokens * n_streamed * d_teacher * stream_bytes
 
 
+def fanout_window_bytes(window: int, tokens_per_step: float, n_union: int, d_teacher: int,
+                        stream_bytes: int = 2) -> float:
+    """Host memory of a cohort replica's window: W whole steps (a replica computes every
+    token of a step) of the union of the members' streamed tensors."""
+    return window * tokens_per_step * n_union * d_teacher * stream_bytes
+
+
 def network_bytes_per_step(tokens: float, n_streamed: int, d_teacher: int, vocab: int,
                            stream_bytes: int = 2) -> dict[str, float]:
     hidden = tokens * n_streamed * d_teacher * stream_bytes
@@ -250,6 +261,8 @@ class PlanInputs:
     vocab_block: int = 512
     usable: float = 0.9
     fused_recompute: bool = True
+    fanout_window: int = 0  # cohort replicas: steps held (0 = no fan-out)
+    fanout_union_layers: int = 0  # streamed tensors of the cohort's union (0: n_streamed)
 
 
 # Each numeric input's domain, named by its command-line flag: (flag, low, low
@@ -262,6 +275,10 @@ _INPUT_DOMAINS = {
     "param_bytes": ("--param-bytes", 1, True, 8, True, "bytes per parameter, e.g. 4 (float32)"),
     "ring": ("--ring", 0, True, math.inf, False, "prefetch ring depth"),
     "hidden_layers": ("--hidden-layers", 0, True, math.inf, False, "streamed teacher layers"),
+    "fanout_window": ("--fanout-window", 0, True, math.inf, False,
+                      "steps a cohort replica holds, 0 = no fan-out"),
+    "fanout_union_layers": ("--fanout-union-layers", 0, True, math.inf, False,
+                            "streamed tensors of the cohort's union, 0 = 1 + --hidden-layers"),
     "row_block": ("--row-block", 1, True, math.inf, False, "fused-loss row window"),
     "vocab_block": ("--vocab-block", 1, True, math.inf, False, "fused-loss vocabulary chunk"),
     "hbm_gb": ("--hbm", 0, False, math.inf, False, "GB of memory per device, e.g. 80"),
@@ -419,7 +436,10 @@ def plan(p: PlanInputs) -> dict:
                           "teacher_devices_for_memory": teacher_devices_for_memory,
                           "teacher_devices_needed": max(
                               math.ceil(teacher_time * t_dev / disagg_time - 1e-9),
-                              teacher_devices_for_memory or 10**9)},
+                              teacher_devices_for_memory or 10**9),
+                          "fanout_window_bytes": fanout_window_bytes(
+                              p.fanout_window, p.tokens_per_step,
+                              p.fanout_union_layers or n_streamed, t.d_model, sb)},
         "network_bytes_per_step": net,
         "required_link_gbps": required,
         "required_link_gbps_if_logits": required_logits,
@@ -650,6 +670,9 @@ def format_markdown(r: dict) -> str:
                  f"(needs {dis['teacher_devices_needed']} devices) |")
     lines.append(f"| step time (s) | {col['step_time_s']:.3f} | {dis['student_step_time_s']:.3f} | "
                  f"{dis['teacher_step_time_s']:.3f} |")
+    if i.get("fanout_window"):
+        lines.append(f"| fan-out window ({i['fanout_window']} steps, host, per replica) | - | - | "
+                     f"{_gb(dis['fanout_window_bytes'])} |")
     net = r["network_bytes_per_step"]
     lines += ["",
               f"Network per step: hidden {_gb(net['hidden'])} GB vs logits {_gb(net['logits'])} GB "
@@ -783,6 +806,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--vocab-block", type=int, default=512)
     ap.add_argument("--usable", type=float, default=0.9, help="usable fraction of HBM")
     ap.add_argument("--no-fused-recompute", action="store_true")
+    ap.add_argument("--fanout-window", type=int, default=0,
+                    help="steps a cohort replica holds (serve --window); 0 = no fan-out")
+    ap.add_argument("--fanout-union-layers", type=int, default=0,
+                    help="streamed tensors of the cohort's union of layers (0: as one run)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--debug", action="store_true")
     a = ap.parse_args(argv)
@@ -795,7 +822,8 @@ def main(argv: list[str] | None = None) -> int:
                        hidden_layers=a.hidden_layers, teacher_devices=a.teacher_devices,
                        grad_accum=a.grad_accum, tflops=a.tflops, mfu=a.mfu,
                        attention=a.attention, row_block=a.row_block, vocab_block=a.vocab_block,
-                       usable=a.usable, fused_recompute=not a.no_fused_recompute)
+                       usable=a.usable, fused_recompute=not a.no_fused_recompute,
+                       fanout_window=a.fanout_window, fanout_union_layers=a.fanout_union_layers)
         dtype_bytes(p.compute_dtype), dtype_bytes(p.teacher_dtype), dtype_bytes(p.stream_dtype)
         _check(p)
         warn_long_sequence("hldstudy.plan", "--seq-len", p.seq_len)

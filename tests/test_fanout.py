@@ -279,6 +279,23 @@ def test_the_trainer_handshake_checks_its_membership():
             t._check_cohort("h:1", info, ref)
 
 
+def test_the_planner_has_the_window_memory():
+    from hldstudy.plan import PlanInputs, fanout_window_bytes, format_markdown, plan, plan_model
+
+    assert fanout_window_bytes(4, 1000, 2, 2560, 2) == 4 * 1000 * 2 * 2560 * 2
+    p = PlanInputs(teacher=plan_model("gemma3-4b"), student=plan_model("gemma3-270m"),
+                   tokens_per_step=8192, devices=8, hbm_gb=80, link_gbps=100, hidden_layers=1)
+    r = plan(p)
+    assert r["disaggregated"]["fanout_window_bytes"] == 0
+    assert "fan-out window" not in format_markdown(r)
+    r = plan(dataclasses.replace(p, fanout_window=3, fanout_union_layers=3))
+    d_t = r["models"]["teacher"]["d_model"]
+    assert r["disaggregated"]["fanout_window_bytes"] == 3 * 8192 * 3 * d_t * 2  # bf16 stream
+    assert "| fan-out window (3 steps, host, per replica) |" in format_markdown(r)
+    with pytest.raises(ConfigError, match="--fanout-window"):
+        plan(dataclasses.replace(p, fanout_window=-1))
+
+
 # --------------------------------------------------------------------------- #
 # The service in-process (no model): the trainer's client path, three members
 # --------------------------------------------------------------------------- #
@@ -287,6 +304,7 @@ SHAPE = (2, 4, 8)
 
 
 def test_a_synthetic_cohort_replica_serves_each_member_its_part_once():
+    from hldstudy.plan import fanout_window_bytes
     from hldstudy.teacher import protocol as proto
     from hldstudy.teacher.remote import GrpcLink, ReplicaDown, Security
     from hldstudy.teacher.ring import PrefetchRing
@@ -319,12 +337,19 @@ def test_a_synthetic_cohort_replica_serves_each_member_its_part_once():
             t.start()
         for t in threads:
             t.join(60)
-        stats = GrpcLink(address).stats()
+        deadline = time.time() + 10
+        while (stats := GrpcLink(address).stats())["steps"] < 3 * n and time.time() < deadline:
+            time.sleep(0.02)  # a step is counted once its last frame has left
         assert got == {"a": [["final"]] * n, "b": [["final", "layer:2"]] * n,
                        "c": [["layer:1"]] * n}
         assert stats["forwards"] == n and stats["recomputed"] == 0  # not 3 x n
         assert stats["steps"] == 3 * n  # each member got every step once
-        assert stats["cohort"]["peak"] <= 2
+        # The planner's window memory is what the replica holds when the window is full.
+        peak = stats["cohort"]["peak"]
+        assert 1 <= peak <= 2
+        per_step = fanout_window_bytes(1, SHAPE[0] * SHAPE[1], 3, SHAPE[2], 4)
+        assert stats["cohort"]["peak_bytes"] == peak * per_step
+        assert fanout_window_bytes(2, SHAPE[0] * SHAPE[1], 3, SHAPE[2], 4) == 2 * per_step
         channel = Security().channel(address)
         info = proto.decode(channel.unary_unary(proto.method(proto.INFO))(b"", timeout=5))[0]
         channel.close()
@@ -353,12 +378,16 @@ VOCAB = 384
 MEMBER_SCRIPT = """
 import sys, jax
 from hldstudy.config import read_config
-from hldstudy.train.loop import Trainer
-Trainer(read_config(sys.argv[1]), sys.argv[2], devices=jax.devices()[:1]).run()
+from hldstudy.train.loop import Interrupted, Trainer
+stop = int(sys.argv[3]) if len(sys.argv) > 3 else None
+try:
+    Trainer(read_config(sys.argv[1]), sys.argv[2], devices=jax.devices()[:1]).run(stop)
+except Interrupted:
+    sys.exit(143)
 """
 
 
-def _configs(root):
+def _configs(root, steps=5, checkpoint_every=4, names=("kd-a", "kd-b", "hldc-c")):
     """The teacher (trained a few steps) and the three members' colocated configs."""
     from hldstudy.config import Config, DataConfig, DistillConfig, TrainConfig
     from hldstudy.model import preset
@@ -369,8 +398,8 @@ def _configs(root):
                           synthetic_docs=600, synthetic_valid_docs=50, tokenizer=tok)
 
     def train(steps, lr=3e-3):
-        return TrainConfig(steps=steps, lr=lr, warmup_steps=2, log_every=1, checkpoint_every=4,
-                           eval_batches=1, progress=False)
+        return TrainConfig(steps=steps, lr=lr, warmup_steps=2, log_every=1,
+                           checkpoint_every=checkpoint_every, eval_batches=1, progress=False)
 
     import jax
 
@@ -381,13 +410,61 @@ def _configs(root):
 
     def student(name, method, lr):
         return Config(name=name, model=preset("tiny", vocab_size=VOCAB), data=data(tok),
-                      train=train(5, lr), distill=DistillConfig(method=method),
+                      train=train(steps, lr), distill=DistillConfig(method=method),
                       teacher=dataclasses.replace(Config().teacher, checkpoint=str(teacher),
                                                   timeout_s=120.0))
 
-    return str(teacher), {"kd-a": student("kd-a", "kd", 3e-3),
-                          "kd-b": student("kd-b", "kd", 1e-3),
-                          "hldc-c": student("hldc-c", "hldc", 3e-3)}
+    every = {"kd-a": student("kd-a", "kd", 3e-3), "kd-b": student("kd-b", "kd", 1e-3),
+             "hldc-c": student("hldc-c", "hldc", 3e-3)}
+    return str(teacher), {k: every[k] for k in names}
+
+
+class CohortReplica:
+    """`python -m hldstudy.teacher.serve --cohort ...` in a subprocess."""
+
+    def __init__(self, root, cfg, cohort, *args):
+        from hldstudy.config import save_config
+
+        save_config(cfg, root / "replica.json")
+        self.log = root / "replica.log"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "hldstudy.teacher.serve", "--config", str(root / "replica.json"),
+             "--workdir", str(root / "replica"), "--cohort", cohort, *args, "--port", "0"],
+            stdout=subprocess.PIPE, stderr=open(self.log, "w"), text=True)
+        self.address = None
+
+    def ready(self, says=""):
+        line = self.proc.stdout.readline()
+        m = re.search(re.escape(says) + r".* on \S+:(\d+)$", line.strip())
+        assert m, f"{line!r}\n{self.log.read_text()[-3000:]}"
+        self.address = f"127.0.0.1:{m.group(1)}"
+
+    def stats(self):
+        from hldstudy.teacher.remote import GrpcLink
+
+        return GrpcLink(self.address).stats()
+
+    def kill(self):
+        self.proc.kill()
+        self.proc.wait()
+
+
+def _member(root, name, cfg, address, stop=None):
+    """A trainer process of cohort member `name` (it stops at `stop` as on SIGTERM)."""
+    from hldstudy.config import save_config
+
+    remote = dataclasses.replace(cfg, teacher=dataclasses.replace(
+        cfg.teacher, checkpoint=f"remote://{address}?member={name}"))
+    save_config(remote, root / f"{name}.json")
+    return subprocess.Popen(
+        [sys.executable, "-c", MEMBER_SCRIPT, str(root / f"{name}.json"), str(root / name / "remote"),
+         *([str(stop)] if stop is not None else [])], env=dict(os.environ),
+        stdout=subprocess.DEVNULL, stderr=open(root / f"{name}.log", "a"))
+
+
+def _steps_log(workdir):
+    return [json.loads(x)["step"] for x in
+            (Path(workdir) / "teacher_steps.log").read_text().splitlines()]
 
 
 def _losses(workdir):
@@ -400,53 +477,73 @@ def _losses(workdir):
 def test_three_trainer_processes_share_one_forward_per_step(tmp_path):
     import jax
 
-    from hldstudy.config import save_config
-    from hldstudy.teacher.remote import GrpcLink
     from hldstudy.train.loop import Trainer
 
     teacher, members = _configs(tmp_path)
-    first = members["kd-a"]
-    save_config(first, tmp_path / "replica.json")
-    cohort = "kd-a=final;kd-b=final;hldc-c=final,3"  # hldc aligns with teacher layer 3
-    log = open(tmp_path / "replica.log", "w")
-    replica = subprocess.Popen(
-        [sys.executable, "-m", "hldstudy.teacher.serve", "--config", str(tmp_path / "replica.json"),
-         "--workdir", str(tmp_path / "replica"), "--cohort", cohort, "--window", "3",
-         "--lag-timeout-s", "60", "--port", "0"],
-        stdout=subprocess.PIPE, stderr=log, text=True)
+    # hldc aligns with teacher layer 3: the replica computes final + layer 3 once per step
+    replica = CohortReplica(tmp_path, members["kd-a"], "kd-a=final;kd-b=final;hldc-c=final,3",
+                            "--window", "3", "--lag-timeout-s", "60")
     procs = []
     try:
         for name, cfg in members.items():  # the colocated references, while the replica starts
             Trainer(cfg, tmp_path / name / "colocated", devices=jax.devices()[:1]).run()
-        line = replica.stdout.readline()
-        m = re.search(r"cohort hldc-c,kd-a,kd-b window 3\) on \S+:(\d+)$", line.strip())
-        assert m, f"{line!r}\n{(tmp_path / 'replica.log').read_text()[-3000:]}"
-        address = f"127.0.0.1:{m.group(1)}"
-        for name, cfg in members.items():
-            remote = dataclasses.replace(cfg, teacher=dataclasses.replace(
-                cfg.teacher, checkpoint=f"remote://{address}?member={name}"))
-            save_config(remote, tmp_path / f"{name}.json")
-            procs.append(subprocess.Popen(
-                [sys.executable, "-c", MEMBER_SCRIPT, str(tmp_path / f"{name}.json"),
-                 str(tmp_path / name / "remote")], env=dict(os.environ),
-                stdout=subprocess.DEVNULL, stderr=open(tmp_path / f"{name}.log", "w")))
+        replica.ready("cohort hldc-c,kd-a,kd-b window 3)")
+        procs = [_member(tmp_path, name, cfg, replica.address) for name, cfg in members.items()]
         for name, p in zip(members, procs, strict=True):
             assert p.wait(600) == 0, (tmp_path / f"{name}.log").read_text()[-3000:]
-        stats = GrpcLink(address).stats()
+        stats = replica.stats()
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
         replica.kill()
-        replica.wait()
     assert stats["forwards"] == 5 and stats["recomputed"] == 0  # 5 steps, not 3 x 5
     assert stats["steps"] == 15
     for name in members:
         col, rem = _losses(tmp_path / name / "colocated"), _losses(tmp_path / name / "remote")
         assert sorted(rem) == [1, 2, 3, 4, 5]
         assert rem == col, name  # float32 on CPU: the same bits
-        steps = [json.loads(x)["step"] for x in
-                 (tmp_path / name / "remote" / "teacher_steps.log").read_text().splitlines()]
-        assert steps == [0, 1, 2, 3, 4]
+        assert _steps_log(tmp_path / name / "remote") == [0, 1, 2, 3, 4]
     assert _losses(tmp_path / "kd-a" / "remote") != _losses(tmp_path / "kd-b" / "remote")
     assert np.isfinite(list(_losses(tmp_path / "hldc-c" / "remote").values())).all()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_member_that_stops_mid_run_rejoins_and_is_recomputed_alone(tmp_path):
+    """kd-b stops at step 3 (as on SIGTERM or a crash: its stream ends before its last
+    step); kd-a goes on once the lag timeout detaches kd-b; kd-b resumes from its
+    checkpoint and the steps kd-a has passed are computed for it alone."""
+    import jax
+
+    from hldstudy.train.loop import Trainer
+
+    n = 8
+    teacher, members = _configs(tmp_path, steps=n, checkpoint_every=2, names=("kd-a", "kd-b"))
+    replica = CohortReplica(tmp_path, members["kd-a"], "kd-a=final;kd-b=final",
+                            "--window", "2", "--lag-timeout-s", "3")
+    procs = []
+    try:
+        for name, cfg in members.items():
+            Trainer(cfg, tmp_path / name / "colocated", devices=jax.devices()[:1]).run()
+        replica.ready()
+        procs = [_member(tmp_path, "kd-a", members["kd-a"], replica.address),
+                 _member(tmp_path, "kd-b", members["kd-b"], replica.address, stop=3)]
+        assert procs[1].wait(600) == 143, (tmp_path / "kd-b.log").read_text()[-3000:]
+        procs.append(_member(tmp_path, "kd-b", members["kd-b"], replica.address))
+        for name, p in zip(("kd-a", "kd-b", "kd-b"), procs, strict=True):
+            assert p.wait(600) in (0, 143), (tmp_path / f"{name}.log").read_text()[-3000:]
+        assert procs[0].returncode == 0 and procs[2].returncode == 0
+        stats = replica.stats()
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        replica.kill()
+    (tmp_path / "replica_stats.json").write_text(json.dumps(stats))  # for a failure's reader
+    assert stats["recomputed"] >= 1 and stats["forwards"] == n + stats["recomputed"]
+    assert stats["cohort"]["members"]["kd-b"]["detached"] >= 1
+    assert stats["cohort"]["members"]["kd-b"]["recomputed"] == stats["recomputed"]
+    for name in members:
+        assert _losses(tmp_path / name / "remote") == _losses(tmp_path / name / "colocated")
+        assert _steps_log(tmp_path / name / "remote") == list(range(n))  # each step once
