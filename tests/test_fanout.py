@@ -370,6 +370,71 @@ def test_a_synthetic_cohort_replica_serves_each_member_its_part_once():
         server.stop(0)
 
 
+def test_a_cohort_fails_over_to_the_other_replica():
+    """Two cohort replicas own interleaved steps; one stops mid-run: every member still
+    gets every step once, in order, from the survivor; a reissued step costs at most one
+    extra forward."""
+    from hldstudy.teacher import protocol as proto
+    from hldstudy.teacher.remote import GrpcLink
+    from hldstudy.teacher.ring import PrefetchRing
+    from hldstudy.teacher.serve import SyntheticTeacherServer
+
+    servers = []
+    for _ in range(2):
+        server = SyntheticTeacherServer(SHAPE, "float32", n_layers=2)
+        server.set_cohort(parse_cohort("a=final;b=final,1"), window=3, lag_s=20)
+        server.start(host="127.0.0.1", port=0)
+        servers.append(server)
+    addresses = [f"127.0.0.1:{s.port}" for s in servers]
+    n, half = 20, 8
+    wants = {"a": (True, []), "b": (True, [1])}
+    got, reassigned, rings = {m: [] for m in wants}, {}, {}
+    at_half = threading.Barrier(3)
+    go_on = threading.Event()
+
+    def member(m):
+        final, layers = wants[m]
+        links = [GrpcLink(addr, open_spec={"final": final, "layers": layers, "member": m,
+                                           "start": 0, "end": n, "last_stage": True},
+                          expect=proto.expected_tensors(proto.tensor_names(layers, final),
+                                                        list(SHAPE), "float32"))
+                 for addr in addresses]
+        ring = rings[m] = PrefetchRing(links, start=0, end=n, ring_size=2, timeout_s=10,
+                                       rejoin_s=60)
+        try:
+            for s in range(n):
+                if s == half:
+                    at_half.wait(30)
+                    go_on.wait(30)
+                d = ring.get(s)
+                got[m].append((s, sorted(d.payload)))
+            reassigned[m] = ring.status()["reassigned"]
+        finally:
+            ring.close()
+            for link in links:
+                link.close()
+
+    threads = [threading.Thread(target=member, args=(m,)) for m in wants]
+    try:
+        for t in threads:
+            t.start()
+        at_half.wait(30)
+        before = GrpcLink(addresses[1]).stats()["forwards"]
+        servers[1].stop(0)  # replica 1 goes away with its outstanding steps
+        go_on.set()
+        for t in threads:
+            t.join(60)
+        survivor = GrpcLink(addresses[0]).stats()
+    finally:
+        for server in servers:
+            server.stop(0)
+    assert got == {"a": [(s, ["final"]) for s in range(n)],
+                   "b": [(s, ["final", "layer:1"]) for s in range(n)]}
+    assert before > 0  # replica 1 had its share before it went
+    assert before + survivor["forwards"] <= n + sum(reassigned.values())
+    assert survivor["steps"] >= 2 * (n - half - 3)  # the survivor served the rest to both
+
+
 # --------------------------------------------------------------------------- #
 # End to end: one replica subprocess, three trainer processes, two methods
 # --------------------------------------------------------------------------- #
