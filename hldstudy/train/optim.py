@@ -3,14 +3,21 @@
 The peak learning rate is `cfg.lr` (a constant of the program), or a traced scalar
 (`lr=`): a cohort's students each train at their own peak inside one compiled step,
 building their optimizer inside the step (optax's schedules are plain arithmetic in
-the peak, and the optimizer state does not depend on it)."""
+the peak, and the optimizer state does not depend on it).
+
+The optimizer only takes float32 parameters (the master weights,
+`hldstudy.train.step.split_params`): its `init` refuses bfloat16 / float16 ones, whose
+Adam moments and updates would be rounded to 8 bits of mantissa (`model.param_dtype`
+below float32 is kept as a float32 master copy, cast for the forward)."""
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from hldstudy.config import TrainConfig
+from hldstudy.errors import ConfigError
 
 
 def lr_schedule(cfg: TrainConfig, total_steps: int | None = None,
@@ -58,6 +65,29 @@ def frozen_labels(params, trainable_layers: int):
     return jax.tree_util.tree_map_with_path(label, params)
 
 
+def check_master_params(params) -> None:
+    """Raises ConfigError (naming model.param_dtype) when a floating parameter is not
+    float32: the optimizer would keep its state, and apply its updates, in that dtype."""
+    low = sorted({str(x.dtype) for x in jax.tree_util.tree_leaves(params)
+                  if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != jnp.float32})
+    if low:
+        raise ConfigError("model.param_dtype",
+                          f"{'/'.join(low)} parameters reached the optimizer without a float32 "
+                          "master copy (its moments and updates would be rounded to "
+                          f"{'/'.join(low)})",
+                          "build the state with hldstudy.train.step.split_params (float32 "
+                          "masters, cast for the forward), or set model.param_dtype=float32 "
+                          "and keep model.dtype=bfloat16 for bfloat16 compute")
+
+
+def _master_only(opt: optax.GradientTransformation) -> optax.GradientTransformation:
+    def init(params):
+        check_master_params(params)
+        return opt.init(params)
+
+    return optax.GradientTransformation(init, opt.update)
+
+
 def make_optimizer(cfg: TrainConfig, total_steps: int | None = None,
                    trainable_layers: int | None = None,
                    lr: float | jax.Array | None = None) -> optax.GradientTransformation:
@@ -72,7 +102,7 @@ def make_optimizer(cfg: TrainConfig, total_steps: int | None = None,
                              weight_decay=cfg.weight_decay, mask=_decay_mask))
     opt = optax.chain(*parts)
     if trainable_layers is None:
-        return opt
-    return optax.multi_transform(
+        return _master_only(opt)
+    return _master_only(optax.multi_transform(
         {"train": opt, "freeze": optax.set_to_zero()},
-        lambda params: frozen_labels(params, trainable_layers))
+        lambda params: frozen_labels(params, trainable_layers)))

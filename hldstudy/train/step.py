@@ -2,7 +2,14 @@
 
 The train state is a plain pytree `{"params": {"student": State, "aux":
 State | None}, "opt_state": ..., "step": int32}` so orbax, optax and
-shardings all see ordinary arrays. The teacher enters as the step's third
+shardings all see ordinary arrays.
+
+Mixed precision: the state's floating parameters are float32 master weights
+whatever `model.param_dtype` says (`split_params` makes them), so the optimizer's
+moments are float32 too; every forward (train and eval) first casts the student's
+masters to `param_dtype` (`GraphDefs.param_dtype`), and the gradient flows back
+through that cast to the masters in float32. With float32 parameters nothing is
+cast. The teacher enters as the step's third
 argument `teacher_in`, whatever the teacher's `StageFeed.inputs` gives (the
 colocated teacher's parameters, a remote teacher's streamed hidden states),
 and `teacher_forward(teacher_in, batch) -> TeacherOutputs` (the feed's
@@ -25,23 +32,60 @@ from flax import nnx
 from hldstudy.distill.base import Stage, Strategy
 from hldstudy.losses.kd import nll_per_token
 
+MASTER_DTYPE = jnp.float32
+
 
 @dataclass(frozen=True)
 class GraphDefs:
     student: Any
     aux: Any | None
+    # The student's declared parameter dtype (model.param_dtype): its forward runs on the
+    # float32 masters cast to this.
+    param_dtype: str = "float32"
+
+
+def _floating(x) -> bool:
+    return jnp.issubdtype(getattr(x, "dtype", jnp.int32), jnp.floating)
+
+
+def _as(x, dt):
+    if isinstance(x, jax.ShapeDtypeStruct):  # an abstract tree (eval_shape)
+        return jax.ShapeDtypeStruct(x.shape, dt, sharding=x.sharding)
+    return x.astype(dt)
+
+
+def to_master(tree):
+    """Float32 master copies of a parameter tree's floating leaves (others unchanged);
+    float32 leaves are returned as they are (no copy, no rounding)."""
+    return jax.tree_util.tree_map(
+        lambda x: _as(x, MASTER_DTYPE) if _floating(x) and x.dtype != MASTER_DTYPE else x,
+        tree)
+
+
+def cast_params(tree, dtype: str):
+    """The floating leaves of `tree` in `dtype` (the forward's copy of the masters)."""
+    dt = jnp.dtype(dtype)
+    if dt == MASTER_DTYPE:
+        return tree
+    return jax.tree_util.tree_map(lambda x: _as(x, dt) if _floating(x) else x, tree)
 
 
 def split_params(student: nnx.Module, aux: nnx.Module | None):
+    """(GraphDefs, {"student", "aux"}): the modules' graphs and their parameters as float32
+    masters (a bfloat16 `model.param_dtype` is recorded in the GraphDefs and applied in
+    the forward)."""
     gd_s, p_s = nnx.split(student, nnx.Param)
+    model_cfg = getattr(student, "cfg", None)
+    pdt = str(jnp.dtype(getattr(model_cfg, "param_dtype", "float32")))
+    p_s = to_master(p_s)
     if aux is None:
-        return GraphDefs(gd_s, None), {"student": p_s, "aux": None}
+        return GraphDefs(gd_s, None, pdt), {"student": p_s, "aux": None}
     gd_a, p_a = nnx.split(aux, nnx.Param)
-    return GraphDefs(gd_s, gd_a), {"student": p_s, "aux": p_a}
+    return GraphDefs(gd_s, gd_a, pdt), {"student": p_s, "aux": to_master(p_a)}
 
 
 def merge_params(graphdefs: GraphDefs, params):
-    student = nnx.merge(graphdefs.student, params["student"])
+    student = nnx.merge(graphdefs.student, cast_params(params["student"], graphdefs.param_dtype))
     aux = nnx.merge(graphdefs.aux, params["aux"]) if graphdefs.aux is not None else None
     return student, aux
 
@@ -80,7 +124,8 @@ def make_eval_step(graphdefs: GraphDefs):
     """Token-summed validation NLL: `(nll_sum, n_tokens)` for one batch."""
 
     def eval_step(params, batch):
-        student = nnx.merge(graphdefs.student, params["student"])
+        student = nnx.merge(graphdefs.student,
+                            cast_params(params["student"], graphdefs.param_dtype))
         out = student(batch["tokens"], batch["positions"], batch["segment_ids"])
         nll = nll_per_token(out.logits, batch["targets"])
         mask = batch["mask"] > 0
