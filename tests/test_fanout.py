@@ -187,10 +187,11 @@ def test_stage_boundaries_and_finished_members():
     for s in range(3):
         w.take("a", ga, s)
         w.take("b", gb, s)
-    w.disconnect("a", ga)
-    for s in (3, 4):
+    for s in (3, 4):  # a's stage-1 stream is still open (the trainer compiles stage 2)
         w.take("b", gb, s)
     assert w.held() == [3, 4]  # a (between its stages) still needs them
+    w.disconnect("a", ga)
+    assert w.held() == [3, 4]
     ga = w.connect("a", 3, 6, last_stage=True)
     t, out = _in_thread(w.take, "b", gb, 5)
     assert [w.take("a", ga, s)[1] for s in (3, 4, 5)] == [True, True, True]
@@ -473,14 +474,15 @@ def _configs(root, steps=5, checkpoint_every=4, names=("kd-a", "kd-b", "hldc-c")
                    train=train(6)), teacher, devices=jax.devices()[:1]).run()
     tok = str(teacher / "tokenizer.model")
 
-    def student(name, method, lr):
+    def student(name, method, lr, **distill):
         return Config(name=name, model=preset("tiny", vocab_size=VOCAB), data=data(tok),
-                      train=train(steps, lr), distill=DistillConfig(method=method),
+                      train=train(steps, lr), distill=DistillConfig(method=method, **distill),
                       teacher=dataclasses.replace(Config().teacher, checkpoint=str(teacher),
                                                   timeout_s=120.0))
 
     every = {"kd-a": student("kd-a", "kd", 3e-3), "kd-b": student("kd-b", "kd", 1e-3),
-             "hldc-c": student("hldc-c", "hldc", 3e-3)}
+             "hldc-c": student("hldc-c", "hldc", 3e-3),
+             "hldf-d": student("hldf-d", "hldf", 3e-3, hldf_stage1_share=0.4)}
     return str(teacher), {k: every[k] for k in names}
 
 
@@ -612,3 +614,36 @@ def test_a_member_that_stops_mid_run_rejoins_and_is_recomputed_alone(tmp_path):
     for name in members:
         assert _losses(tmp_path / name / "remote") == _losses(tmp_path / name / "colocated")
         assert _steps_log(tmp_path / name / "remote") == list(range(n))  # each step once
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_an_hldf_member_crosses_its_stage_boundary_without_extra_forwards(tmp_path):
+    """hldf streams layer 3 in stage 1 and the final state in stage 2 (two streams); the
+    union is computed once per step, and its layer 3 is the colocated stage 1's, bitwise."""
+    import jax
+
+    from hldstudy.train.loop import Trainer
+
+    teacher, members = _configs(tmp_path, names=("kd-a", "hldf-d"))
+    replica = CohortReplica(tmp_path, members["kd-a"], "kd-a=final;hldf-d=final,3",
+                            "--window", "2", "--lag-timeout-s", "60")
+    procs = []
+    try:
+        for name, cfg in members.items():
+            Trainer(cfg, tmp_path / name / "colocated", devices=jax.devices()[:1]).run()
+        replica.ready()
+        procs = [_member(tmp_path, name, cfg, replica.address) for name, cfg in members.items()]
+        for name, p in zip(members, procs, strict=True):
+            assert p.wait(600) == 0, (tmp_path / f"{name}.log").read_text()[-3000:]
+        stats = replica.stats()
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        replica.kill()
+    assert stats["forwards"] == 5 and stats["recomputed"] == 0
+    assert stats["streams"] == 3  # kd-a's, and one per hldf stage
+    for name in members:
+        assert _losses(tmp_path / name / "remote") == _losses(tmp_path / name / "colocated")
+        assert _steps_log(tmp_path / name / "remote") == [0, 1, 2, 3, 4]

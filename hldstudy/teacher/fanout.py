@@ -33,9 +33,10 @@ trainer names its member with `teacher.checkpoint=remote://host:port?member=a`.
   others do not wait for it to catch up) and it is attached again when it
   reaches the window.
 - **Stage boundaries.** A stream opened for a stage that is not the member's
-  last (HLDF stage 1) keeps holding from its end when it closes, so the next
-  stage's stream finds its steps; the last stage's stream holds nothing once it
-  has taken its last step (a member that finishes early never slows the rest).
+  last (HLDF stage 1) holds the steps past its end too (before and after it
+  closes), so the next stage's stream finds them in the window; the last
+  stage's stream holds nothing once it has taken its last step (a member that
+  finishes early never slows the rest).
 - A step the window does not hold that an attached member has already passed
   (the asker is behind: it is detached), or that lies inside the window's range
   (a step of a failed replica, reissued here), is computed for the asker alone,
@@ -140,7 +141,10 @@ class _Member:
         return self.start
 
     def holds(self, step: int) -> bool:
-        return self.attached and self.floor() <= step < self.end
+        # Before its last stage a member also holds the steps past the stage's end: its
+        # next stage's stream (opened after this one closes) will ask for them.
+        end = self.end if self.last_stage else math.inf
+        return self.attached and self.floor() <= step < end
 
 
 class StepWindow:
