@@ -5,7 +5,19 @@ Parameters are sharded FSDP-style: each array's largest dimension that
 divides the fsdp axis size is split over "fsdp"; the rest is replicated.
 Batches are split along their first axis over both axes together. On one
 device every spec degenerates to replication, so the same code runs
-everywhere. Multi-host: call `maybe_initialize_distributed()` first.
+everywhere.
+
+Multi-process (several hosts, or several processes on one): `maybe_initialize_distributed()`
+joins the job before JAX touches a device, from JAX's own environment variables:
+
+    JAX_COORDINATOR_ADDRESS=host:port   process 0's address (it serves the coordinator)
+    JAX_NUM_PROCESSES=N                 how many processes
+    JAX_PROCESS_ID=i                    this one, 0..N-1
+
+or, under SLURM (`srun`, one task per process), `HLDSTUDY_DISTRIBUTED=1` alone: JAX
+reads the rest from SLURM's variables. The mesh then spans every process's devices;
+every process builds the same global batch (`batch_at(step)` is a pure function) and
+places only its own rows (`put_batch`); CPU collectives go through gloo.
 """
 
 from __future__ import annotations
@@ -18,17 +30,66 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from hldstudy.config import TrainConfig
-from hldstudy.errors import ConfigError
+from hldstudy.errors import ConfigError, InputError, RuntimeFault
 
 BATCH_AXES = ("data", "fsdp")
 
 
+# Seconds a process waits for the others to join (the coordinator's barrier at start).
+INIT_TIMEOUT_ENV = "HLDSTUDY_DISTRIBUTED_TIMEOUT_S"
+
+
+def _env_int(name: str, fix: str) -> int | None:
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        raise InputError(f"{name}={raw!r} is not an integer ({fix})") from None
+
+
+def distributed_requested() -> bool:
+    """Whether the environment asks for a multi-process job (see the module docstring)."""
+    return bool(os.environ.get("JAX_COORDINATOR_ADDRESS")) or \
+        os.environ.get("HLDSTUDY_DISTRIBUTED") == "1"
+
+
 def maybe_initialize_distributed() -> None:
-    """Joins a multi-host job when the launcher says so (JAX_COORDINATOR_ADDRESS or SLURM)."""
-    if jax.process_count() > 1:
+    """Joins a multi-process job when the launcher says so (JAX_COORDINATOR_ADDRESS +
+    JAX_NUM_PROCESSES + JAX_PROCESS_ID, or HLDSTUDY_DISTRIBUTED=1 under SLURM); a no-op
+    otherwise, and when already joined. Must run before anything uses a JAX device."""
+    if not distributed_requested() or jax.distributed.is_initialized():
         return
-    if os.environ.get("JAX_COORDINATOR_ADDRESS") or os.environ.get("HLDSTUDY_DISTRIBUTED") == "1":
-        jax.distributed.initialize()
+    from jax._src import xla_bridge
+
+    if xla_bridge.backends_are_initialized():
+        raise RuntimeFault("the multi-process job cannot be joined: JAX already started its "
+                           "devices in this process (call "
+                           "hldstudy.sharding.maybe_initialize_distributed() first)")
+    n = _env_int("JAX_NUM_PROCESSES", "the number of processes of the job")
+    pid = _env_int("JAX_PROCESS_ID", "this process's index, 0..JAX_NUM_PROCESSES-1")
+    if (n is None) != (pid is None) and not os.environ.get("SLURM_JOB_ID"):
+        raise InputError("set both JAX_NUM_PROCESSES and JAX_PROCESS_ID (or neither, under "
+                         "SLURM), with JAX_COORDINATOR_ADDRESS=host:port of process 0")
+    timeout = _env_int(INIT_TIMEOUT_ENV, "seconds to wait for the other processes") or 300
+    # CPU collectives between processes (gloo is JAX's default; said here, not assumed).
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(os.environ.get("JAX_COORDINATOR_ADDRESS") or None, n, pid,
+                               initialization_timeout=timeout)
+
+
+def is_primary() -> bool:
+    """Process 0: the one that writes a run's files (config, metrics, results)."""
+    return jax.process_index() == 0
+
+
+def sync(name: str) -> None:
+    """Waits for every process to reach `name` (a no-op in a single-process job)."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
 
 
 def make_mesh(cfg: TrainConfig, devices=None) -> Mesh:
@@ -80,10 +141,28 @@ def check_batch_divisible(batch_size: int, mesh: Mesh) -> None:
 
 
 def put_batch(batch: dict, mesh: Mesh) -> dict:
-    """Places a host-side global batch (numpy, identical on every process) onto the mesh."""
+    """Places a host-side global batch (numpy, identical on every process) onto the mesh:
+    each process transfers only the rows of its own devices."""
     sharding = batch_sharding(mesh)
     out = {}
     for key, value in batch.items():
         value = np.asarray(value)
         out[key] = jax.make_array_from_callback(value.shape, sharding, lambda idx, v=value: v[idx])
     return out
+
+
+def put_tree(tree, shardings):
+    """`jax.device_put(tree, shardings)` that also serves a mesh spanning several processes,
+    where every process holds the whole tree (on the host, or on its own device: a loaded
+    teacher): each process transfers only its own devices' shards (no cross-process
+    comparison or copy). An array already placed so is returned as it is."""
+    if jax.process_count() == 1:
+        return jax.device_put(tree, shardings)
+
+    def put(x, s):
+        if isinstance(x, jax.Array) and x.sharding == s:
+            return x
+        host = np.asarray(x)
+        return jax.make_array_from_callback(host.shape, s, lambda idx: host[idx])
+
+    return jax.tree_util.tree_map(put, tree, shardings)

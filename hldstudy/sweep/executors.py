@@ -369,15 +369,44 @@ def _run_pool(runs, kwargs, parallel, prog: Progress, stop: _Stop, workdir: Path
 # --------------------------------------------------------------------------- #
 
 
+# A multi-task job's JAX coordinator listens on JAX_PORT_BASE + (job id mod 4096) on the
+# job's first host (JAX's own SLURM rule), so concurrent jobs on one node do not collide.
+JAX_PORT_BASE = 61440
+
+
+def jax_distributed_env(job_env) -> dict[str, str]:
+    """The JAX multi-process variables (`hldstudy.sharding`) of a submitit job of several
+    tasks (`--slurm nodes=2,tasks_per_node=4`, say: one JAX process per task, every task
+    running the same runs in step, process 0 writing their files): the coordinator on the
+    job's first host, the task count and this task's global rank. {} for one task."""
+    n = int(job_env.num_tasks)
+    if n <= 1:
+        return {}
+    digits = "".join(ch for ch in str(job_env.raw_job_id) if ch.isdigit()) or "0"
+    port = JAX_PORT_BASE + int(digits) % 4096
+    return {"JAX_COORDINATOR_ADDRESS": f"{job_env.hostnames[0]}:{port}",
+            "JAX_NUM_PROCESSES": str(n), "JAX_PROCESS_ID": str(int(job_env.global_rank))}
+
+
 class SweepJob:
-    """A submitit job: one worker running its share of the runs; requeued on preemption."""
+    """A submitit job: one worker running its share of the runs; requeued on preemption.
+    A job of several tasks is one multi-process JAX job (`jax_distributed_env`)."""
 
     def __init__(self, kwargs: dict):
         self.kwargs = kwargs
 
     def __call__(self, runs: list[Run]) -> dict:
+        import submitit
+
         from hldstudy.cli_common import quiet_libraries
 
+        try:
+            job_env = submitit.JobEnvironment()
+        except RuntimeError:  # not inside a submitit job (called directly)
+            job_env = None
+        if job_env is not None:
+            for key, value in jax_distributed_env(job_env).items():
+                os.environ.setdefault(key, value)  # a launcher's own setting wins
         quiet_libraries()
         with _Stop() as stop:
             out = run_many(runs, self.kwargs, stop=stop)

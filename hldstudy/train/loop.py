@@ -55,7 +55,13 @@ from hldstudy.teacher import load_teacher, with_teacher_tokenizer
 from hldstudy.teacher.base import NO_FEED, StageFeed
 from hldstudy.train.metrics import MetricsLogger
 from hldstudy.train.optim import make_optimizer
-from hldstudy.train.step import GraphDefs, make_eval_step, make_train_step, split_params
+from hldstudy.train.step import (
+    GraphDefs,
+    make_eval_step,
+    make_train_step,
+    split_params,
+    to_master,
+)
 
 # Config fields a resumed run may change (tagged `resume` in hldstudy.config); a
 # mesh change restores the checkpoint resharded onto the new mesh.
@@ -66,6 +72,20 @@ class _StopFlag(StopSignals):
     """StopSignals plus a step at which to stop as if signalled (tests, sweeps)."""
 
     stop_at_step: int | None = None
+
+
+class _NoLogger:
+    """The metrics sink of a process other than 0 in a multi-process job (process 0 writes
+    metrics.jsonl; every process computes the same records)."""
+
+    def log(self, record: dict) -> None:
+        pass
+
+    def summary(self, values: dict) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 class _DamagedCheckpoint(Exception):
@@ -109,20 +129,27 @@ class Trainer:
 
     def __init__(self, cfg: Config, workdir: str | Path, *, teacher=None, data=None,
                  devices=None):
+        # A multi-process job is joined before anything touches a device (hldstudy.sharding).
+        mesh_lib.maybe_initialize_distributed()
         cfg = validate(with_teacher_tokenizer(cfg))
         self.cfg = cfg
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         check_writable(self.workdir / CHECKPOINTS_DIR)
         check_resume_compatible(cfg, self.workdir)
-        save_config(cfg, self.workdir / "config.json")
-        mesh_lib.maybe_initialize_distributed()
+        if mesh_lib.is_primary():  # process 0 writes the run's files; all save checkpoints
+            save_config(cfg, self.workdir / "config.json")
         self.mesh = mesh_lib.make_mesh(cfg.train, devices)
         mesh_lib.check_batch_divisible(cfg.data.batch_size, self.mesh)
         if data is None:
             from hldstudy.data import prepare_data
 
-            data = prepare_data(cfg.data, self.workdir)
+            # Process 0 trains the tokenizer / fills the data cache; the others then read it.
+            if mesh_lib.is_primary():
+                data = prepare_data(cfg.data, self.workdir)
+            mesh_lib.sync("hldstudy-data-prepared")
+            if data is None:
+                data = prepare_data(cfg.data, self.workdir)
         self.data = data
         if not self.data.valid_batches(1):
             raise InputError("the data has no validation documents, so the run could not be "
@@ -163,7 +190,7 @@ class Trainer:
             student, aux = build()
             _, params = split_params(student, aux)
             if carried is not None:
-                params = {**params, "student": carried}
+                params = {**params, "student": to_master(carried)}
             return {"params": params, "opt_state": optimizer.init(params),
                     "step": jnp.asarray(plan.start, jnp.int32)}
 
@@ -175,6 +202,11 @@ class Trainer:
     def _teacher_feed(self, plan: StagePlan) -> StageFeed:
         if self.teacher is None:
             return NO_FEED
+        if jax.process_count() > 1 and getattr(self.teacher, "params", None) is not None:
+            # A colocated teacher's parameters, loaded whole by every process, placed on the
+            # mesh across processes once (the teacher's own placement then keeps them).
+            self.teacher.params = mesh_lib.put_tree(
+                self.teacher.params, mesh_lib.tree_shardings(self.mesh, self.teacher.params))
         return self.teacher.stage_feed(self.strategy, plan.stage, self.mesh)
 
     def evaluate(self, graphdefs: GraphDefs, params, n_batches: int) -> dict:
@@ -240,13 +272,16 @@ class Trainer:
     def _set_damaged_aside(self, damaged: dict[int, str], resumed: int) -> None:
         """After a successful restore: the damaged steps leave checkpoints/ (a later save of
         the same step must not find them, keep-last-k must not count them)."""
-        if jax.process_index() != 0:
+        if not damaged:
             return
-        for step in sorted(damaged):
-            if step in self.ckpt.steps():
-                dest = self.ckpt.quarantine(step)
-                warn(f"moved the damaged checkpoint of step {step} to {dest}; resumed from "
-                     f"step {resumed}", "hldstudy.train")
+        if mesh_lib.is_primary():  # process 0 moves them; the others wait, then look again
+            for step in sorted(damaged):
+                if step in self.ckpt.steps():
+                    dest = self.ckpt.quarantine(step)
+                    warn(f"moved the damaged checkpoint of step {step} to {dest}; resumed "
+                         f"from step {resumed}", "hldstudy.train")
+        mesh_lib.sync("hldstudy-damaged-aside")
+        self.ckpt.manager.reload()
         damaged.clear()
 
     def _run(self, stop_at_step: int | None, damaged: dict[int, str]) -> dict:
@@ -257,7 +292,8 @@ class Trainer:
             raise ConfigError("train.steps",
                               f"{self.workdir} already holds step {latest} > {self.total_steps}",
                               "ask for at least as many steps as the run already has")
-        logger = MetricsLogger(self.workdir, cfg, resume_step)
+        logger = (MetricsLogger(self.workdir, cfg, resume_step) if mesh_lib.is_primary()
+                  else _NoLogger())
         flops_spent = float(meta["flops_spent"]) if meta else 0.0
         carried = None
         result = {}
@@ -332,7 +368,7 @@ class Trainer:
         last_saved = self.ckpt.latest_step()
         tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
         bar = None
-        if cfg.train.progress and jax.process_index() == 0:
+        if cfg.train.progress and mesh_lib.is_primary():
             from tqdm.auto import tqdm
 
             bar = tqdm(total=self.total_steps, initial=step, desc=f"{cfg.name}:{plan.stage.name}",
@@ -395,7 +431,7 @@ class Trainer:
                   **metrics}
         logger.log({"step": int(state["step"]), **metrics})
         logger.summary(metrics)
-        if jax.process_index() == 0:
+        if mesh_lib.is_primary():
             write_json_atomic(self.workdir / "results.json", result)
         return result
 
