@@ -20,9 +20,10 @@ from hldstudy.train.optim import make_optimizer
 from hldstudy.train.step import split_params
 
 STEPS = 6
-# bfloat16 keeps 8 bits of mantissa: over a few steps of the tiny model the loss of a
-# bfloat16-parameter, bfloat16-compute run stays within 2% of the float32 run's.
-RTOL = 2e-2
+# bfloat16 keeps 8 bits of mantissa (relative rounding 2^-8 = 3.9e-3): over 6 steps of
+# the tiny model the loss of a bfloat16-parameter, bfloat16-compute run stays within
+# 5e-3 of the float32 run's (measured 3.6e-4).
+RTOL = 5e-3
 
 
 @pytest.fixture(scope="module")
@@ -78,6 +79,9 @@ def test_bf16_params_keep_float32_masters_and_track_float32(tmp_path, tokenizer_
     lf32, lbf16 = _losses(tmp_path / "f32"), _losses(tmp_path / "bf16")
     assert len(lf32) == len(lbf16) == STEPS
     assert lf32 != lbf16
+    rel = np.max(np.abs(np.subtract(lbf16, lf32)) / np.abs(lf32))
+    print(f"bf16 params + compute vs float32, {STEPS} steps: max relative loss difference "
+          f"{rel:.2e} (tolerance {RTOL:g})")
     np.testing.assert_allclose(lbf16, lf32, rtol=RTOL)
     assert lbf16[-1] < lbf16[0]
     assert np.isfinite(result["valid_nll"])
