@@ -94,7 +94,8 @@ class ColocatedTeacher:
     def stage_feed(self, strategy: Strategy, stage: Stage, mesh) -> StageFeed:
         needs = stage_needs(strategy, stage, self.model_cfg)
         if self._placed is None:
-            self._placed = jax.device_put(self.params, sharding.tree_shardings(mesh, self.params))
+            # put_tree: also right when the mesh spans several processes (each places its shards)
+            self._placed = sharding.put_tree(self.params, sharding.tree_shardings(mesh, self.params))
         return ParamsFeed(self.forward_fn(needs.layers, needs.final), self._placed)
 
     def close(self) -> None:

@@ -202,11 +202,6 @@ class Trainer:
     def _teacher_feed(self, plan: StagePlan) -> StageFeed:
         if self.teacher is None:
             return NO_FEED
-        if jax.process_count() > 1 and getattr(self.teacher, "params", None) is not None:
-            # A colocated teacher's parameters, loaded whole by every process, placed on the
-            # mesh across processes once (the teacher's own placement then keeps them).
-            self.teacher.params = mesh_lib.put_tree(
-                self.teacher.params, mesh_lib.tree_shardings(self.mesh, self.teacher.params))
         return self.teacher.stage_feed(self.strategy, plan.stage, self.mesh)
 
     def evaluate(self, graphdefs: GraphDefs, params, n_batches: int) -> dict:
