@@ -581,7 +581,7 @@ def _replay_metrics(wrun, run_dir: Path) -> None:
     """Logs the run's metrics.jsonl and results.json to the agent's W&B run."""
     mpath, rpath = run_dir / "metrics.jsonl", run_dir / "results.json"
     if mpath.exists():
-        from hldstudy.train.metrics import read_records
+        from hldstudy.fileio import read_records
 
         for rec in read_records(mpath):  # a torn line is reported and skipped
             step = rec.pop("step", None)

@@ -57,7 +57,8 @@ from hldstudy import rundir, sharding
 from hldstudy.config import Config, ModelConfig, config_from_dict
 from hldstudy.distill.base import Batch, Strategy, TeacherOutputs, make_strategy
 from hldstudy.distill.methods import Stage
-from hldstudy.errors import ConfigError
+from hldstudy.errors import ConfigError, InputError
+from hldstudy.fileio import read_jsonl, write_lines_atomic
 from hldstudy.signals import Interrupted, StopSignals
 from hldstudy.teacher import protocol as proto
 from hldstudy.teacher.base import StageFeed, method_needs, stage_needs
@@ -380,11 +381,10 @@ class RemoteFeeder:
             self.workdir = Path(workdir)
             t.check_run_record(self.workdir)
             path = self.workdir / STEPS_LOG
-            kept = []
-            if path.exists():  # a resumed run retrains from `start`: keep each step once
-                kept = [line for line in path.read_text().splitlines()
-                        if line.strip() and json.loads(line)["step"] < start]
-            path.write_text("".join(line + "\n" for line in kept))
+            # A resumed run retrains from `start`: keep each step once (a torn line is
+            # reported and dropped), rewritten atomically.
+            kept = [line for line, rec in read_jsonl(path) if rec.get("step", start) < start]
+            write_lines_atomic(path, kept)
             self._log = open(path, "a")
         if self.final and self.embedding_VxD is None:
             try:  # the state is the checkpointed (or initial) one: a signal loses nothing
@@ -618,7 +618,11 @@ class RemoteTeacher:
         """A resumed run must keep its teacher: records the fingerprint, refuses another."""
         path = workdir / "teacher_remote.json"
         if path.exists():
-            old = json.loads(path.read_text())
+            try:
+                old = json.loads(path.read_text())
+            except ValueError:
+                raise InputError(f"{path} is not readable JSON (damaged?); restore it or "
+                                 "use a new --workdir") from None
             if old.get("fingerprint") != self.fingerprint:
                 raise ConfigError(FIELD, f"{workdir} was trained with teacher "
                                   f"{old.get('fingerprint')} ({old.get('checkpoint')}), the "

@@ -11,61 +11,10 @@ from __future__ import annotations
 
 import json
 import os
-import threading
 from pathlib import Path
 
 from hldstudy.config import Config, config_to_dict
-from hldstudy.errors import warn
-
-
-def _read_lines(path: Path, report: bool) -> list[tuple[str, dict]]:
-    """(line, record) for every line of a JSONL file that holds a JSON object."""
-    try:
-        text = path.read_bytes().decode("utf-8", errors="replace")
-    except FileNotFoundError:
-        return []
-    out, bad = [], []
-    lines = text.splitlines()
-    for i, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            rec = None
-        if isinstance(rec, dict):
-            out.append((line, rec))
-        else:
-            bad.append(i)
-    if bad and report:
-        torn = bad == [len(lines)] and not text.endswith("\n")
-        what = (f"its last line ({bad[0]}) is torn (a crash mid-write?)" if torn else
-                f"line(s) {', '.join(map(str, bad[:5]))}{' ...' if len(bad) > 5 else ''} "
-                "are not JSON records")
-        warn(f"{path}: {what}; skipped")
-    return out
-
-
-def read_records(path: str | Path, *, report: bool = True) -> list[dict]:
-    """The JSON records of a JSONL file; a line that does not parse (a torn last line
-    after a crash, a damaged one elsewhere) is skipped with one warning naming the file
-    and line. An empty or missing file has no records."""
-    return [rec for _, rec in _read_lines(Path(path), report)]
-
-
-def write_lines_atomic(path: str | Path, lines: list[str]) -> None:
-    """Replaces `path` with `lines` so that readers see the old file or the new one."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    try:
-        with open(tmp, "w") as fh:
-            fh.writelines(line + "\n" for line in lines)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+from hldstudy.fileio import read_jsonl, read_records, write_lines_atomic  # noqa: F401
 
 
 class MetricsLogger:
@@ -89,7 +38,7 @@ class MetricsLogger:
         # crash hit mid-write) is dropped, reported, never fatal.
         if not self.path.exists():
             return
-        kept = [line for line, rec in _read_lines(self.path, report=True)
+        kept = [line for line, rec in read_jsonl(self.path, report=True)
                 if _step_of(rec) <= step]
         write_lines_atomic(self.path, kept)
 
