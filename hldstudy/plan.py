@@ -543,9 +543,15 @@ VMAP_ACT_EXTRA = 0.25
 def cohort_memory(cfg: Config, teacher_model: ModelConfig | None, k: int, *,
                   method: str | None = None, stage: str | None = None,
                   layout: str = "colocated", varying: int = 2, donate: bool = True,
-                  attention: str = "dense") -> dict:
+                  attention: str = "dense", mode: str = "vmap") -> dict:
     """Predicted `compiled.memory_analysis()` of one cohort step (`hldstudy.train.cohort`):
-    K students vmapped, one teacher.
+    K students, one teacher.
+
+    mode "vmap" (batched members, the accelerator default): every member's gradients,
+    activations and logits are live at once. mode "map" (`jax.lax.map`, one member after
+    the other, the CPU default): one member's working set, plus the stacked new states
+    being written (K states) and the member being updated (one state) - measured on XLA
+    CPU: temporaries grow by one state per member.
 
     Per member (x K): the train state (params + optimizer state, argument, output and
     aliased when donated), and in temporaries its gradients, activations and logits
@@ -562,17 +568,24 @@ def cohort_memory(cfg: Config, teacher_model: ModelConfig | None, k: int, *,
     t = one["terms"]
     state = one["state_bytes"]
     member_temp = t["grads"] + t["activations"] + t["logits"]
-    if k > 1:  # batched (vmapped) layers: XLA keeps more of each member's activations
+    if mode not in ("vmap", "map"):
+        raise ConfigError("mode", f"{mode!r} is not one of vmap, map")
+    if k > 1 and mode == "vmap":  # batched layers: XLA keeps more of each member's activations
         member_temp += VMAP_ACT_EXTRA * t["activations"]
     small = k * (4 * varying + 4)  # hyperparameters and the divergence record
     argument = k * state + t["batch"] + t.get("teacher_params", 0.0) \
         + t.get("teacher_inputs", 0.0) + small
     output = k * (state + 4 * 4) + 4 * k
     alias = k * state if donate else 0.0
+    live = k if mode == "vmap" else 1  # members whose working set is live at the peak
     teacher_temp = t.get("teacher_outputs", 0.0) \
-        + max(0.0, one["teacher_working_bytes"] - k * (t["activations"] + t["logits"]))
-    temp = k * member_temp + teacher_temp
-    per_member = 2 * state + member_temp - (state if donate else 0.0)
+        + max(0.0, one["teacher_working_bytes"] - live * (t["activations"] + t["logits"]))
+    if mode == "vmap":
+        temp = k * member_temp + teacher_temp
+        per_member = 2 * state + member_temp - (state if donate else 0.0)
+    else:
+        temp = member_temp + teacher_temp + ((k + 1) * state if k > 1 else 0.0)
+        per_member = 3 * state - (state if donate else 0.0)
     total = argument + output - alias + temp
     return {"argument_bytes": argument, "output_bytes": output, "alias_bytes": alias,
             "temp_bytes": temp, "total_bytes": total, "k": k,
@@ -590,7 +603,7 @@ def largest_cohort(fits, k_max: int) -> int:
 
 
 def auto_cohort(runs, teacher_model: ModelConfig | None, limit_bytes: float,
-                devices: int = 1) -> dict:
+                devices: int = 1, mode: str = "vmap") -> dict:
     """`--cohort auto`: the largest K such that every cohort of the grid (each method's
     compatible runs, each of its stages) fits `limit_bytes` of one device per
     `cohort_memory`, the run's batch split over `devices` data-parallel devices (each
@@ -610,7 +623,7 @@ def auto_cohort(runs, teacher_model: ModelConfig | None, limit_bytes: float,
                     cfg.data, batch_size=max(cfg.data.batch_size // devices, 1)))
             for stage in run.stage_steps:
                 mem = cohort_memory(cfg, t, min(k, len(members)), method=run.method,
-                                    stage=stage)
+                                    stage=stage, mode=mode)
                 worst = max(worst, mem["total_bytes"])
         return worst
 

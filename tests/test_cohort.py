@@ -122,11 +122,12 @@ def test_traced_peak_lr_schedule_equals_constant():
 # A member is its solo run
 
 
-def _member_equals_solo(tmp_path, teacher_dir, method, steps=8):
+def _member_equals_solo(tmp_path, teacher_dir, method, steps=8, mode=None):
     cfgs = _cohort(method, teacher_dir, steps)
     for c in cfgs:
         Trainer(c, tmp_path / "solo" / c.name, devices=DEV).run()
-    out = CohortTrainer(cfgs, [tmp_path / "co" / c.name for c in cfgs], devices=DEV).run()
+    out = CohortTrainer(cfgs, [tmp_path / "co" / c.name for c in cfgs], devices=DEV,
+                        mode=mode).run()
     for c in cfgs:
         solo, member = tmp_path / "solo" / c.name, tmp_path / "co" / c.name
         _assert_close(_losses(solo), _losses(member))
@@ -143,8 +144,9 @@ def _member_equals_solo(tmp_path, teacher_dir, method, steps=8):
 
 
 @pytest.mark.slow  # 40-120 s on 2 shared cores
-def test_kd_member_equals_solo(tmp_path, teacher_dir):
-    _member_equals_solo(tmp_path, teacher_dir, "kd")
+@pytest.mark.parametrize("mode", ["map", "vmap"])  # one member after the other / batched
+def test_kd_member_equals_solo(tmp_path, teacher_dir, mode):
+    _member_equals_solo(tmp_path, teacher_dir, "kd", mode=mode)
 
 
 @pytest.mark.slow  # 40-120 s on 2 shared cores

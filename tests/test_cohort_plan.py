@@ -82,8 +82,9 @@ def test_bad_study_inputs_are_one_line(capsys):
 # Memory: K students + one teacher
 
 
-@pytest.mark.parametrize("k", [1, 2, 4])
-def test_cohort_memory_matches_xla(k):
+@pytest.mark.parametrize("mode,k", [("vmap", 1), ("vmap", 2), ("vmap", 4), ("map", 2),
+                                    ("map", 4)])
+def test_cohort_memory_matches_xla(mode, k):
     """The planner's cohort step vs XLA's memory_analysis() of the compiled (donated)
     cohort step the trainer runs, within the planner's tolerance for the solo step."""
     import jax
@@ -95,9 +96,9 @@ def test_cohort_memory_matches_xla(k):
     cfg = Config(model=preset("tiny"), data=DataConfig(batch_size=4, seq_len=64),
                  distill=DistillConfig(method="kd", loss_impl="fused", fused_backend="xla"))
     teacher = preset("tiny-teacher")
-    step, args = cohort_step_probe(cfg, k, "kd", None, teacher)
+    step, args = cohort_step_probe(cfg, k, "kd", None, teacher, mode=mode)
     xla = xla_memory(jax.jit(step, donate_argnums=(0,)).lower(*args).compile())
-    pred = cohort_memory(cfg, teacher, k)
+    pred = cohort_memory(cfg, teacher, k, mode=mode)
     assert pred["argument_bytes"] == pytest.approx(xla["argument_bytes"], rel=0.02)
     assert pred["output_bytes"] == pytest.approx(xla["output_bytes"], rel=0.02)
     assert pred["alias_bytes"] == pytest.approx(xla["alias_bytes"], rel=0.02)

@@ -124,7 +124,9 @@ def _auto_cohort(sweep, runs) -> int:
         from hldstudy.model import preset
 
         teacher = preset(sweep.teacher_preset) if sweep.teacher_preset else None
-    chosen = auto_cohort(runs, teacher, 0.9 * avail)
+    from hldstudy.train.cohort import default_mode
+
+    chosen = auto_cohort(runs, teacher, 0.9 * avail, mode=default_mode(device.platform))
     k = max(chosen["k"], 1)
     nxt = chosen["bytes_at_k_plus_1"]
     print(f"{PROG}: --cohort auto: K = {k} ({chosen['bytes_at_k'] / GB:.3g} GB predicted per "

@@ -5,9 +5,10 @@ The members of a cohort differ only in config fields tagged `member`
 the alignment weight and the init seed. Everything else (method, shapes, data,
 teacher, budget, stage steps) is the same, so at every step they read the same
 `batch_at(step)` and need the same teacher outputs. One jitted step runs the
-teacher once and the K students stacked on a leading axis (`jax.vmap` over
-params, optimizer state and the per-member hyperparameters; the batch and the
-teacher's outputs are shared). A hyperparameter that varies within the cohort is
+teacher once and the K students stacked on a leading axis (params, optimizer state
+and the per-member hyperparameters; the batch and the teacher's outputs are
+shared), either batched (`jax.vmap`, accelerators) or one after the other inside
+the step (`jax.lax.map`, the CPU default: see `default_mode`). A hyperparameter that varies within the cohort is
 a traced value (the fused KD loss takes temperature / alpha as operands, the
 optimizer is built in the step around a traced peak lr); one that does not stays a
 constant of the program, exactly as in a solo run. The cohort compiles once per
@@ -37,6 +38,7 @@ import copy
 import dataclasses
 import json
 import math
+import os
 import shutil
 import signal
 import time
@@ -97,7 +99,28 @@ def with_hparams(strategy, hp: dict):
     return view
 
 
-def make_cohort_step(strategy, stage, graphdefs, optimizer, make_opt, teacher_forward):
+MODES = ("vmap", "map")
+
+
+def default_mode(platform: str) -> str:
+    """How the members run inside the step. "map" (`jax.lax.map`: one member after the
+    other, each the solo step's shapes) on the CPU, where the batched (vmapped) layers
+    of the tiny models run slower than K solo steps (benchmarks/cohort.py: the
+    quickstart's kd cohort trained at 2,500 tokens/s per member under vmap vs 15,000 for
+    a solo run); "vmap" (one batched step, K x the solo step's work in wider matmuls)
+    on accelerators. Either way the teacher runs once per step. The environment variable
+    HLDSTUDY_COHORT_MODE (vmap or map) overrides it (benchmarks/cohort.py measures both)."""
+    forced = os.environ.get("HLDSTUDY_COHORT_MODE")
+    if forced:
+        if forced not in MODES:
+            raise ConfigError("HLDSTUDY_COHORT_MODE", f"{forced!r} is not one of "
+                              f"{', '.join(MODES)}")
+        return forced
+    return "map" if platform == "cpu" else "vmap"
+
+
+def make_cohort_step(strategy, stage, graphdefs, optimizer, make_opt, teacher_forward,
+                     mode: str = "vmap"):
     """`step(states, batch, teacher_in, hps, bad) -> (states, metrics, bad)` (not jitted).
 
     states: the members' train states stacked on axis 0; hps: {name: [K] float32} for
@@ -120,6 +143,10 @@ def make_cohort_step(strategy, stage, graphdefs, optimizer, make_opt, teacher_fo
             bad_k = jnp.where((bad_k == 0) & ~finite, state["step"], bad_k)
             return state, metrics, bad_k
 
+        if mode == "map":  # sequential over the members: the solo step's shapes
+            return jax.lax.map(lambda x: member(*x), (states, hps, bad))
+        if mode != "vmap":
+            raise ConfigError("cohort", f"mode {mode!r} is not one of {', '.join(MODES)}")
         return jax.vmap(member)(states, hps, bad)
 
     return step
@@ -127,7 +154,7 @@ def make_cohort_step(strategy, stage, graphdefs, optimizer, make_opt, teacher_fo
 
 def cohort_step_probe(cfg: Config, k: int, method: str | None = None, stage: str | None = None,
                       teacher_model=None, *, layout: str = "colocated",
-                      varying: tuple[str, ...] = ("lr", "temperature")):
+                      varying: tuple[str, ...] = ("lr", "temperature"), mode: str = "vmap"):
     """`(step, args)` of the cohort step the trainer compiles, all abstract (nothing is
     allocated): `jax.jit(step, donate_argnums=(0,)).lower(*args)` for XLA's analyses.
     Built like `hldstudy.train.probe.train_step_probe`, with K stacked states and
@@ -166,7 +193,7 @@ def cohort_step_probe(cfg: Config, k: int, method: str | None = None, stage: str
                             nnx.Param)
         forward = teacher_forward_fn(t_gd, strategy.teacher_layers(st),
                                      strategy.teacher_needs_head(st))
-    step = make_cohort_step(strategy, st, graphdefs, optimizer, make_opt, forward)
+    step = make_cohort_step(strategy, st, graphdefs, optimizer, make_opt, forward, mode)
     states = jax.tree_util.tree_map(
         lambda x: jax.ShapeDtypeStruct((k, *x.shape), x.dtype), state)
     hps = {n: jax.ShapeDtypeStruct((k,), jnp.float32) for n in varying}
@@ -208,7 +235,8 @@ class CohortTrainer:
     """
 
     def __init__(self, cfgs: list[Config], workdirs: list[str | Path], *, teacher=None,
-                 data=None, devices=None, cohort_dir: str | Path | None = None):
+                 data=None, devices=None, cohort_dir: str | Path | None = None,
+                 mode: str | None = None):
         if len(cfgs) != len(workdirs):
             raise ValueError("one workdir per member")
         check_members(cfgs)
@@ -245,6 +273,9 @@ class CohortTrainer:
         self.cohort_dir = Path(cohort_dir)
         self.cohort_dir.mkdir(parents=True, exist_ok=True)
         self.varying = [n for n in HPARAMS if len({_value(c, n) for c in cfgs}) > 1]
+        if mode is not None and mode not in MODES:
+            raise ConfigError("cohort", f"mode {mode!r} is not one of {', '.join(MODES)}")
+        self.mode = mode  # None: default_mode of the devices' platform
         self.outcomes: dict[str, dict] = {}
 
     # ------------------------------------------------------------------ #
@@ -417,8 +448,9 @@ class CohortTrainer:
         bad = jax.device_put(jnp.zeros((k,), jnp.int32), mesh_lib.replicated(lead.mesh))
         # The step's outputs keep its inputs' placement, so the one compiled program
         # (checked for memory before it runs) takes them back at every step.
+        mode = self.mode or default_mode(lead.mesh.devices.flat[0].platform)
         cohort_step = jax.jit(make_cohort_step(strategy, stage, graphdefs, optimizer, make_opt,
-                                               feed.forward),
+                                               feed.forward, mode),
                               out_shardings=(jax.tree_util.tree_map(lambda x: x.sharding,
                                                                     states), None, bad.sharding),
                               donate_argnums=(0,))
