@@ -9,11 +9,16 @@ Two arms side by side in one process run, with the same --parallel:
     forward, K students vmapped) per step. Measured: S (student step with the
     teacher's outputs given), T (teacher forward), the solo step, the cohort step;
     the bound is K (S + T) / (K S + T).
-(b) `quickstart`: the quickstart grid's distillation runs (the `cpu` sweep at
-    --size, its teacher trained first, outside the timing), end to end with
-    evaluation: `python -m hldstudy.sweep` with --cohort 1 vs --cohort K.
+(b) `quickstart`: the quickstart grid's distillation runs (kd, hldf, hldc of the
+    `cpu` sweep at its default size, the quickstart's; the teacher, of --size,
+    trained first, outside the timing), end to end with evaluation:
+    `python -m hldstudy.sweep` with --cohort 1 vs --cohort K; the cohort arm's
+    members run as --mode (map: one after the other inside the step, the CPU
+    default; vmap: batched). Every logged loss and every number of each run's
+    results.json are compared between the arms.
 
     python benchmarks/cohort.py [--arms pair,quickstart] [--k 4] [--steps 20] [--parallel 1]
+        [--mode map|vmap] [--render-only]
 
 Writes benchmarks/results/cohort.json and cohort.md.
 """
@@ -122,27 +127,124 @@ def _sweep(args: list[str], env) -> float:
     return time.perf_counter() - t0
 
 
+def _rel(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(b), 1e-30)
+
+
+def _numbers(tree, prefix=""):
+    """{dotted key: float} of the numbers in a results.json (nested dicts)."""
+    out = {}
+    for k, v in (tree or {}).items():
+        if isinstance(v, dict):
+            out.update(_numbers(v, f"{prefix}{k}."))
+        elif isinstance(v, (int, float)) and not isinstance(v, bool):
+            out[f"{prefix}{k}"] = float(v)
+    return out
+
+
+# Fields of results.json that are timings or identities, not results.
+_NOT_RESULTS = ("train_seconds", "eval_seconds", "seconds", "tokens_per_s", "time")
+
+
+def compare_runs(solo: Path, cohort: Path) -> dict:
+    """Per run: the largest relative difference between the arms over every logged loss
+    (metrics.jsonl) and every number of results.json (valid_nll, eval scores, steps,
+    FLOPs; timings excluded), and the keys that differ at all."""
+    out = {}
+    for d in sorted(p for p in solo.iterdir() if (p / "results.json").exists()):
+        c = cohort / d.name
+        rs, rc = (json.loads((x / "results.json").read_text()) for x in (d, c))
+        ns, nc = _numbers(rs), _numbers(rc)
+        keys = sorted(k for k in ns if not any(t in k for t in _NOT_RESULTS))
+        diffs = {k: _rel(nc.get(k, float("nan")), ns[k]) for k in keys}
+
+        def losses(x):
+            recs = [json.loads(line) for line in (x / "metrics.jsonl").read_text().splitlines()]
+            return {r["step"]: r["loss"] for r in recs if "loss" in r}
+
+        ls, lc = losses(d), losses(c)
+        loss_diff = max((_rel(lc[s], v) for s, v in ls.items()), default=0.0) \
+            if sorted(ls) == sorted(lc) else float("inf")
+        out[d.name] = {"status": [rs.get("status"), rc.get("status")],
+                       "logged_steps": len(ls), "max_rel_loss_diff": loss_diff,
+                       "max_rel_results_diff": max(diffs.values(), default=0.0),
+                       "results_keys_compared": len(keys),
+                       "differing_keys": {k: v for k, v in diffs.items() if v > 0},
+                       "bitwise_losses": ls == lc}
+    return out
+
+
 def bench_quickstart(k: int, parallel: int, size: str, work: Path) -> dict:
+    """The quickstart grid's distillation runs (kd, hldf, hldc of the `cpu` sweep at its
+    default size, the quickstart's), end to end with evaluation, solo then cohort."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     teacher = work / "teacher"
+    t0 = time.perf_counter()
     subprocess.run([sys.executable, "-c",
                     "from pathlib import Path; from hldstudy.quickstart import SIZES, "
                     f"train_teacher; train_teacher(Path({str(work)!r}), SIZES[{size!r}], "
                     "False, {})"],
                    cwd=ROOT, env=env, check=True, stdout=subprocess.DEVNULL)
+    teacher_s = time.perf_counter() - t0
     common = ["--parallel", str(parallel), "--set", f"teacher.checkpoint={teacher}",
               "--methods", "kd,hldf,hldc"]
-    out = {}
+    out = {"teacher_s": teacher_s}
     for arm, kk in (("solo", 1), ("cohort", k)):
         wd = work / arm
         out[f"{arm}_s"] = _sweep(["--workdir", str(wd), "--cohort", str(kk), *common], env)
         out[f"{arm}_runs"] = {p.name: json.loads((p / "results.json").read_text())["valid_nll"]
                               for p in sorted(wd.iterdir()) if (p / "results.json").exists()}
-    diffs = [abs(out["cohort_runs"][r] - v) / abs(v) for r, v in out["solo_runs"].items()]
-    out.update({"K": k, "parallel": parallel, "size": size, "speedup": out["solo_s"] /
-                out["cohort_s"], "runs": len(out["solo_runs"]),
-                "max_rel_valid_nll_diff": max(diffs) if diffs else None})
+    cmp = compare_runs(work / "solo", work / "cohort")
+    out.update({"K": k, "parallel": parallel, "teacher_size": size, "speedup": out["solo_s"] /
+                out["cohort_s"], "runs": len(out["solo_runs"]), "compare": cmp,
+                "max_rel_loss_diff": max((c["max_rel_loss_diff"] for c in cmp.values()),
+                                         default=None),
+                "max_rel_results_diff": max((c["max_rel_results_diff"] for c in cmp.values()),
+                                            default=None),
+                "max_rel_valid_nll_diff": max((_rel(out["cohort_runs"][r], v)
+                                               for r, v in out["solo_runs"].items()),
+                                              default=None),
+                "all_done": all(c["status"] == ["done", "done"] for c in cmp.values())})
     return out
+
+
+def render(res: dict) -> str:
+    lines = ["# Cohort benchmark (CPU)", "",
+             f"{res['cpus']} CPUs (shared with other work), K = 4.", ""]
+    if "pair" in res:
+        r = res["pair"]
+        lines += ["## (a) teacher/student pair, training only", "",
+                  f"Load average {r.get('loadavg_start', res.get('loadavg_start', 0)):.1f}, "
+                  f"--parallel {r.get('parallel', 1)}, members batched (vmap; measured "
+                  "before the map mode existed).", "",
+                  "| S (student step) | T (teacher fwd) | T/S | K x solo step | cohort step | "
+                  "speedup | bound K(S+T)/(KS+T) |", "|---|---|---|---|---|---|---|",
+                  f"| {r['S_s']*1e3:.1f} ms | {r['T_s']*1e3:.1f} ms | {r['T_over_S']:.1f} | "
+                  f"{r['solo_arm_s_per_step']*1e3:.1f} ms | {r['cohort_step_s']*1e3:.1f} ms | "
+                  f"**{r['speedup']:.2f}x** | {r['bound']:.2f}x |", ""]
+    qs = {k: v for k, v in res.items() if k.startswith("quickstart")}
+    if qs:
+        r0 = next(iter(qs.values()))
+        lines += ["## (b) quickstart grid's distillation runs, end to end (with evaluation)", "",
+                  "`python -m hldstudy.sweep cpu --methods kd,hldf,hldc` (the quickstart's "
+                  f"grid at its default size: 12 runs, 116-147 steps) with --cohort 1 vs "
+                  f"--cohort {r0['K']} (3 cohorts), --parallel {r0['parallel']} in both arms; "
+                  "the teacher trained first, outside the timing. Each row is one run of "
+                  "both arms; mode: how the cohort step runs its members "
+                  "(`hldstudy.train.cohort.default_mode`).", "",
+                  "| cohort mode | load avg | solo arm | cohort arm | speedup | max rel. loss "
+                  "diff (every logged step) | max rel. diff, numbers of results.json | "
+                  "all done | runs with bitwise-equal losses |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for r in qs.values():
+            same = sum(c["bitwise_losses"] for c in r["compare"].values())
+            lines.append(f"| {r.get('mode', 'vmap')} | {r.get('loadavg_after', 0):.1f} | "
+                         f"{r['solo_s']:.0f} s | {r['cohort_s']:.0f} s | "
+                         f"**{r['speedup']:.2f}x** | {r['max_rel_loss_diff']:.2e} | "
+                         f"{r['max_rel_results_diff']:.2e} | {r['all_done']} | "
+                         f"{same} of {r['runs']} |")
+        lines.append("")
+    return "\n".join(lines)
 
 
 def main(argv=None) -> int:
@@ -152,8 +254,17 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--parallel", type=int, default=1)
     p.add_argument("--size", default="tiny")
+    p.add_argument("--mode", default="map", choices=("map", "vmap"),
+                   help="the cohort arm's member mode (HLDSTUDY_COHORT_MODE)")
     p.add_argument("--out", default=str(OUT))
+    p.add_argument("--render-only", action="store_true", help="rewrite cohort.md from the json")
     args = p.parse_args(argv)
+    out = Path(args.out)
+    if args.render_only:
+        text = render(json.loads((out / "cohort.json").read_text()))
+        (out / "cohort.md").write_text(text)
+        print(text)
+        return 0
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     work = Path(tempfile.mkdtemp(prefix="hldstudy-cohort-bench-"))
     res = {"machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
@@ -161,37 +272,28 @@ def main(argv=None) -> int:
     try:
         arms = args.arms.split(",")
         if "pair" in arms:
-            res["pair"] = bench_pair(args.k, args.steps, work)
+            res["pair"] = {**bench_pair(args.k, args.steps, work),
+                           "loadavg_start": os.getloadavg()[0], "parallel": args.parallel}
             print(json.dumps(res["pair"], indent=1))
         if "quickstart" in arms:
-            res["quickstart"] = bench_quickstart(args.k, args.parallel, args.size, work)
-            print(json.dumps(res["quickstart"], indent=1))
+            os.environ["HLDSTUDY_COHORT_MODE"] = args.mode
+            res[f"quickstart_{args.mode}"] = {
+                **bench_quickstart(args.k, args.parallel, args.size, work), "mode": args.mode,
+                "loadavg_after": os.getloadavg()[0]}
+            print(json.dumps(res[f"quickstart_{args.mode}"], indent=1))
     finally:
         shutil.rmtree(work, ignore_errors=True)
     res["loadavg_end"] = os.getloadavg()[0]
-    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if (out / "cohort.json").exists():  # arms not rerun keep their last measurement
+        prev = json.loads((out / "cohort.json").read_text())
+        for arm, v in prev.items():
+            if (arm == "pair" or arm.startswith("quickstart_")) and arm not in res:
+                res[arm] = v
     (out / "cohort.json").write_text(json.dumps(res, indent=1) + "\n")
-    lines = ["# Cohort benchmark (CPU)", "",
-             f"{res['cpus']} CPUs (shared), load average {res['loadavg_start']:.1f} -> "
-             f"{res['loadavg_end']:.1f}, --parallel {args.parallel}, K = {args.k}.", ""]
-    if "pair" in res:
-        r = res["pair"]
-        lines += ["## (a) teacher/student pair, training only", "",
-                  "| S (student step) | T (teacher fwd) | T/S | K x solo step | cohort step | "
-                  "speedup | bound K(S+T)/(KS+T) |", "|---|---|---|---|---|---|---|",
-                  f"| {r['S_s']*1e3:.1f} ms | {r['T_s']*1e3:.1f} ms | {r['T_over_S']:.1f} | "
-                  f"{r['solo_arm_s_per_step']*1e3:.1f} ms | {r['cohort_step_s']*1e3:.1f} ms | "
-                  f"**{r['speedup']:.2f}x** | {r['bound']:.2f}x |", ""]
-    if "quickstart" in res:
-        r = res["quickstart"]
-        lines += ["## (b) quickstart grid's distillation runs, end to end (with evaluation)", "",
-                  "| runs | solo arm | cohort arm | speedup | max rel. valid_nll diff |",
-                  "|---|---|---|---|---|",
-                  f"| {r['runs']} | {r['solo_s']:.0f} s | {r['cohort_s']:.0f} s | "
-                  f"**{r['speedup']:.2f}x** | {r['max_rel_valid_nll_diff']:.2e} |", ""]
-    (out / "cohort.md").write_text("\n".join(lines))
-    print("\n".join(lines))
+    text = render(res)
+    (out / "cohort.md").write_text(text)
+    print(text)
     return 0
 
 

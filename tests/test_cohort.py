@@ -240,6 +240,24 @@ def test_cohort_falls_back_from_a_members_damaged_checkpoint(tmp_path, teacher_d
         assert [losses[s] for s in (5, 6)] == [b[s] for s in (5, 6)]  # again, bitwise
 
 
+def test_cohort_step_that_cannot_fit_is_refused_before_training(tmp_path, teacher_dir,
+                                                              monkeypatch):
+    """The Trainer's check: XLA's memory analysis of the compiled cohort step against the
+    memory available, before the first step."""
+    from hldstudy.errors import RuntimeFault
+    from hldstudy.train import loop
+
+    monkeypatch.setattr(loop, "memory_available", lambda device: 1 << 20)  # 1 MiB
+    cfgs = _cohort("kd", teacher_dir, steps=4)[:2]
+    dirs = [tmp_path / c.name for c in cfgs]
+    with pytest.raises(RuntimeFault, match=r"does not fit.*fewer students per cohort \(now 2"):
+        CohortTrainer(cfgs, dirs, devices=DEV).run()
+    assert not any((d / "checkpoints").exists() and any((d / "checkpoints").iterdir())
+                   for d in dirs)
+    assert not any((d / "metrics.jsonl").exists() and "loss" in (d / "metrics.jsonl").read_text()
+                   for d in dirs)
+
+
 def test_diverging_member_stops_alone(tmp_path, teacher_dir):
     cfgs = _cohort("kd", teacher_dir, steps=8)
     cfgs[1] = dataclasses.replace(cfgs[1], train=dataclasses.replace(cfgs[1].train, lr=1e30))
