@@ -23,14 +23,13 @@ import hashlib
 import json
 import os
 import signal
-import sys
 import time
 from pathlib import Path
 
 from hldstudy.errors import EXIT_OK, RuntimeFault, exit_code_of
 from hldstudy.rundir import checkpoint_steps, read_results, write_json_atomic
 from hldstudy.sweep.cohorts import group
-from hldstudy.sweep.executors import INTERNAL, Outcome, _Stop, worker_kwargs
+from hldstudy.sweep.executors import INTERNAL, Outcome, _Stop, spawned_worker, worker_kwargs
 from hldstudy.sweep.spec import Run, run_status
 
 COHORTS_DIR = "cohorts"
@@ -171,16 +170,7 @@ def _run_cohorts_here(cohorts, kwargs, report, stop, worker=None) -> Outcome:
 
 
 def _cohort_worker(index: int, kwargs: dict, tasks, results, log_path: str) -> None:
-    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    sys.stdout = os.fdopen(1, "w", buffering=1)
-    sys.stderr = os.fdopen(2, "w", buffering=1)
-    from hldstudy.cli_common import quiet_libraries
-    from hldstudy.sweep.worker import Worker
-
-    quiet_libraries()
-    worker = Worker(**kwargs)
+    worker = spawned_worker(kwargs, log_path)
     total = Outcome()
     with _Stop() as stop:
         while stop.signum is None:

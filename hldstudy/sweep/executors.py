@@ -252,8 +252,9 @@ def run_many(runs: list[Run], kwargs: dict, report=None, stop: _Stop | None = No
 # --------------------------------------------------------------------------- #
 
 
-def _worker_main(index: int, kwargs: dict, tasks, events, log_path: str) -> None:
-    """Entry point of a spawned local worker: take runs from `tasks` until None."""
+def spawned_worker(kwargs: dict, log_path: str):
+    """In a spawned worker process: stdout/stderr to the worker's log, quiet libraries,
+    and the process's `Worker` (teacher and data loaded once for all its runs)."""
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
@@ -263,7 +264,12 @@ def _worker_main(index: int, kwargs: dict, tasks, events, log_path: str) -> None
     from hldstudy.sweep.worker import Worker
 
     quiet_libraries()
-    worker = Worker(**kwargs)
+    return Worker(**kwargs)
+
+
+def _worker_main(index: int, kwargs: dict, tasks, events, log_path: str) -> None:
+    """Entry point of a spawned local worker: take runs from `tasks` until None."""
+    worker = spawned_worker(kwargs, log_path)
 
     def report(kind, run_id, detail):
         events.put((kind, run_id, detail))

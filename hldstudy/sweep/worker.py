@@ -28,6 +28,7 @@ from pathlib import Path
 
 from hldstudy.distill import methods
 from hldstudy.errors import EXIT_OK, InputError, exit_code_of
+from hldstudy.fileio import write_text_atomic
 from hldstudy.rundir import write_json_atomic
 from hldstudy.sweep.spec import Run, run_status
 
@@ -183,19 +184,6 @@ def record_failure(run_dir: Path, exc: BaseException) -> str:
 def record_interrupted(run_dir: Path, exc) -> None:
     """A run stopped by a signal (`Interrupted`, checkpoint saved): 128 + N."""
     record_outcome(run_dir, "interrupted", exit_code_of(exc), step=getattr(exc, "step", None))
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "w") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 def mark_running(run_dir: Path) -> None:
