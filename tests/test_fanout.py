@@ -432,7 +432,11 @@ def test_a_cohort_fails_over_to_the_other_replica():
     assert got == {"a": [(s, ["final"]) for s in range(n)],
                    "b": [(s, ["final", "layer:1"]) for s in range(n)]}
     assert before > 0  # replica 1 had its share before it went
-    assert before + survivor["forwards"] <= n + sum(reassigned.values())
+    # The survivor computes each step at most once for the window; what it computes for
+    # one member alone (reissued steps, a member detached while the other replica went
+    # away: timing-dependent) is counted apart, as `recomputed`.
+    assert survivor["forwards"] - survivor["recomputed"] <= n
+    assert before <= n
     assert survivor["steps"] >= 2 * (n - half - 3)  # the survivor served the rest to both
 
 
