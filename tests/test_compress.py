@@ -349,7 +349,7 @@ def test_cli_prune_recover_quantize_export(run_dirs, tmp_path, capsys):
     # the exports hold the evaluated final model: same logits, same perplexity
     model_st, meta = export.load_safetensors(out / "model.safetensors")
     got = load_model(out / "model")
-    model_rd, tok, run_cfg = got.model, got.tokenizer, got.config
+    model_rd, run_cfg = got.model, got.config
     tokens = _random_batches(1)[0]["tokens"]
     assert np.array_equal(_logits(model_st, tokens), _logits(model_rd, tokens))
     from hldstudy.data import prepare_data

@@ -17,8 +17,8 @@ from hldstudy.flops import (
     step_flops,
 )
 from hldstudy.flops.__main__ import main
-from hldstudy.train.probe import xla_flops_for
 from hldstudy.model import preset
+from hldstudy.train.probe import xla_flops_for
 
 TINY = preset("tiny")  # 4 layers, d 64, 4 heads / 2 KV, head_dim 16, d_ff 192, V 512, W 32, global_every 2
 TEACHER = preset("tiny-teacher")  # 6 layers, d 128, 4 / 2 heads, head_dim 32, d_ff 384, W 32, every 3
