@@ -513,15 +513,19 @@ def _build(cls: type, data: dict, prefix: str) -> Any:
     return cls(**kwargs)
 
 
-def config_from_dict(data: dict, cls: type = Config) -> Any:
-    """A config from its dict; a config.json's `schema_version` is read and dropped."""
+def config_from_dict(data: dict, cls: type = Config, prefix: str = "") -> Any:
+    """A config (or any dataclass section of typed fields) from its dict; a config.json's
+    `schema_version` is read and dropped. `prefix` ("compress.") prefixes the field names
+    in errors. Unknown keys and wrong types raise ConfigError naming the field."""
+    if not isinstance(data, dict):
+        raise ConfigError(prefix.rstrip(".") or "config", "expected a section (mapping)")
     if cls is Config and "schema_version" in data:
         data = dict(data)
         version = data.pop("schema_version")
         if not isinstance(version, int) or version > SCHEMA_VERSION:
             raise ConfigError("schema_version", f"{version!r} is newer than this hldstudy's "
                               f"{SCHEMA_VERSION}", "upgrade hldstudy to read this run")
-    return _build(cls, data, "")
+    return _build(cls, data, prefix)
 
 
 def _coerce(value: Any, tp: Any, fieldname: str) -> Any:
@@ -554,7 +558,8 @@ def _coerce(value: Any, tp: Any, fieldname: str) -> Any:
     return value
 
 
-def _parse_literal(text: str) -> Any:
+def parse_literal(text: str) -> Any:
+    """The value of `--set key=TEXT`: none/null, true/false, JSON, else the text itself."""
     low = text.strip().lower()
     if low in ("none", "null"):
         return None
@@ -592,7 +597,7 @@ def apply_overrides(cfg: Config, overrides: list[str] | tuple[str, ...]) -> Conf
         if parts[-1] not in node:
             raise ConfigError(key, "unknown key",
                               f"valid keys here: {', '.join(sorted(node))}")
-        value = _parse_literal(raw)
+        value = parse_literal(raw)
         if isinstance(node[parts[-1]], dict):  # a whole section: merge, key by key
             section = node[parts[-1]]
             if not isinstance(value, dict):

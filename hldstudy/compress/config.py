@@ -19,12 +19,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import types
-import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hldstudy.config import config_from_dict, import_entry_point, parse_literal
 from hldstudy.distill import methods
 from hldstudy.errors import ConfigError, InputError
 from hldstudy.fileio import write_json_atomic  # noqa: F401  (the package writes with it)
@@ -162,32 +161,7 @@ def validate(cfg: CompressConfig) -> CompressConfig:
 
 def from_dict(data: dict) -> CompressConfig:
     """A CompressConfig from a mapping; unknown keys and wrong types name the field."""
-    if not isinstance(data, dict):
-        raise ConfigError("compress", "expected a section (mapping)")
-    hints = typing.get_type_hints(CompressConfig)
-    unknown = sorted(set(data) - set(hints))
-    if unknown:
-        raise ConfigError(f"compress.{unknown[0]}", "unknown key",
-                          f"valid keys: {', '.join(sorted(hints))}")
-    return CompressConfig(**{k: _coerce(v, hints[k], f"compress.{k}") for k, v in data.items()})
-
-
-def _coerce(value: Any, tp: Any, field: str) -> Any:
-    if typing.get_origin(tp) in (typing.Union, types.UnionType):
-        if value is None:
-            return None
-        tp = next(a for a in typing.get_args(tp) if a is not type(None))
-    if tp is bool and isinstance(value, bool):
-        return value
-    if tp is int and isinstance(value, int) and not isinstance(value, bool):
-        return value
-    if tp is int and isinstance(value, float) and value.is_integer():
-        return int(value)
-    if tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    if tp is str and isinstance(value, str):
-        return value
-    raise ConfigError(field, f"expected {tp.__name__}, got {value!r}")
+    return config_from_dict(data, CompressConfig, "compress.")
 
 
 def load_file(path: str | Path) -> CompressConfig:
@@ -200,8 +174,6 @@ def load_file(path: str | Path) -> CompressConfig:
         except ValueError as e:
             raise InputError(f"--config: {path} is not JSON: {e}") from None
         return from_dict(raw.get("compress", raw) if isinstance(raw, dict) else raw)
-    from hldstudy.config import import_entry_point
-
     module = import_entry_point(path, "get_compress_config", "--config:")
     cfg = module.get_compress_config()
     if not isinstance(cfg, CompressConfig):
@@ -226,19 +198,13 @@ def apply_overrides(cfg: CompressConfig, overrides: list[str]) -> CompressConfig
 
 
 def _parse(text: str, field: str) -> Any:
-    low = text.strip().lower()
-    if low in ("none", "null"):
-        return None
-    if low in ("true", "false"):
-        return low == "true"
+    """As `--set` parses values, except that a string field keeps its text verbatim
+    (unless it is none/null/true/false)."""
     str_fields = {f.name for f in dataclasses.fields(CompressConfig)
                   if "str" in str(f.type) and "int" not in str(f.type)}
-    if field in str_fields:
+    if field in str_fields and text.strip().lower() not in ("none", "null", "true", "false"):
         return text
-    try:
-        return json.loads(text)
-    except ValueError:
-        return text
+    return parse_literal(text)
 
 
 def to_dict(cfg: CompressConfig) -> dict:
