@@ -26,8 +26,8 @@ import signal
 import time
 from pathlib import Path
 
-from hldstudy.errors import EXIT_OK, RuntimeFault, exit_code_of
-from hldstudy.rundir import checkpoint_steps, read_results, write_json_atomic
+from hldstudy.errors import RuntimeFault, exit_code_of
+from hldstudy.rundir import checkpoint_steps, read_results
 from hldstudy.sweep.cohorts import group
 from hldstudy.sweep.executors import INTERNAL, Outcome, _Stop, spawned_worker, worker_kwargs
 from hldstudy.sweep.spec import Run, run_status
@@ -44,24 +44,6 @@ def cohort_id(members: list[Run]) -> str:
 def cohort_ids(runs: list[Run], k: int) -> dict[str, str]:
     """run_id -> cohort id for every run (`--dry-run --json`)."""
     return {r.run_id: cohort_id(c) for c in group(runs, k) for r in c}
-
-
-def _complete(worker, run: Run, run_dir: Path, t0: float) -> dict:
-    """What `Worker.run` does after training: identity fields, evaluation, outcome."""
-    from hldstudy.sweep.worker import record_outcome
-
-    results = json.loads((run_dir / "results.json").read_text())
-    results["train_seconds"] = results.get("train_seconds") or round(time.time() - t0, 1)
-    results.update(worker._identity(run, run_dir))
-    write_json_atomic(run_dir / "results.json", results)
-    if worker.eval_tasks and not all(t in (results.get("eval") or {})
-                                     for t in worker.eval_tasks):
-        t1 = time.time()
-        results["eval"] = {**(results.get("eval") or {}), **worker.evaluate(run_dir)}
-        results["eval_seconds"] = round(time.time() - t1, 1)
-        write_json_atomic(run_dir / "results.json", results)
-    record_outcome(run_dir, "done", EXIT_OK)
-    return results
 
 
 def run_cohort(worker, members: list[Run], workdir: Path, report, out: Outcome) -> None:
@@ -137,7 +119,7 @@ def run_cohort(worker, members: list[Run], workdir: Path, report, out: Outcome) 
             results = json.loads((run_dir / "results.json").read_text())
             if results.get("status") == DIVERGED:
                 raise RuntimeFault(results.get("error", "diverged"))
-            res = _complete(worker, run, run_dir, t0)
+            res = worker.complete(run, run_dir, t0)
         except EvalUnavailable as e:
             out.no_eval.append(run.run_id)
             out.done.append(run.run_id)

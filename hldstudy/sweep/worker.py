@@ -109,6 +109,10 @@ class Worker:
                             "real config differs from the one used for counting?)",
                             run.run_id, planned, run.stage_steps)
             trainer.run(stop_at_step=stop_at_step)
+        return self.complete(run, run_dir, t0)
+
+    def complete(self, run: Run, run_dir: Path, t0: float) -> dict:
+        """After training (solo or in a cohort): identity fields, evaluation, outcome."""
         results = _read_json(run_dir / "results.json")
         results["train_seconds"] = results.get("train_seconds") or round(time.time() - t0, 1)
         results.update(self._identity(run, run_dir))
