@@ -14,15 +14,16 @@ from pathlib import Path
 
 from hldstudy.config import Config, apply_overrides, load_experiment, validate
 from hldstudy.errors import InputError
+from hldstudy.shipped import shipped_dir
 
 # A sequence longer than this gets a warning before anything is computed (the
 # presets' longest context is 128k tokens).
 LONG_SEQ_WARNING = 131072
 
-# The built-in experiment and sweep files (package data, see hldstudy/configs/__init__.py).
-CONFIGS = Path(__file__).resolve().parent / "configs"
-EXPERIMENTS = CONFIGS / "experiments"
-SWEEPS = CONFIGS / "sweeps"
+# The built-in experiment and sweep files: the top-level experiments/ and sweeps/ of a
+# checkout, or their copies inside an installed package (hldstudy.shipped).
+EXPERIMENTS = shipped_dir("experiments")
+SWEEPS = shipped_dir("sweeps")
 
 
 def find_builtin(arg: str | Path, kind: Path) -> Path:
@@ -53,7 +54,7 @@ def quiet_libraries() -> None:
 def add_config_args(parser: argparse.ArgumentParser, *, required: bool = True) -> None:
     parser.add_argument("--config", required=required,
                         help="experiment file exposing get_config(), or the name of a built-in one "
-                             "(hldstudy/configs/experiments/<name>.py, e.g. tiny)")
+                             "(experiments/<name>.py, e.g. tiny)")
     parser.add_argument("--set", dest="overrides", action="append", default=[],
                         metavar="KEY=VALUE", help="override a config field, e.g. train.steps=50")
     parser.add_argument("--debug", action="store_true", help="show tracebacks")

@@ -1,6 +1,6 @@
 """Frozen, validated configuration for every hldstudy run.
 
-An experiment is a Python file (the built-in ones: `hldstudy/configs/experiments/`)
+An experiment is a Python file (the built-in ones: `experiments/`)
 exposing `get_config()`
 that returns a `Config`. The command line may override any leaf with
 `--set section.field=value`; values are parsed to the field's declared type.

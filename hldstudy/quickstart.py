@@ -1,7 +1,7 @@
 """The quickstart: the study in miniature, offline on a CPU.
 
 synthetic corpus -> SentencePiece tokenizer -> tiny teacher pretraining ->
-the CPU grid of the built-in sweep `cpu` (hldstudy/configs/sweeps/cpu.py: the
+the CPU grid of the built-in sweep `cpu` (sweeps/cpu.py: the
 study's methods x learning rate x temperature) at one FLOP budget ->
 evaluation (validation perplexity, the synthetic HellaSwag- and LAMBADA-style
 tasks) -> the analysis report. Every file it reads ships with the package.
@@ -232,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--methods", default=None,
                         help="comma-separated student methods, of "
                              f"{', '.join(method_registry.names())} (default: the sweep's, "
-                             "STUDY_METHODS in hldstudy/configs/__init__.py)")
+                             "hldstudy.distill.methods.STUDY)")
     parser.add_argument("--parallel", type=int, default=2,
                         help="worker processes for the grid (2: the tiny models leave a core idle "
                              "and compilation overlaps)")

@@ -24,7 +24,7 @@ import pytest
 
 from hldstudy import config as C
 
-TINY = "tiny"  # the built-in hldstudy/configs/experiments/tiny.py, by name
+TINY = "tiny"  # the built-in experiments/tiny.py, by name
 ROOT = Path(__file__).resolve().parent.parent
 
 MAINS = {

@@ -97,7 +97,7 @@ def test_unknown_task_and_unavailable_corpus(capsys, monkeypatch, run_dir):
     assert "'nosuchtask'" in err and "hellaswag" in err
     err = _error_line(capsys, ["--checkpoint", str(run_dir), "--tasks", "arc_challenge",
                                "--offline-data", str(FIXTURES_DIR)])
-    assert "'arc_challenge': no hldstudy/eval/overrides/<task>.yaml" in err
+    assert "'arc_challenge': no eval/overrides/<task>.yaml" in err
     monkeypatch.delenv("HLDSTUDY_C4_DIR", raising=False)
     monkeypatch.delenv("TFDS_DATA_DIR", raising=False)
     err = _error_line(capsys, ["--checkpoint", str(run_dir), "--tasks", "c4_ppl"])

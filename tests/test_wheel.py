@@ -31,8 +31,10 @@ def build_and_install(tmp_path: Path) -> Path:
     behind, and a stale build/lib could hide a file missing from the package data) and
     installs it into tmp_path/site; returns that folder."""
     src = tmp_path / "src"
-    shutil.copytree(ROOT / "hldstudy", src / "hldstudy",
-                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    # the library and the top-level folders the build maps into it (pyproject package-dir)
+    for folder in ("hldstudy", "experiments", "sweeps", "eval"):
+        shutil.copytree(ROOT / folder, src / folder,
+                        ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, src / name)
     wheels = tmp_path / "wheels"
@@ -54,14 +56,25 @@ def test_wheel_runs_the_quickstart_without_the_checkout(tmp_path):
            "WANDB_MODE": "disabled"}
 
     # The installed copy is the one imported (the venv's editable finder comes after
-    # PYTHONPATH), and it carries its data files.
+    # PYTHONPATH), and it carries the checkout's experiments/, sweeps/ and eval/.
     probe = _run([sys.executable, "-c",
                   "import hldstudy, hldstudy.cli_common as c, hldstudy.eval.tasks as t; "
-                  "print(hldstudy.__file__); print(c.SWEEPS / 'cpu.py'); "
-                  "print(t.OVERRIDES_DIR / 'synth_mc.yaml')"], cwd=elsewhere, env=env)
+                  "import hldstudy.sweeps._c4 as c4; "
+                  "print(hldstudy.__file__); print(c.SWEEPS / 'cpu.py'); print(c4.__file__); "
+                  "print(c.EXPERIMENTS / 'c4_123m_kd.py'); "
+                  "print(t.OVERRIDES_DIR / 'synth_mc.yaml'); print(t.FIXTURES_DIR / 'piqa.jsonl'); "
+                  "print(t.OVERRIDES_DIR.parent / 'README.md')"], cwd=elsewhere, env=env)
     for line in probe.stdout.split():
         path = Path(line)
         assert path.is_file() and path.is_relative_to(site), (line, probe.stdout)
+
+    # Built-in names resolve inside the package: a C4 run (importing hldstudy.sweeps._c4)
+    # counts its FLOPs, and the CPU grid expands.
+    module = [sys.executable, "-m"]
+    _run(module + ["hldstudy.flops", "--config", "c4_123m_kd", "--set",
+                   "data.path=/nonexistent/tfds", "--teacher-preset", "paper-teacher-3.4b"],
+         cwd=elsewhere, env=env)
+    _run(module + ["hldstudy.sweep", "cpu", "--dry-run"], cwd=elsewhere, env=env)
 
     script = site / "bin" / "hldstudy"  # the console script the wheel installs
     _run([str(script), "quickstart", "--size", "tiny", "--workdir", "qs", "--no-progress"],

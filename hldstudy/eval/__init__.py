@@ -3,7 +3,7 @@ task overrides, corpus perplexity and `python -m hldstudy.eval`.
 
     from hldstudy.eval import evaluate
     evaluate("runs/tiny", ["hellaswag", "wikitext", "synthetic_ppl"],
-             limit=100, offline_data="hldstudy/eval/fixtures", out="runs/tiny/eval/results.json")
+             limit=100, offline_data="eval/fixtures", out="runs/tiny/eval/results.json")
 
 Importing this package is cheap; lm-eval and JAX load on first use.
 """

@@ -2,7 +2,7 @@
 
 Evaluates an hldstudy run directory (or an imported Gemma GGUF file / HF
 directory) on lm-eval tasks by name (offline from local JSONL with
---offline-data DIR or $HLDSTUDY_EVAL_DATA; file names in hldstudy/eval/README.md),
+--offline-data DIR or $HLDSTUDY_EVAL_DATA; file names in eval/README.md),
 on the synthetic downstream tasks synth_mc / synth_cloze, and on corpus
 perplexity (synthetic_ppl, valid_ppl, c4_ppl). Writes the results JSON, a
 markdown table next to it, and logs to W&B with --wandb (offline unless

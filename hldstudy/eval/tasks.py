@@ -5,7 +5,7 @@ Three kinds of task names:
 * **lm-eval tasks** (`hellaswag`, `piqa`, `winogrande`, `lambada_openai`,
   `arc_easy`, `wikitext`, or any other built-in name): lm-eval's own task
   definitions. With offline data (`--offline-data DIR` or `$HLDSTUDY_EVAL_DATA`)
-  each task is an override YAML from `hldstudy/eval/overrides/<task>.yaml` that
+  each task is an override YAML from `eval/overrides/<task>.yaml` that
   `include`s the built-in YAML and reads `DIR/<task>.jsonl` (the split the task
   evaluates, in the original dataset's schema) through the `json` builder of
   `datasets`; nothing touches the hub. Without offline data the built-in task
@@ -25,11 +25,13 @@ import os
 from pathlib import Path
 
 from hldstudy.errors import InputError
+from hldstudy.shipped import shipped_dir
 
-# Package data (they ship with the package): the override YAMLs, and a few
-# hand-written items per paper task for smoke tests (`--offline-data` FIXTURES_DIR).
-OVERRIDES_DIR = Path(__file__).resolve().parent / "overrides"
-FIXTURES_DIR = Path(__file__).resolve().parent / "fixtures"
+# The top-level eval/ folder (it ships with the package, hldstudy.shipped): the override
+# YAMLs, and a few hand-written items per paper task for smoke tests
+# (`--offline-data` FIXTURES_DIR).
+OVERRIDES_DIR = shipped_dir("eval") / "overrides"
+FIXTURES_DIR = shipped_dir("eval") / "fixtures"
 DATA_ENV = "HLDSTUDY_EVAL_DATA"
 
 PAPER_TASKS = ("hellaswag", "piqa", "winogrande", "lambada_openai", "arc_easy", "wikitext")
@@ -85,7 +87,7 @@ def check_offline_file(task: str, data_dir: Path) -> Path:
     if not path.is_file():
         raise InputError(f"{path}: missing offline data for task {task!r} (expected the split "
                          f"the task evaluates as JSONL with fields "
-                         f"{', '.join(SCHEMAS.get(task, ('...',)))}; see hldstudy/eval/README.md)")
+                         f"{', '.join(SCHEMAS.get(task, ('...',)))}; see eval/README.md)")
     fields = SCHEMAS.get(task, ())
     records = 0
     try:
@@ -105,7 +107,7 @@ def check_offline_file(task: str, data_dir: Path) -> Path:
                 if missing:
                     raise InputError(f"{path}:{lineno}: record lacks {', '.join(missing)} "
                                      f"(schema of {task}: {', '.join(fields)}; "
-                                     "see hldstudy/eval/README.md)")
+                                     "see eval/README.md)")
                 records += 1
     except UnicodeDecodeError as e:
         raise InputError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
@@ -177,7 +179,7 @@ def classify(tasks: list[str], offline_dir: Path | None) -> tuple[list[str], lis
             unknown += [t for t in to_check if t not in known]
     if unknown:
         choices = sorted(local) + sorted(SYNTHETIC_TASKS) + list(CORPUS_TASKS)
-        where = (f": no hldstudy/eval/overrides/<task>.yaml to read it offline (offline tasks: "
+        where = (f": no eval/overrides/<task>.yaml to read it offline (offline tasks: "
                  f"{', '.join(choices)})"
                  if offline_dir is not None else
                  f" (ours: {', '.join(choices)}; or any lm-eval task name)")

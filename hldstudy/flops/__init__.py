@@ -52,7 +52,7 @@ limitation matters: HloCostAnalysis counts a while-loop (scan) body once, so
 the fused KD loss's row-window scan is undercounted above 64 tokens per step
 (`xla_count_is_complete`; the CLI warns).
 
-CLI: `python -m hldstudy.flops --config hldstudy/configs/experiments/X.py --method kd
+CLI: `python -m hldstudy.flops --config experiments/X.py --method kd
 --teacher-preset tiny-teacher --budget 1e15 --check-xla --json`.
 """
 

@@ -1,6 +1,6 @@
 """`python -m hldstudy.flops`: FLOPs per step of a method, steps per budget, XLA's count.
 
-CLI: `python -m hldstudy.flops --config hldstudy/configs/experiments/X.py --method kd
+CLI: `python -m hldstudy.flops --config experiments/X.py --method kd
 --teacher-preset tiny-teacher --budget 1e15 --check-xla --json`.
 """
 

@@ -1,7 +1,7 @@
 """Sweeps: grid definitions expanded into runs, executed locally, on SLURM or by W&B agents.
 
 - ``spec``: ``Sweep`` (what a sweep file's ``get_sweep()`` returns; built-in ones in
-  ``hldstudy/configs/sweeps/``),
+  ``sweeps/``),
   ``expand`` (grid -> ``Run``s, method-aware, no duplicates), run ids and statuses.
 - ``worker``: one process's ``Worker`` (teacher and data loaded once, train, evaluate).
 - ``executors``: ``local`` (N processes), ``slurm`` (submitit), ``wandb`` (grid sweep + agent).

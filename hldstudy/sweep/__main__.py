@@ -17,7 +17,7 @@ teacher forward per step (`hldstudy.train.cohort`); each run keeps its own
 directory, steps and FLOPs, and `--dry-run --json` gives each its `cohort` id.
 `--methods a,b` restricts the sweep to some of its methods.
 
-SWEEP is a sweep file or the name of a built-in one (hldstudy/configs/sweeps/):
+SWEEP is a sweep file or the name of a built-in one (sweeps/):
 
     python -m hldstudy.sweep cpu --dry-run
     python -m hldstudy.sweep cpu --parallel 2 --set teacher.checkpoint=runs/quickstart/teacher
@@ -49,7 +49,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                                 epilog=__doc__.split("\n\n", 1)[1])
     p.add_argument("sweep", metavar="SWEEP",
                    help="sweep file with get_sweep(), or the name of a built-in one "
-                        "(hldstudy/configs/sweeps/<name>.py, e.g. cpu)")
+                        "(sweeps/<name>.py, e.g. cpu)")
     p.add_argument("--executor", default="local", choices=EXECUTORS)
     p.add_argument("--parallel", type=int, default=1,
                    help="local: worker processes; slurm: jobs; wandb: agent processes")

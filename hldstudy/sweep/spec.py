@@ -1,6 +1,6 @@
 """Sweep definitions and their expansion into runs.
 
-A sweep file (the built-in ones: ``hldstudy/configs/sweeps/<name>.py``) exposes ``get_sweep() -> Sweep``: one
+A sweep file (the built-in ones: ``sweeps/<name>.py``) exposes ``get_sweep() -> Sweep``: one
 student configuration, one FLOP budget, one teacher, a grid of methods x
 learning rate x temperature x NLL weight x HLD weight x seeds (plus any
 other config field as an extra axis), and the evaluation tasks.

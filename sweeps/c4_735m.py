@@ -5,14 +5,13 @@ counted. baseline / kd / hldf / hldc x lr {3e-4, 1e-3, 3e-3} x temperature {1, 2
 weight {0.1, 0.5}, HLD weight 1, one seed: 39 runs (the baseline
 has no temperature or NLL weight).
 
-    python -m hldstudy.sweep c4_735m --executor slurm --parallel 16 --slurm slurm_partition=gpu --slurm gpus_per_node=8 --slurm nodes=2 --set data.path=/data/tensorflow_datasets --set data.tokenizer=/data/spm32k.model --set teacher.checkpoint=runs/teacher-3.4b --set train.mesh_fsdp=8
+    python -m hldstudy.sweep c4_735m --executor slurm --parallel 16 --slurm slurm_partition=gpu --slurm gpus_per_node=8 --slurm nodes=2 --set data.path=/data/tensorflow_datasets --set data.tokenizer=/data/spm32k.model --set teacher.checkpoint=runs/c4-teacher-3.4b --set train.mesh_fsdp=8
 
 `--dry-run --json` works without the data, tokenizer or teacher; see c4_123m.py.
 """
 
-from hldstudy.configs.sweeps._c4 import c4_sweep
+from hldstudy.sweeps._c4 import c4_sweep
 
 
 def get_sweep():
-    return c4_sweep("c4-735m", "paper-735m", batch_size=512, baseline_steps=40_000,
-                    warmup_steps=2000)
+    return c4_sweep("735m")

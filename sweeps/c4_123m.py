@@ -5,7 +5,7 @@ counted. baseline / kd / hldf / hldc x lr {3e-4, 1e-3, 3e-3} x temperature {1, 2
 weight {0.1, 0.5}, HLD weight 1, one seed: 39 runs (the baseline
 has no temperature or NLL weight).
 
-    python -m hldstudy.sweep c4_123m --executor slurm --parallel 16 --slurm slurm_partition=gpu --slurm gpus_per_node=8 --set data.path=/data/tensorflow_datasets --set data.tokenizer=/data/spm32k.model --set teacher.checkpoint=runs/teacher-3.4b
+    python -m hldstudy.sweep c4_123m --executor slurm --parallel 16 --slurm slurm_partition=gpu --slurm gpus_per_node=8 --set data.path=/data/tensorflow_datasets --set data.tokenizer=/data/spm32k.model --set teacher.checkpoint=runs/c4-teacher-3.4b
 
 `--dry-run --json` works without the data, tokenizer or teacher. The teacher may
 be an hldstudy run (its tokenizer is then every run's) or an imported Gemma
@@ -13,9 +13,8 @@ checkpoint (GGUF file / HF directory; pass its tokenizer with data.tokenizer).
 Downstream data for lm-eval tasks: HLDSTUDY_EVAL_DATA=/path/to/offline/eval/data.
 """
 
-from hldstudy.configs.sweeps._c4 import c4_sweep
+from hldstudy.sweeps._c4 import c4_sweep
 
 
 def get_sweep():
-    return c4_sweep("c4-123m", "paper-123m", batch_size=256, baseline_steps=40_000,
-                    warmup_steps=2000)
+    return c4_sweep("123m")

@@ -14,9 +14,10 @@ this sweep; to run it by hand once a teacher exists:
 from pathlib import Path
 
 from hldstudy.config import load_experiment
-from hldstudy.configs import STUDY_METHODS
+from hldstudy.distill.methods import STUDY as STUDY_METHODS
 from hldstudy.sweep import Sweep
 
+# experiments/ is this folder's sibling in a checkout and inside an installed package alike.
 EXPERIMENTS = Path(__file__).resolve().parent.parent / "experiments"
 
 # size -> (student budget in baseline steps, eval items per task); "tiny": a smoke test.
