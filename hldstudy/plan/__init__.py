@@ -16,6 +16,12 @@ teacher runtime or the sweep:
 The command line (`python -m hldstudy.plan`, `plan/__main__.py`) prints the
 tables; its `--sweep` mode also reads a grid (`hldstudy.sweep`), which sits
 above this package and imports it (`--cohort auto`), never the other way.
+
+DESIGN.md's layout lists the planner under teacher/; it is a package of its own
+because it sizes the whole step (the student's state, activations and logits, a
+cohort of students, a grid's FLOPs per layout), not the teacher alone, and no
+teacher module uses it. It sits on the floor above flops/ and model/ (whose
+counts and presets it reads), beside teacher/, below sweep/ (tests/test_structure.py).
 """
 
 from hldstudy.plan.layouts import PlanInputs, plan
