@@ -22,7 +22,7 @@ def main(argv: list[str] | None = None) -> int:
         "quickstart": "hldstudy.quickstart",
         "train": "hldstudy.train.__main__",
         "flops": "hldstudy.flops.__main__",
-        "plan": "hldstudy.plan",
+        "plan": "hldstudy.plan.__main__",
         "eval": "hldstudy.eval.__main__",
         "sweep": "hldstudy.sweep.__main__",
         "analysis": "hldstudy.analysis.__main__",

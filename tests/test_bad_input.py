@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 MAINS = {
     "train": "hldstudy.train.__main__",
-    "plan": "hldstudy.plan",
+    "plan": "hldstudy.plan.__main__",
     "flops": "hldstudy.flops.__main__",
     "eval": "hldstudy.eval.__main__",
     "analysis": "hldstudy.analysis.__main__",
@@ -470,7 +470,7 @@ def test_domain_specs():
 
 def test_long_sequences_are_warned_about_before_compute(world, capsys):
     from hldstudy.flops.__main__ import main as flops_main
-    from hldstudy.plan import main as plan_main
+    from hldstudy.plan.__main__ import main as plan_main
 
     assert plan_main([*PLAN, "--seq-len", "1000000"]) == 0
     err = capsys.readouterr().err.strip().splitlines()

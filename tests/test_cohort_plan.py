@@ -7,7 +7,7 @@ import pytest
 
 from hldstudy.config import Config, DataConfig, TrainConfig
 from hldstudy.model import preset
-from hldstudy.plan import main as plan_main
+from hldstudy.plan.__main__ import main as plan_main
 from hldstudy.sweep import Sweep, expand
 from hldstudy.sweep.cohorts import cohort_key, group, run_flops, study_flops
 
@@ -129,7 +129,8 @@ def test_cohort_memory_is_k_students_plus_one_teacher():
 
 
 def test_plan_cohort_auto_picks_the_largest_k_that_fits(capsys):
-    from hldstudy.plan import GB, auto_cohort
+    from hldstudy.plan import GB
+    from hldstudy.sweep.cohorts import auto_cohort
 
     runs = expand(_sweep())
     small = auto_cohort(runs, TEACHER, 1e12)
@@ -162,8 +163,8 @@ def test_plan_cohort_auto_picks_the_largest_k_that_fits(capsys):
 
 def test_sweep_cohort_auto_from_the_available_memory(tmp_path, monkeypatch, capsys):
     """`python -m hldstudy.sweep SWEEP --cohort auto`: K from the memory available now."""
-    from hldstudy.plan import auto_cohort
     from hldstudy.sweep.__main__ import main as sweep_main
+    from hldstudy.sweep.cohorts import auto_cohort
     from hldstudy.train import loop
 
     f = tmp_path / "auto_sweep.py"

@@ -5,7 +5,6 @@ import json
 
 import pytest
 
-from hldstudy.budget import plan_stages
 from hldstudy.config import BudgetConfig, Config, DataConfig, DistillConfig, TrainConfig
 from hldstudy.distill import methods
 from hldstudy.distill.pairs import PAIR_RULES, resolve_layer_pairs
@@ -17,6 +16,7 @@ from hldstudy.flops import (
     step_flops,
 )
 from hldstudy.flops.__main__ import main
+from hldstudy.flops.budget import plan_stages
 from hldstudy.model import preset
 from hldstudy.train.probe import xla_flops_for
 

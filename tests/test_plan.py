@@ -12,7 +12,6 @@ from hldstudy.plan import (
     PlanInputs,
     logits_bytes_fused,
     logits_bytes_materialized,
-    main,
     network_bytes_per_step,
     plan,
     plan_model,
@@ -21,6 +20,7 @@ from hldstudy.plan import (
     weights_bytes,
     xla_memory,
 )
+from hldstudy.plan.__main__ import main
 
 
 def inputs(**kw):

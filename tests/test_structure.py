@@ -1,6 +1,7 @@
 """The package's layering, read from the source (nothing imported): no import cycle
-between files or between subpackages, library floors import only downward, and no
-code outside distill/ names a method (the registry does)."""
+between files, every subpackage on a declared floor importing only floors below it,
+every function-level import of an hldstudy module listed with its reason, and no code
+outside distill/ naming a method (the registry does)."""
 
 import ast
 import subprocess
@@ -12,11 +13,143 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 PKG = ROOT / "hldstudy"
 METHOD_NAMES = {"baseline", "kd", "hldf", "hldc", "patient"}
-# (importer, imported): library floors that must not import the ones above them.
-FORBIDDEN = [(a, b) for a in ("losses", "model")
-             for b in ("train", "distill", "teacher", "sweep", "eval", "analysis", "compress")]
-FORBIDDEN += [("flops", "train"), ("budget", "train"), ("analysis", "train"), ("data", "model"),
-              ("distill", "config"), ("shapes", "model")]
+
+# The floors, bottom first: a package (subpackage or top-level module of hldstudy) imports
+# only packages on floors below its own, never one beside it. Command-line entry points
+# (`__main__.py`, `hldstudy/cli.py`) are the top floor and may import anything. A new
+# package fails `test_packages_import_only_floors_below` until it is placed here.
+FLOORS = (
+    ("__root__", "errors", "numerics", "signals", "wandb_online"),  # import nothing of ours
+    ("checkpoint", "fileio", "losses"),  # on errors / numerics only
+    ("distill",),  # the method registry: declarations, no config
+    ("config",),  # the schema, validated against the registry
+    ("cli_common", "data", "rundir", "shapes", "sharding"),  # read a config
+    ("flops", "model"),  # FLOP counting and stage budgets; the model
+    ("analysis", "eval", "plan", "teacher"),  # read results; use a model or its shapes
+    ("train",),  # the trainer: teacher, model, data, stage budgets
+    ("compress", "sweep"),  # drive the trainer
+    ("configs", "quickstart"),  # experiment and sweep files; the quickstart
+)
+
+# Every import of an hldstudy module inside a function, as "importer -> imported": each
+# is a decision (a cycle broken, a heavy or optional dependency loaded late, or nothing
+# yet), visible here. A new one fails `test_function_level_imports_are_listed` until it
+# is listed with its reason or moved to the top of its module; a gone one must go too.
+# Load times: measured on a 2-core CPU host, importer loaded first.
+_MOVABLE = "no cycle, nothing new to load (its importer loads it already): could be module-level"
+_CLI = "command line: flags are parsed and checked before the {} loads"
+FUNCTION_LEVEL_IMPORTS = {
+    "hldstudy.analysis -> hldstudy.analysis.report":
+        "package export kept lazy: report imports the package back and loads matplotlib (~2 s)",
+    "hldstudy.analysis.__main__ -> hldstudy.analysis.report":
+        _CLI.format("report's matplotlib (~2 s)"),
+    "hldstudy.compress.__main__ -> hldstudy.compress.config": _MOVABLE,
+    "hldstudy.compress.__main__ -> hldstudy.compress.pipeline":
+        _CLI.format("pipeline (jax, flax, gguf: ~4 s)"),
+    "hldstudy.compress.config -> hldstudy.compress.fp8":
+        "keeps the compress config free of jax: validating a section loads none",
+    "hldstudy.compress.config -> hldstudy.compress.layout":
+        "keeps the compress config free of jax: validating a section loads none",
+    "hldstudy.compress.config -> hldstudy.compress.prune":
+        "keeps the compress config free of jax and flax: validating a section loads none",
+    "hldstudy.compress.demo -> hldstudy.cli_common": _MOVABLE,
+    "hldstudy.compress.demo -> hldstudy.compress.pipeline":
+        "the pipeline (30 modules) only when the demo runs",
+    "hldstudy.compress.demo -> hldstudy.errors": _MOVABLE,
+    "hldstudy.compress.demo -> hldstudy.model.presets": _MOVABLE,
+    "hldstudy.compress.demo -> hldstudy.train.loop":
+        "the trainer only when a demo model is not trained yet",
+    "hldstudy.compress.export -> hldstudy.compress.fp8": _MOVABLE,
+    "hldstudy.compress.export -> hldstudy.compress.layout": _MOVABLE,
+    "hldstudy.compress.pipeline -> hldstudy.eval":
+        "evaluation only when downstream tasks are asked for",
+    "hldstudy.compress.pipeline -> hldstudy.eval.adapter":
+        "lm-eval (an optional dependency) only when downstream tasks are asked for",
+    "hldstudy.eval -> hldstudy.eval.adapter":
+        "package export kept lazy (module __getattr__): lm-eval and the model (~9 s)",
+    "hldstudy.eval -> hldstudy.eval.perplexity":
+        "package export kept lazy (module __getattr__), like its siblings",
+    "hldstudy.eval -> hldstudy.eval.runner":
+        "package export kept lazy: runner imports the package back (file cycle)",
+    "hldstudy.eval.__main__ -> hldstudy.eval.runner": _CLI.format("evaluator"),
+    "hldstudy.eval.perplexity -> hldstudy.data.pipeline":
+        "the data pipeline (sentencepiece) only when a corpus is measured",
+    "hldstudy.eval.runner -> hldstudy.eval.adapter":
+        "lm-eval and the model (~7.5 s) only once task names and files are checked",
+    "hldstudy.eval.runner -> hldstudy.eval.perplexity": "corpus tasks only (numpy, tqdm)",
+    "hldstudy.eval.tasks -> hldstudy.data.synthetic":
+        "synthetic data (sentencepiece) only when fixture files are written",
+    "hldstudy.eval.testing -> hldstudy.checkpoint":
+        "fixture builder: orbax and jax (~6 s) only when a checkpoint fixture is made",
+    "hldstudy.eval.testing -> hldstudy.data.synthetic":
+        "fixture builder: sentencepiece only when a fixture is made",
+    "hldstudy.eval.testing -> hldstudy.data.tokenizer":
+        "fixture builder: sentencepiece only when a fixture is made",
+    "hldstudy.eval.testing -> hldstudy.model":
+        "fixture builder: flax and the model (~6 s) only when a fixture is made",
+    "hldstudy.flops.__main__ -> hldstudy.train.probe":
+        "the XLA probe compiles the trainer's step: loaded only for --check-xla",
+    "hldstudy.model.gguf_tokenizer -> hldstudy.data.tokenizer":
+        "sentencepiece only when a GGUF file's tokenizer is built",
+    "hldstudy.quickstart -> hldstudy.analysis":
+        "front door: each stage loads what it runs (analysis: pandas, pyarrow)",
+    "hldstudy.quickstart -> hldstudy.cli_common": _MOVABLE,
+    "hldstudy.quickstart -> hldstudy.data": "front door: each stage loads what it runs",
+    "hldstudy.quickstart -> hldstudy.errors": _MOVABLE,
+    "hldstudy.quickstart -> hldstudy.sweep.cohort_exec":
+        "front door: each stage loads what it runs (cohort executor)",
+    "hldstudy.quickstart -> hldstudy.sweep.executors":
+        "front door: each stage loads what it runs (sweep executors)",
+    "hldstudy.quickstart -> hldstudy.sweep.launch":
+        "front door: each stage loads what it runs (sweep launch)",
+    "hldstudy.quickstart -> hldstudy.sweep.spec":
+        "front door: each stage loads what it runs (the grid)",
+    "hldstudy.quickstart -> hldstudy.train.loop":
+        "front door: each stage loads what it runs (the trainer, ~8 s)",
+    "hldstudy.sweep.__main__ -> hldstudy.cli_common": _MOVABLE,
+    "hldstudy.sweep.__main__ -> hldstudy.distill.methods": _MOVABLE,
+    "hldstudy.sweep.__main__ -> hldstudy.model": "--cohort auto without a teacher checkpoint",
+    "hldstudy.sweep.__main__ -> hldstudy.plan": "--cohort auto only (the planner's GB)",
+    "hldstudy.sweep.__main__ -> hldstudy.sweep.cohort_exec": "--cohort only",
+    "hldstudy.sweep.__main__ -> hldstudy.sweep.cohorts": "--cohort auto only",
+    "hldstudy.sweep.__main__ -> hldstudy.sweep.executors": _MOVABLE,
+    "hldstudy.sweep.__main__ -> hldstudy.sweep.launch": _MOVABLE,
+    "hldstudy.sweep.__main__ -> hldstudy.sweep.spec": _MOVABLE,
+    "hldstudy.sweep.__main__ -> hldstudy.train.cohort":
+        "--cohort auto only: the cohort trainer's default mode (jax, ~1 s)",
+    "hldstudy.sweep.__main__ -> hldstudy.train.loop":
+        "--cohort auto only: the device's free memory (the trainer, ~1 s)",
+    "hldstudy.sweep.cohort_exec -> hldstudy.sweep.executors": _MOVABLE,
+    "hldstudy.sweep.cohort_exec -> hldstudy.sweep.worker": _MOVABLE,
+    "hldstudy.sweep.cohort_exec -> hldstudy.train.cohort":
+        "the trainer (~1 s) only in the process that trains, not in a dry run",
+    "hldstudy.sweep.cohort_exec -> hldstudy.train.loop":
+        "the trainer (~1 s) only in the process that trains, not in a dry run",
+    "hldstudy.sweep.executors -> hldstudy.cli_common": _MOVABLE,
+    "hldstudy.sweep.executors -> hldstudy.fileio": _MOVABLE,
+    "hldstudy.sweep.executors -> hldstudy.sweep.worker": _MOVABLE,
+    "hldstudy.sweep.executors -> hldstudy.train.loop":
+        "the trainer (~1 s) only in the process that trains, not in a dry run",
+    "hldstudy.sweep.launch -> hldstudy.sweep.spec": _MOVABLE,
+    "hldstudy.sweep.worker -> hldstudy.analysis.runs":
+        "pandas and pyarrow (~1 s) only when a finished run's identity is written",
+    "hldstudy.sweep.worker -> hldstudy.data": _MOVABLE,
+    "hldstudy.sweep.worker -> hldstudy.eval":
+        "evaluation is optional: its ImportError is caught and recorded, not fatal",
+    "hldstudy.sweep.worker -> hldstudy.teacher":
+        "the teacher runtime (~1 s) only for a method that needs a teacher",
+    "hldstudy.sweep.worker -> hldstudy.train.loop":
+        "the trainer (~1 s) only when a run still has steps to train",
+    "hldstudy.train.__main__ -> hldstudy.train.loop": _CLI.format("trainer (~8.6 s)"),
+    "hldstudy.train.cohort -> hldstudy.checkpoint": _MOVABLE,
+    "hldstudy.train.cohort -> hldstudy.distill.base": _MOVABLE,
+    "hldstudy.train.cohort -> hldstudy.distill.methods": _MOVABLE,
+    "hldstudy.train.cohort -> hldstudy.model.transformer": _MOVABLE,
+    "hldstudy.train.cohort -> hldstudy.teacher.colocated": _MOVABLE,
+    "hldstudy.train.cohort -> hldstudy.train.probe": _MOVABLE,
+    "hldstudy.train.cohort -> hldstudy.train.step": _MOVABLE,
+    "hldstudy.train.loop -> hldstudy.data": _MOVABLE,
+}
 
 
 def _modules() -> dict[str, Path]:
@@ -31,25 +164,43 @@ def _entry(mod: str) -> bool:  # command-line entry points may import anything
     return mod.endswith(".__main__") or mod == "hldstudy.cli"
 
 
-def _imports(mod: str, f: Path, mods: dict) -> set[str]:
+def _imported(mod: str, f: Path, node: ast.AST, mods: dict, own: bool) -> set[str]:
+    """The hldstudy modules an import statement names (`from a.b import c`: a.b.c when it
+    is a module, else a.b; never `mod` itself; a package's own submodules from its
+    `__init__` only with `own`: they are what `from package import x` resolves to)."""
+    if isinstance(node, ast.Import):
+        names = [a.name for a in node.names]
+    else:
+        base = node.module or ""
+        if node.level:
+            here = mod.split(".") if f.name == "__init__.py" else mod.split(".")[:-1]
+            here = here[:len(here) - node.level + 1]
+            base = ".".join(here + ([node.module] if node.module else []))
+        names = [f"{base}.{a.name}" for a in node.names]
     out = set()
-    for node in ast.walk(ast.parse(f.read_text())):  # function-level imports count too
-        names = []
-        if isinstance(node, ast.Import):
-            names = [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                here = mod.split(".") if f.name == "__init__.py" else mod.split(".")[:-1]
-                here = here[:len(here) - node.level + 1]
-                base = ".".join(here + ([node.module] if node.module else []))
-            names = [base] + [f"{base}.{a.name}" for a in node.names]
-        for name in names:
-            while name and name not in mods:
-                name = name.rpartition(".")[0]
-            if name and name != mod and not (f.name == "__init__.py"
-                                             and name.startswith(mod + ".")):
-                out.add(name)
+    for name in names:
+        while name and name not in mods:
+            name = name.rpartition(".")[0]
+        if name and name != mod and (own or not (f.name == "__init__.py"
+                                                 and name.startswith(mod + "."))):
+            out.add(name)
+    return out
+
+
+def _imports(mod: str, f: Path, mods: dict, *, in_functions_only: bool = False) -> set[str]:
+    """What `mod` imports, at module level and inside functions alike; or only inside
+    functions, a package's `__init__` importing its own submodules included."""
+    out = set()
+
+    def visit(node: ast.AST, in_function: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.Import, ast.ImportFrom)) and (
+                    in_function or not in_functions_only):
+                out.update(_imported(mod, f, child, mods, own=in_functions_only))
+            visit(child, in_function or isinstance(
+                child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)))
+
+    visit(ast.parse(f.read_text()), False)
     return out
 
 
@@ -90,19 +241,40 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return out
 
 
-def test_no_cycles_and_only_downward_imports():
+def test_no_import_cycle_between_files():
     mods = _modules()
-    edges = {m: _imports(m, f, mods) for m, f in mods.items()}
-    assert _cycles(edges) == []
-    packages: dict[str, set[str]] = {}
-    for m, deps in edges.items():
+    assert _cycles({m: _imports(m, f, mods) for m, f in mods.items()}) == []
+
+
+def test_packages_import_only_floors_below():
+    mods = _modules()
+    floor_of = {p: i for i, floor in enumerate(FLOORS) for p in floor}
+    assert sum(len(floor) for floor in FLOORS) == len(floor_of), "a package on two floors"
+    found = {_package(m) for m in mods if not _entry(m)}
+    assert sorted(found - floor_of.keys()) == [], "packages on no floor: add them to FLOORS"
+    assert sorted(floor_of.keys() - found) == [], "FLOORS names packages that are gone"
+    upward = set()
+    for m, f in mods.items():
         if _entry(m):
             continue
-        for d in deps:
-            if _package(m) != _package(d):
-                packages.setdefault(_package(m), set()).add(_package(d))
-    assert _cycles(packages) == []
-    assert [f"{a}->{b}" for a, b in FORBIDDEN if b in packages.get(a, ())] == []
+        for d in _imports(m, f, mods):
+            a, b = _package(m), _package(d)
+            if a != b and floor_of[b] >= floor_of[a]:
+                upward.add(f"{m} -> {d} (floor {floor_of[a]} {a} imports floor "
+                           f"{floor_of[b]} {b})")
+    assert sorted(upward) == []
+
+
+def test_function_level_imports_are_listed():
+    mods = _modules()
+    found = {f"{m} -> {d}" for m, f in mods.items()
+             for d in _imports(m, f, mods, in_functions_only=True)}
+    new = sorted(found - FUNCTION_LEVEL_IMPORTS.keys())
+    gone = sorted(FUNCTION_LEVEL_IMPORTS.keys() - found)
+    assert not new, (f"function-level imports not in FUNCTION_LEVEL_IMPORTS (move each to "
+                     f"the top of its module, or list it with its reason): {new}")
+    assert not gone, f"FUNCTION_LEVEL_IMPORTS lists imports that are gone (remove them): {gone}"
+    assert all(r.strip() for r in FUNCTION_LEVEL_IMPORTS.values())
 
 
 def test_method_names_live_in_distill():

@@ -37,14 +37,15 @@ the elementwise constants are fitted, so treat that term as +-10% (it is
 ~5% of the total on the tiny CPU shapes and well under 1% at real sizes).
 
 Compute matching: a budget C gives stage s `floor(C * share_s / flops_per_step_s)`
-steps (`hldstudy.budget.plan_stages`), with `tokens per step = data.batch_size
+steps (`hldstudy.flops.budget.plan_stages`), with `tokens per step = data.batch_size
 * data.seq_len`.
 
 What a step runs comes from the method's declaration
 (`hldstudy.distill.methods`): its stage's loss terms and depth decide the
 student layers and head, the teacher layers and head, and the regressors.
 
-Checked against XLA (`hldstudy.train.probe.xla_flops_for`, `--check-xla`):
+Checked against XLA (`hldstudy.train.probe.xla_flops_for`, `--check-xla`; only the CLI
+imports the probe, so this package stays below `train/`):
 the trainer's real step of every method, colocated or disaggregated, is
 compiled from abstract shapes (`train_step_probe`) and XLA's `cost_analysis()["flops"]` is compared
 with the hardware figure (tests: within 5%; measured 0.97-1.004). One XLA

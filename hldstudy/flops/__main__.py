@@ -11,12 +11,12 @@ import dataclasses
 import json
 import sys
 
-from hldstudy.budget import plan_stages
 from hldstudy.cli_common import EXPERIMENTS, find_builtin, finite_number, warn_long_sequence
 from hldstudy.config import apply_overrides, load_experiment, validate
 from hldstudy.distill import methods
 from hldstudy.errors import ConfigError, user_errors
 from hldstudy.flops import FUSED_XLA_ROW_BLOCK, step_flops, xla_count_is_complete
+from hldstudy.flops.budget import plan_stages
 from hldstudy.model.loading import model_config_of
 from hldstudy.model.presets import preset
 

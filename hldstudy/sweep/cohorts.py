@@ -8,6 +8,9 @@ the same batches and need the same teacher outputs at every step. `group` puts
 such runs (same method, same stage steps, every other result-changing field
 equal) into cohorts of at most K.
 
+`auto_cohort` is `--cohort auto`: the largest K whose cohort step fits a device, by the
+planner's `hldstudy.plan.cohort_memory`.
+
 `study_flops` is the closed form of DESIGN.md's "Cohorts" section, per run and
 summed over the grid, for three layouts:
 
@@ -22,11 +25,14 @@ model FLOPs (`hldstudy.flops.step_flops`): what the budget counts.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 
-from hldstudy.config import config_to_dict, field_rules, flatten
+from hldstudy.config import ModelConfig, config_to_dict, field_rules, flatten
+from hldstudy.distill import methods
 from hldstudy.flops import step_flops
+from hldstudy.plan.step_memory import cohort_memory, largest_cohort
 from hldstudy.sweep.spec import Run
 
 LAYOUTS = ("colocated", "disaggregated", "cohort")
@@ -59,6 +65,38 @@ def group(runs: list[Run], k: int) -> list[list[Run]]:
         cohorts += [members[i:i + k] for i in range(0, len(members), k)]
     order = {r.run_id: i for i, r in enumerate(runs)}
     return sorted(cohorts, key=lambda c: order[c[0].run_id])
+
+
+def auto_cohort(runs: list[Run], teacher_model: ModelConfig | None, limit_bytes: float,
+                devices: int = 1, mode: str = "vmap") -> dict:
+    """`--cohort auto`: the largest K such that every cohort of the grid (each method's
+    compatible runs, each of its stages) fits `limit_bytes` of one device per
+    `cohort_memory`, the run's batch split over `devices` data-parallel devices (each
+    holding the whole cohort's state: FSDP would need less). Returns {"k", "limit_bytes",
+    "largest_group", "bytes_at_k", "bytes_at_k_plus_1"} (the worst cohort's predicted total; k = 0: not even one
+    student fits; k = largest_group: every compatible run fits in one cohort)."""
+    groups = group(runs, max(len(runs), 1))
+
+    def need(k: int) -> float:
+        worst = 0.0
+        for members in groups:
+            run = members[0]
+            t = teacher_model if methods.get(run.method).needs_teacher else None
+            cfg = run.config
+            if devices > 1:
+                cfg = dataclasses.replace(cfg, data=dataclasses.replace(
+                    cfg.data, batch_size=max(cfg.data.batch_size // devices, 1)))
+            for stage in run.stage_steps:
+                mem = cohort_memory(cfg, t, min(k, len(members)), method=run.method,
+                                    stage=stage, mode=mode)
+                worst = max(worst, mem["total_bytes"])
+        return worst
+
+    largest = max((len(g) for g in groups), default=0)
+    k = largest_cohort(lambda n: need(n) <= limit_bytes, largest)
+    return {"k": k, "limit_bytes": limit_bytes, "largest_group": largest,
+            "bytes_at_k": need(k) if k else need(1),
+            "bytes_at_k_plus_1": need(k + 1) if k < largest else None}
 
 
 @dataclass(frozen=True)

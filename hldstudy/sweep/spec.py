@@ -28,7 +28,6 @@ from pathlib import Path
 from typing import Any
 
 from hldstudy import rundir
-from hldstudy.budget import plan_stages
 from hldstudy.config import (
     FILE_KEYS,
     Config,
@@ -42,6 +41,7 @@ from hldstudy.config import (
 from hldstudy.distill import methods
 from hldstudy.errors import ConfigError, InputError
 from hldstudy.flops import step_flops
+from hldstudy.flops.budget import plan_stages
 from hldstudy.model.loading import model_config_of
 from hldstudy.model.presets import preset
 

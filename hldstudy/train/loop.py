@@ -33,7 +33,6 @@ import jax.numpy as jnp
 from flax import nnx
 
 from hldstudy import sharding as mesh_lib
-from hldstudy.budget import StagePlan, plan_stages, total_steps
 from hldstudy.checkpoint import Checkpointer, abstract_like, check_writable
 from hldstudy.config import (
     Config,
@@ -48,6 +47,7 @@ from hldstudy.distill import methods
 from hldstudy.distill.base import make_strategy
 from hldstudy.errors import ConfigError, InputError, RuntimeFault, warn
 from hldstudy.fileio import write_json_atomic
+from hldstudy.flops.budget import StagePlan, plan_stages, total_steps
 from hldstudy.model import Transformer
 from hldstudy.rundir import CHECKPOINTS_DIR, RESULTS_FILE, checkpoint_steps
 from hldstudy.signals import Interrupted, StopSignals  # noqa: F401  (Interrupted re-exported)

@@ -2,7 +2,8 @@
 
 The one stage planner of the suite: the trainer, the sweep (grid accounting
 before anything runs) and the FLOP CLI all call `plan_stages`, so the steps a
-run is planned for and the steps it trains can never disagree.
+run is planned for and the steps it trains can never disagree. It sits in
+`flops/`, below `train/`: it needs nothing but the FLOP counts.
 
 With `budget.flops = C > 0`, stage s of a method gets
 `floor(C * share_s / flops_per_step_s)` steps (`hldstudy.flops.step_flops`,

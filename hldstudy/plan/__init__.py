@@ -1,0 +1,62 @@
+"""Closed-form memory / network planner: colocated vs disaggregated teacher.
+
+Answers "will this OOM / will the network stall" before anyone rents a cluster
+(DESIGN.md, "Disaggregated teacher"). Everything here is a pure function of
+model shapes and a few hardware numbers; nothing imports the trainer, the
+teacher runtime or the sweep:
+
+- `terms`: memory terms (weights, optimizer, activations, logits peak, ring,
+  fan-out window) and network bytes per step;
+- `presets`: the planner's model shapes (its MoE presets and every model preset);
+- `layouts`: the per-device plan of one run, colocated vs disaggregated, with
+  step times, the link it needs and verdicts;
+- `step_memory`: XLA's `memory_analysis()` of one compiled step (solo or a
+  cohort of K students), predicted.
+
+The command line (`python -m hldstudy.plan`, `plan/__main__.py`) prints the
+tables; its `--sweep` mode also reads a grid (`hldstudy.sweep`), which sits
+above this package and imports it (`--cohort auto`), never the other way.
+
+DESIGN.md's layout lists the planner under teacher/; it is a package of its own
+because it sizes the whole step (the student's state, activations and logits, a
+cohort of students, a grid's FLOPs per layout), not the teacher alone, and no
+teacher module uses it. It sits on the floor above flops/ and model/ (whose
+counts and presets it reads), beside teacher/, below sweep/ (tests/test_structure.py).
+"""
+
+from hldstudy.plan.layouts import PlanInputs, plan
+from hldstudy.plan.presets import PLAN_PRESETS, plan_model
+from hldstudy.plan.step_memory import (
+    VMAP_ACT_EXTRA,
+    cohort_memory,
+    largest_cohort,
+    predict_step_memory,
+    xla_memory,
+)
+from hldstudy.plan.terms import (
+    DTYPE_BYTES,
+    GB,
+    PlanModel,
+    dtype_bytes,
+    fanout_window_bytes,
+    fsdp_gather_bytes,
+    inference_activation_bytes,
+    layer_activation_bytes_per_token,
+    logits_bytes_fused,
+    logits_bytes_materialized,
+    network_bytes_per_step,
+    optimizer_bytes,
+    ring_bytes,
+    score_bytes_per_token_layer,
+    train_activation_bytes,
+    weights_bytes,
+)
+
+__all__ = [
+    "DTYPE_BYTES", "GB", "PLAN_PRESETS", "VMAP_ACT_EXTRA", "PlanInputs", "PlanModel",
+    "cohort_memory", "dtype_bytes", "fanout_window_bytes", "fsdp_gather_bytes",
+    "inference_activation_bytes", "largest_cohort", "layer_activation_bytes_per_token",
+    "logits_bytes_fused", "logits_bytes_materialized", "network_bytes_per_step",
+    "optimizer_bytes", "plan", "plan_model", "predict_step_memory", "ring_bytes",
+    "score_bytes_per_token_layer", "train_activation_bytes", "weights_bytes", "xla_memory",
+]

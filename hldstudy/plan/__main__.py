@@ -1,0 +1,222 @@
+"""`python -m hldstudy.plan`: will a run fit, will the network stall (colocated vs
+disaggregated teacher), and `--sweep SWEEP`: what a whole grid costs per layout.
+
+The tables come from the pure model in `hldstudy.plan` (`--json` for one
+machine-readable object); this module only parses flags and prints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+
+from hldstudy.cli_common import SWEEPS, find_builtin, warn_long_sequence
+from hldstudy.errors import ConfigError, user_errors
+from hldstudy.plan.layouts import PlanInputs, check_inputs, plan
+from hldstudy.plan.presets import plan_model
+from hldstudy.plan.terms import GB, dtype_bytes
+from hldstudy.sweep.cohorts import auto_cohort, device_hours, study_flops
+from hldstudy.sweep.spec import expand, load_sweep, teacher_model_config
+
+
+def _gb(x: float) -> str:
+    return f"{x / GB:.2f}"
+
+
+def format_markdown(r: dict) -> str:
+    i = r["inputs"]
+    col, dis = r["colocated"], r["disaggregated"]
+    lines = [
+        f"**{i['teacher']} -> {i['student']}**: {i['tokens_per_step']} tokens/step, "
+        f"{i['devices']} devices x {i['hbm_gb']:g} GB (usable {i['usable']:.0%}), "
+        f"link {i['link_gbps']:g} Gbps/device, T={i['seq_len']}, loss={i['loss']}, "
+        f"remat={i['remat']}, attention={i['attention']}, ring={i['ring']}, "
+        f"streamed layers={r['n_streamed_layers']}, params {i['param_bytes']} B, "
+        f"compute {i['compute_dtype']}, teacher {i['teacher_dtype']}, "
+        f"grad-accum {i['grad_accum']}, teacher devices {i['teacher_devices'] or i['devices']}",
+        "",
+        "| GB per device | colocated | disaggregated (trainer) | disaggregated (teacher) |",
+        "|---|---:|---:|---:|",
+    ]
+    keys = []
+    for d in (col["breakdown"], dis["breakdown"], dis["teacher_breakdown"]):
+        keys += [k for k in d if k not in keys]
+    for k in keys:
+        cells = [col["breakdown"].get(k), dis["breakdown"].get(k), dis["teacher_breakdown"].get(k)]
+        lines.append(f"| {k} | " + " | ".join("-" if c is None else _gb(c) for c in cells) + " |")
+    lines.append(f"| **total** | **{_gb(col['bytes_per_device'])}** | "
+                 f"**{_gb(dis['bytes_per_device'])}** | **{_gb(dis['teacher_bytes_per_device'])}** |")
+    lines.append(f"| verdict | {col['verdict']} | {dis['verdict']} | "
+                 f"{'teacher-bound' if dis['teacher_bound'] else 'keeps up'} "
+                 f"(needs {dis['teacher_devices_needed']} devices) |")
+    lines.append(f"| step time (s) | {col['step_time_s']:.3f} | {dis['student_step_time_s']:.3f} | "
+                 f"{dis['teacher_step_time_s']:.3f} |")
+    if i.get("fanout_window"):
+        lines.append(f"| fan-out window ({i['fanout_window']} steps, host, per replica) | - | - | "
+                     f"{_gb(dis['fanout_window_bytes'])} |")
+    net = r["network_bytes_per_step"]
+    lines += ["",
+              f"Network per step: hidden {_gb(net['hidden'])} GB vs logits {_gb(net['logits'])} GB "
+              f"({net['logits_over_hidden']:.1f}x); required link {r['required_link_gbps']:.1f} "
+              f"Gbps/device (logits would need {r['required_link_gbps_if_logits']:.0f})."]
+    return "\n".join(lines)
+
+
+def study_main(argv: list[str]) -> int:
+    """`--sweep SWEEP`: teacher, student and total FLOPs of a whole grid under the
+    colocated, disaggregated and cohort layouts, and device-hours."""
+    ap = argparse.ArgumentParser(prog="python -m hldstudy.plan --sweep",
+                                 description="FLOPs and device-hours of a whole sweep: colocated "
+                                             "vs disaggregated vs cohort teacher.")
+    ap.add_argument("--sweep", required=True, help="sweep file or built-in sweep name")
+    ap.add_argument("--cohort", default=None, metavar="K|auto",
+                    help="at most K students per cohort (default: every compatible run of a "
+                         "method in one cohort); auto: the largest K whose cohorts fit --hbm")
+    ap.add_argument("--hbm", type=float, default=None,
+                    help="GB of memory per device (with --cohort auto)")
+    ap.add_argument("--usable", type=float, default=0.9,
+                    help="usable fraction of --hbm (with --cohort auto)")
+    ap.add_argument("--devices", type=int, default=1,
+                    help="data-parallel devices per run, splitting its batch (with --cohort auto)")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="K=V")
+    ap.add_argument("--tflops", type=float, default=989.0, help="peak TFLOPS per device")
+    ap.add_argument("--mfu", type=float, default=0.4)
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--debug", action="store_true")
+    a = ap.parse_args(argv)
+    with user_errors(a.debug, prog="hldstudy.plan"):
+        auto = a.cohort == "auto"
+        if auto:
+            if a.hbm is None or not (math.isfinite(a.hbm) and a.hbm > 0):
+                raise ConfigError("--hbm", "--cohort auto needs the device memory",
+                                  "give --hbm GB (> 0) per device")
+            if not 0 < a.usable <= 1:
+                raise ConfigError("--usable", f"{a.usable} is out of range", "0 < F <= 1")
+        elif a.cohort is not None:
+            try:
+                a.cohort = int(a.cohort)
+            except ValueError:
+                raise ConfigError("--cohort", f"{a.cohort!r} is not a number",
+                                  "--cohort K (K >= 1) or --cohort auto") from None
+            if a.cohort < 1:
+                raise ConfigError("--cohort", f"must be >= 1, got {a.cohort}")
+        for name, value in (("--mfu", a.mfu), ("--tflops", a.tflops)):
+            if not (math.isfinite(value) and value > 0) or (name == "--mfu" and value > 1):
+                raise ConfigError(name, f"{value} is out of range",
+                                  "--mfu in (0, 1], --tflops > 0 and finite")
+        sweep = load_sweep(find_builtin(a.sweep, SWEEPS))
+        runs = expand(sweep, a.overrides)
+        teacher = teacher_model_config(runs[0].config.teacher.checkpoint, sweep.teacher_preset)
+        chosen = None
+        if auto:
+            if a.devices < 1:
+                raise ConfigError("--devices", f"must be >= 1, got {a.devices}")
+            chosen = auto_cohort(runs, teacher, a.hbm * GB * a.usable, a.devices)
+            if chosen["k"] == 0:
+                raise ConfigError("--cohort", f"not even one student fits: the largest cohort "
+                                  f"step needs {_gb(chosen['bytes_at_k'])} GB of the "
+                                  f"{_gb(chosen['limit_bytes'])} GB usable "
+                                  f"({a.hbm:g} GB x {a.usable:g}) with the batch over "
+                                  f"{a.devices} device(s)",
+                                  "more data-parallel devices (--devices N), or a device with "
+                                  "more memory")
+            a.cohort = chosen["k"]
+        r = study_flops(runs, teacher, a.cohort or len(runs))
+        if chosen is not None:
+            r["cohort_auto"] = chosen
+        r.update({"sweep": sweep.name, "mfu": a.mfu, "peak_tflops": a.tflops})
+        for lay in r["layouts"].values():
+            lay["device_hours"] = device_hours(lay["total_flops"], a.mfu, a.tflops)
+        colo, coh = r["layouts"]["colocated"], r["layouts"]["cohort"]
+        r["cohort_savings"] = {
+            "teacher": colo["teacher_flops"] / max(coh["teacher_flops"], 1e-30),
+            "total": colo["total_flops"] / coh["total_flops"]}
+        if a.json:
+            print(json.dumps(r, sort_keys=True))
+            return 0
+        if chosen is not None:
+            nxt = chosen["bytes_at_k_plus_1"]
+            print(f"--cohort auto: K = {chosen['k']}, the largest cohort that fits "
+                  f"{_gb(chosen['limit_bytes'])} GB ({a.hbm:g} GB x {a.usable:g} usable, the "
+                  f"batch over {a.devices} device(s)): "
+                  f"its step needs {_gb(chosen['bytes_at_k'])} GB"
+                  + (f", K = {chosen['k'] + 1} would need {_gb(nxt)} GB" if nxt else
+                     " (every compatible run of a method in one cohort)"))
+        print(f"sweep {sweep.name}: {r['runs']} runs, {r['cohorts']} cohorts "
+              f"(at most {r['cohort_size']} students each); device-hours at "
+              f"{a.mfu:.0%} MFU of {a.tflops:g} TFLOPS")
+        print("| layout | teacher FLOPs | student FLOPs | total FLOPs | device-hours |")
+        print("|---|---:|---:|---:|---:|")
+        for name, lay in r["layouts"].items():
+            print(f"| {name} | {lay['teacher_flops']:.3e} | {lay['student_flops']:.3e} | "
+                  f"{lay['total_flops']:.3e} | {lay['device_hours']:,.0f} |")
+        s = r["cohort_savings"]
+        print(f"cohorts: teacher FLOPs {s['teacher']:.1f}x lower, total {s['total']:.2f}x lower")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if any(a == "--sweep" or a.startswith("--sweep=") for a in argv):
+        return study_main(argv)
+    ap = argparse.ArgumentParser(prog="python -m hldstudy.plan",
+                                 description="Memory / network planner: colocated vs "
+                                             "disaggregated teacher.")
+    ap.add_argument("--teacher", required=True, help="preset (model or planner preset)")
+    ap.add_argument("--student", required=True)
+    ap.add_argument("--tokens-per-step", type=int, required=True)
+    ap.add_argument("--devices", type=int, required=True, help="trainer devices")
+    ap.add_argument("--hbm", type=float, required=True, help="GB of memory per device")
+    ap.add_argument("--link", type=float, required=True, help="Gbps inbound per trainer device")
+    ap.add_argument("--seq-len", type=int, default=4096)
+    ap.add_argument("--loss", choices=("fused", "materialized"), default="fused")
+    ap.add_argument("--remat", action="store_true")
+    ap.add_argument("--ring", type=int, default=4)
+    ap.add_argument("--param-bytes", type=int, default=4)
+    ap.add_argument("--compute-dtype", default="bf16")
+    ap.add_argument("--teacher-dtype", default="bf16")
+    ap.add_argument("--stream-dtype", default="bf16")
+    ap.add_argument("--hidden-layers", type=int, default=0,
+                    help="teacher intermediate layers streamed besides the final hidden")
+    ap.add_argument("--teacher-devices", type=int, default=None)
+    ap.add_argument("--grad-accum", type=int, default=1)
+    ap.add_argument("--tflops", type=float, default=989.0, help="peak TFLOPS per device")
+    ap.add_argument("--mfu", type=float, default=0.4)
+    ap.add_argument("--attention", choices=("dense", "flash"), default="flash")
+    ap.add_argument("--row-block", type=int, default=256)
+    ap.add_argument("--vocab-block", type=int, default=512)
+    ap.add_argument("--usable", type=float, default=0.9, help="usable fraction of HBM")
+    ap.add_argument("--no-fused-recompute", action="store_true")
+    ap.add_argument("--fanout-window", type=int, default=0,
+                    help="steps a cohort replica holds (serve --window); 0 = no fan-out")
+    ap.add_argument("--fanout-union-layers", type=int, default=0,
+                    help="streamed tensors of the cohort's union of layers (0: as one run)")
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--debug", action="store_true")
+    a = ap.parse_args(argv)
+    with user_errors(a.debug, prog="hldstudy.plan"):
+        p = PlanInputs(teacher=plan_model(a.teacher), student=plan_model(a.student),
+                       tokens_per_step=a.tokens_per_step, devices=a.devices, hbm_gb=a.hbm,
+                       link_gbps=a.link, seq_len=a.seq_len, loss=a.loss, remat=a.remat,
+                       ring=a.ring, param_bytes=a.param_bytes, compute_dtype=a.compute_dtype,
+                       teacher_dtype=a.teacher_dtype, stream_dtype=a.stream_dtype,
+                       hidden_layers=a.hidden_layers, teacher_devices=a.teacher_devices,
+                       grad_accum=a.grad_accum, tflops=a.tflops, mfu=a.mfu,
+                       attention=a.attention, row_block=a.row_block, vocab_block=a.vocab_block,
+                       usable=a.usable, fused_recompute=not a.no_fused_recompute,
+                       fanout_window=a.fanout_window, fanout_union_layers=a.fanout_union_layers)
+        dtype_bytes(p.compute_dtype), dtype_bytes(p.teacher_dtype), dtype_bytes(p.stream_dtype)
+        check_inputs(p)
+        warn_long_sequence("hldstudy.plan", "--seq-len", p.seq_len)
+        r = plan(p)
+        if a.json:
+            print(json.dumps(r, sort_keys=True))
+        else:
+            print(format_markdown(r))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,186 @@
+"""What XLA reports for one compiled train step (solo or cohort), predicted in closed form.
+
+`predict_step_memory` maps the planner's terms (`hldstudy.plan.terms`) onto the
+four numbers of `compiled.memory_analysis()` for hldstudy's own step (small
+configs, one device); `cohort_memory` does the same for the cohort step of K
+students sharing one teacher (`hldstudy.train.cohort`); `xla_memory` reads
+XLA's report in the same keys, so tests compare the two.
+"""
+
+from __future__ import annotations
+
+from hldstudy.config import Config, ModelConfig
+from hldstudy.distill import methods
+from hldstudy.errors import ConfigError
+from hldstudy.flops import step_flops, trainable_params
+from hldstudy.plan.terms import (
+    TEACHER_LIVE_COPIES,
+    dtype_bytes,
+    layer_activation_bytes_per_token,
+    logits_bytes_fused,
+    logits_bytes_materialized,
+    train_activation_bytes,
+)
+from hldstudy.shapes import ModelShape as PlanModel
+
+
+def predict_step_memory(cfg: Config, teacher_model: ModelConfig | None = None, *,
+                        method: str | None = None, stage: str | None = None,
+                        layout: str = "colocated", donate: bool = True,
+                        attention: str = "dense") -> dict:
+    """Predicted `compiled.memory_analysis()` of one train step on one device.
+
+    Terms map onto XLA's report:
+      argument_bytes: the train state (student params + regressors, AdamW mu
+        and nu of the *trainable* ones in the param dtype, step counter), the
+        batch (tokens, positions, segment ids, targets int32 + mask bool), and
+        the teacher's input: its params (colocated) or the streamed hidden
+        states and head (disaggregated).
+      output_bytes: the new state (+ a few scalar metrics).
+      alias_bytes: the state again when it is donated (the trainer donates).
+      temp_bytes: gradients + saved activations of the layers run + the logits
+        peak + the teacher's kept outputs (colocated; its forward's working
+        set only where it exceeds the student's peak, as it runs first).
+      total_bytes: argument + output - alias + temp (resident at the peak).
+
+    method / stage default to the config's; layout: "colocated" or
+    "disaggregated" (ignored for baseline).
+    """
+    spec = methods.get(method or cfg.distill.method)
+    method = spec.name
+    m = cfg.model
+    s = PlanModel.from_model_config(m, "student")
+    pb, cb = dtype_bytes(m.param_dtype), dtype_bytes(m.dtype)
+    b, seq = cfg.data.batch_size, cfg.data.seq_len
+    tok = b * seq
+    bd = step_flops(cfg, method, stage, teacher_model if spec.needs_teacher else None)
+    d_t = teacher_model.d_model if teacher_model is not None else 0
+    n_pairs = len(bd.layer_pairs)
+    aux = n_pairs * (m.d_model * d_t + d_t) * 4  # float32 regressors
+    trainable = trainable_params(m, None if bd.student_head else bd.student_layers) * pb + aux
+    params = s.total_params() * pb + aux
+    state = params + 2 * trainable + 4
+    batch = tok * (4 * 4 + 1)
+    acts = train_activation_bytes(s, tok, seq, cb, remat=m.remat, attention=attention,
+                                  n_layers=bd.student_layers)
+    acts += n_pairs * 2 * tok * d_t * 4  # regressor outputs and their error
+    if not bd.student_head:
+        logits = 0.0
+    elif not bd.teacher_head:
+        logits = logits_bytes_materialized(tok, m.vocab_size, with_teacher=False)
+    elif cfg.distill.loss_impl == "fused":
+        logits = logits_bytes_fused(tok, m.vocab_size, m.d_model, 64, 1 << 20)
+    else:
+        logits = logits_bytes_materialized(tok, m.vocab_size, with_teacher=True)
+    terms = {"params": params, "optimizer": 2 * trainable, "batch": batch, "grads": trainable,
+             "activations": acts, "logits": logits}
+    argument = state + batch
+    temp = trainable + acts + logits
+    working = 0.0
+    if spec.needs_teacher:
+        t = PlanModel.from_model_config(teacher_model, "teacher")
+        tpb = dtype_bytes(cfg.teacher.dtype)
+        kept = tok * d_t * tpb * (len({tt for _, tt in bd.layer_pairs}) + int(bd.teacher_head))
+        head = t.head_params * tpb if bd.teacher_head else 0.0
+        if layout == "colocated":
+            # jit drops unused arguments: HLDF stage 1 passes only the blocks it runs.
+            terms["teacher_params"] = trainable_params(
+                teacher_model, None if bd.teacher_head else bd.teacher_layers) * tpb
+            working = tok * layer_activation_bytes_per_token(t, seq, tpb, attention)
+            terms["teacher_outputs"] = max(kept, TEACHER_LIVE_COPIES * tok * d_t * tpb)
+            terms["teacher_activations"] = max(0.0, working - acts - logits)
+            argument += terms["teacher_params"]
+            temp += terms["teacher_outputs"] + terms["teacher_activations"]
+        elif layout == "disaggregated":
+            terms["teacher_inputs"] = kept + head
+            argument += terms["teacher_inputs"]
+        else:
+            raise ConfigError("layout", f"{layout!r} is not one of colocated, disaggregated")
+    output = state + 4 * 4
+    alias = state if donate else 0.0
+    return {"argument_bytes": argument, "output_bytes": output, "alias_bytes": alias,
+            "temp_bytes": temp, "total_bytes": argument + output - alias + temp, "terms": terms,
+            "state_bytes": state, "teacher_working_bytes": working if layout == "colocated" else 0.0}
+
+
+# Measured, not derived: XLA (CPU) keeps ~25% more activation bytes per member in the
+# vmapped cohort step than K solo steps would (batched-dot operand layouts; per-member
+# temporaries of the tiny KD step: 12.7 MB for K <= 3, 14.3 MB for K = 4, 8 vs the solo
+# step's 13.3 MB, of which 9.6 MB activations). Calibrated on tests/test_cohort_plan.py's
+# shapes (K = 2..8 within 10%).
+VMAP_ACT_EXTRA = 0.25
+
+
+def cohort_memory(cfg: Config, teacher_model: ModelConfig | None, k: int, *,
+                  method: str | None = None, stage: str | None = None,
+                  layout: str = "colocated", varying: int = 2, donate: bool = True,
+                  attention: str = "dense", mode: str = "vmap") -> dict:
+    """Predicted `compiled.memory_analysis()` of one cohort step (`hldstudy.train.cohort`):
+    K students, one teacher.
+
+    mode "vmap" (batched members, the accelerator default): every member's gradients,
+    activations and logits are live at once. mode "map" (`jax.lax.map`, one member after
+    the other, the CPU default): one member's working set, plus the stacked new states
+    being written (K states) and the member being updated (one state) - measured on XLA
+    CPU: temporaries grow by one state per member.
+
+    Per member (x K): the train state (params + optimizer state, argument, output and
+    aliased when donated), and in temporaries its gradients, activations and logits
+    peak. Once: the batch, the teacher's params (colocated) or streamed outputs
+    (disaggregated), the teacher's kept outputs, and its forward's working set where it
+    exceeds the K students' peak (it runs first). Plus K x `varying` float32
+    hyperparameters and the [K] int32 divergence record. Same keys as
+    `predict_step_memory` (k = 1 is the solo step plus those few bytes), and
+    "per_member_bytes" / "shared_bytes" (what one more member adds / what stays)."""
+    if k < 1:
+        raise ConfigError("cohort", f"a cohort has at least one member, got {k}")
+    one = predict_step_memory(cfg, teacher_model, method=method, stage=stage, layout=layout,
+                              donate=donate, attention=attention)
+    t = one["terms"]
+    state = one["state_bytes"]
+    member_temp = t["grads"] + t["activations"] + t["logits"]
+    if mode not in ("vmap", "map"):
+        raise ConfigError("mode", f"{mode!r} is not one of vmap, map")
+    if k > 1 and mode == "vmap":  # batched layers: XLA keeps more of each member's activations
+        member_temp += VMAP_ACT_EXTRA * t["activations"]
+    small = k * (4 * varying + 4)  # hyperparameters and the divergence record
+    argument = k * state + t["batch"] + t.get("teacher_params", 0.0) \
+        + t.get("teacher_inputs", 0.0) + small
+    output = k * (state + 4 * 4) + 4 * k
+    alias = k * state if donate else 0.0
+    live = k if mode == "vmap" else 1  # members whose working set is live at the peak
+    teacher_temp = t.get("teacher_outputs", 0.0) \
+        + max(0.0, one["teacher_working_bytes"] - live * (t["activations"] + t["logits"]))
+    if mode == "vmap":
+        temp = k * member_temp + teacher_temp
+        per_member = 2 * state + member_temp - (state if donate else 0.0)
+    else:
+        temp = member_temp + teacher_temp + ((k + 1) * state if k > 1 else 0.0)
+        per_member = 3 * state - (state if donate else 0.0)
+    total = argument + output - alias + temp
+    return {"argument_bytes": argument, "output_bytes": output, "alias_bytes": alias,
+            "temp_bytes": temp, "total_bytes": total, "k": k,
+            "per_member_bytes": per_member, "shared_bytes": total - k * per_member}
+
+
+def largest_cohort(fits, k_max: int) -> int:
+    """The largest K in 1..k_max with fits(K) (memory grows with K); 0 when none fits."""
+    best = 0
+    for k in range(1, max(k_max, 0) + 1):
+        if not fits(k):
+            break
+        best = k
+    return best
+
+
+def xla_memory(compiled) -> dict[str, float]:
+    """The same keys from XLA's `compiled.memory_analysis()`."""
+    ma = compiled.memory_analysis()
+    if isinstance(ma, (list, tuple)):
+        ma = ma[0]
+    out = {"argument_bytes": ma.argument_size_in_bytes, "output_bytes": ma.output_size_in_bytes,
+           "alias_bytes": ma.alias_size_in_bytes, "temp_bytes": ma.temp_size_in_bytes}
+    out["total_bytes"] = (out["argument_bytes"] + out["output_bytes"] - out["alias_bytes"]
+                          + out["temp_bytes"])
+    return {k: float(v) for k, v in out.items()}
+
