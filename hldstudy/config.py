@@ -91,13 +91,16 @@ class Domain:
     `spec` is a bound ("> 0", ">= 1", "<= 10"), an interval with open or closed ends
     ("[0, 1)", "(0, 1)", "[0, 1]") or a tuple of choices. `also`: values accepted
     outside the range (train.mesh_data's -1); `note`: what a special value means or how
-    to pick one, shown as the fix. A float is also finite: inf and NaN are refused
-    whatever the spec (`check_fields`). None passes where the type allows it.
+    to pick one, shown as the fix; `multiple_of`: a number in range must also be a
+    multiple of it (SparseGPT's block of 2:4 groups). A float is also finite: inf and
+    NaN are refused whatever the spec (`check_fields`). None passes where the type
+    allows it.
     """
 
     spec: str | tuple
     also: tuple = ()
     note: str = ""
+    multiple_of: int = 0
     lo: float = field(default=-math.inf, init=False, compare=False)
     hi: float = field(default=math.inf, init=False, compare=False)
     lo_open: bool = field(default=True, init=False, compare=False)
@@ -131,6 +134,7 @@ class Domain:
         else:
             text = self.spec.strip()
             text = f"in {text}" if text[0] in "[(" else text
+            text += f" and a multiple of {self.multiple_of}" if self.multiple_of else ""
         return text + "".join(f" or {a!r}" for a in self.also)
 
     def contains(self, value: Any) -> bool:
@@ -142,7 +146,7 @@ class Domain:
             return False
         above = value > self.lo if self.lo_open else value >= self.lo
         below = value < self.hi if self.hi_open else value <= self.hi
-        return above and below
+        return above and below and not (self.multiple_of and value % self.multiple_of)
 
     def check(self, fieldname: str, value: Any, default: Any = None) -> None:
         """Raises ConfigError naming the field, the domain and the fix."""
