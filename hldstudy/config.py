@@ -58,8 +58,9 @@ FILE_KEYS = frozenset({"schema_version"})
 #                  lr has), "init" only seeds the initialisation (train.seed);
 #   axis           a sweep grid axis: an int orders the axes in run ids (and is the
 #                  `Sweep` keyword of the field's name, the analysis column of that
-#                  name); "replicate" is the seed axis (`Sweep(seeds=...)`, last in
-#                  run ids, never a grid dimension of the comparison);
+#                  name: analysis="column" is implied); "replicate" is the seed axis
+#                  (`Sweep(seeds=...)`, last in run ids, never a grid dimension of the
+#                  comparison);
 #   short          an axis' name in run ids ("T" -> kd_T2_s0);
 #   aliases        further names the analysis accepts for it in folder names.
 #
@@ -179,6 +180,8 @@ def knob(default: Any = dataclasses.MISSING, *, factory: Any = dataclasses.MISSI
         rules["domain"] = Domain(rules["domain"])
     if operational:
         rules = {"resume": True, "drift": False, "analysis": "ignore", **rules}
+    if axis is not None:  # an axis is a column of the analysis (its field name)
+        rules = {"analysis": "column", **rules}
     return field(default=default, default_factory=factory, metadata={"rules": rules})
 
 
@@ -352,8 +355,7 @@ class DataConfig:
 @dataclass(frozen=True)
 class TrainConfig:
     steps: int = knob(100, resume=True, domain=COUNT)
-    lr: float = knob(3e-3, analysis="column", domain=POSITIVE, member="traced", axis=1,
-                     short="lr")
+    lr: float = knob(3e-3, domain=POSITIVE, member="traced", axis=1, short="lr")
     warmup_steps: int = knob(10, domain=NONNEG)
     # cosine | linear | constant
     schedule: str = knob("cosine", domain=SCHEDULES)
@@ -362,8 +364,7 @@ class TrainConfig:
     b1: float = knob(0.9, domain=Domain("[0, 1)", note="Adam's first-moment decay, e.g. 0.9"))
     b2: float = knob(0.95, domain=Domain("[0, 1)", note="Adam's second-moment decay, e.g. 0.95-0.999"))
     grad_clip: float = knob(1.0, domain=Domain(">= 0", note="0 = no clipping"))
-    seed: int = knob(0, analysis="column", domain=NONNEG, member="init", axis=REPLICATE,
-                     short="s")
+    seed: int = knob(0, domain=NONNEG, member="init", axis=REPLICATE, short="s")
     log_every: int = knob(10, operational=True, domain=COUNT)
     eval_every: int = knob(0, operational=True,
                            domain=Domain(">= 0", note="0 = evaluate at the end only"))
@@ -383,10 +384,10 @@ class TrainConfig:
 class DistillConfig:
     # baseline | kd | hldf | hldc | patient
     method: str = knob(methods.BASELINE, analysis="column")
-    alpha: float = knob(0.5, analysis="column", domain=UNIT, member="traced", axis=3,
-                        short="a", aliases=("nllw", "nll"))  # NLL weight
-    temperature: float = knob(1.0, analysis="column", domain=POSITIVE, member="traced",
-                              axis=2, short="T", aliases=("temp", "tau"))
+    alpha: float = knob(0.5, domain=UNIT, member="traced", axis=3, short="a",
+                        aliases=("nllw", "nll"))  # NLL weight
+    temperature: float = knob(1.0, domain=POSITIVE, member="traced", axis=2, short="T",
+                              aliases=("temp", "tau"))
     # forward_kl | reverse_kl | jsd
     divergence: str = knob("forward_kl", domain=DIVERGENCES)
     jsd_beta: float = knob(0.5, relevant_if=("distill.divergence", "jsd"), domain=UNIT)
