@@ -213,8 +213,10 @@ def grid_axes(cls: type | None = None) -> tuple[str, ...]:
 
 def replicate_axis(cls: type | None = None) -> str:
     """The seed axis (`axis="replicate"`): the one field whose runs are replicates."""
-    (name,) = [k for k, r in field_rules(cls).items() if r["axis"] == REPLICATE]
-    return name
+    names = [k for k, r in field_rules(cls).items() if r["axis"] == REPLICATE]
+    if len(names) != 1:
+        raise TypeError(f"exactly one field has axis={REPLICATE!r}, found {names}")
+    return names[0]
 
 
 def traced_members(cls: type | None = None) -> dict[str, tuple[str, str]]:
@@ -223,7 +225,7 @@ def traced_members(cls: type | None = None) -> dict[str, tuple[str, str]]:
     rules = field_rules(cls)
     traced = sorted((k for k, r in rules.items() if r["member"] == "traced"),
                     key=lambda k: (rules[k]["axis"] is None, rules[k]["axis"] or 0))
-    return {k.rsplit(".", 1)[1]: tuple(k.split(".")) for k in traced}
+    return {k.rsplit(".", 1)[-1]: tuple(k.split(".")) for k in traced}
 
 
 def axis_names(cls: type | None = None) -> dict[str, dict[str, str]]:
@@ -233,7 +235,7 @@ def axis_names(cls: type | None = None) -> dict[str, dict[str, str]]:
     rules = field_rules(cls)
     out, seen = {}, {}
     for key in (*grid_axes(cls), replicate_axis(cls)):
-        r, column = rules[key], key.rsplit(".", 1)[1]
+        r, column = rules[key], key.rsplit(".", 1)[-1]
         names = tuple(dict.fromkeys((column, r["short"], *r["aliases"])))
         for n in names:
             if seen.setdefault(n, key) != key:
