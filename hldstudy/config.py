@@ -170,8 +170,7 @@ def knob(default: Any = dataclasses.MISSING, *, factory: Any = dataclasses.MISSI
     if rules.get("member", False) not in MEMBER_KINDS:
         raise TypeError(f"member={rules['member']!r}: expected one of {MEMBER_KINDS}")
     axis = rules.get("axis")
-    if axis is not None and axis != REPLICATE and (isinstance(axis, bool)
-                                                   or not isinstance(axis, int)):
+    if axis not in (None, REPLICATE) and type(axis) is not int:
         raise TypeError(f"axis={axis!r}: expected an int (its place in run ids) or "
                         f"{REPLICATE!r}")
     if (axis is None) == bool(rules.get("short")) or (axis is None and rules.get("aliases")):
@@ -220,12 +219,10 @@ def replicate_axis(cls: type | None = None) -> str:
 
 
 def traced_members(cls: type | None = None) -> dict[str, tuple[str, str]]:
-    """{field name: (section, field)} of the `member="traced"` fields, in axis order:
-    the per-member values a cohort feeds into its compiled step."""
-    rules = field_rules(cls)
-    traced = sorted((k for k, r in rules.items() if r["member"] == "traced"),
-                    key=lambda k: (rules[k]["axis"] is None, rules[k]["axis"] or 0))
-    return {k.rsplit(".", 1)[-1]: tuple(k.split(".")) for k in traced}
+    """{field name: (section, field)} of the `member="traced"` fields: the per-member
+    values a cohort feeds into its compiled step."""
+    return {k.rsplit(".", 1)[-1]: tuple(k.split(".")) for k, r in field_rules(cls).items()
+            if r["member"] == "traced"}
 
 
 def axis_names(cls: type | None = None) -> dict[str, dict[str, str]]:

@@ -171,7 +171,7 @@ def test_a_new_axis_reaches_sweep_cohort_and_analysis(package_with_new_axis, tmp
     assert scaled[0]["cohort"] == scaled[1]["cohort"]  # members of one cohort
     # The cohort: a traced per-member hyperparameter, handed to the loss' config.
     assert out["hparams"]["kd_scale"] == ["distill", "kd_scale"]
-    assert list(out["hparams"]) == ["lr", "temperature", "alpha", "hidden_weight", "kd_scale"]
+    assert set(out["hparams"]) == {"lr", "temperature", "alpha", "hidden_weight", "kd_scale"}
     assert out["with_hparams"] == 0.25
     # The analysis: a column, and a folder-name token checked against the config.
     cols = out["base_columns"]
