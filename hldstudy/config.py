@@ -52,8 +52,22 @@ FILE_KEYS = frozenset({"schema_version"})
 #   domain         the values it may take (`Domain`): every numeric field and every
 #                  choice declares one, and `validate()` checks them all;
 #   member         may differ between the students of one cohort (one teacher
-#                  forward serves them all): learning rate, KD temperature and NLL
-#                  weight, alignment weight, init seed.
+#                  forward serves them all): "traced" enters the compiled step as a
+#                  per-member value (learning rate, KD temperature and NLL weight,
+#                  alignment weight; a train.* one also needs its optimizer wiring, as
+#                  lr has), "init" only seeds the initialisation (train.seed);
+#   axis           a sweep grid axis: an int orders the axes in run ids (and is the
+#                  `Sweep` keyword of the field's name, the analysis column of that
+#                  name: analysis="column" is implied); "replicate" is the seed axis
+#                  (`Sweep(seeds=...)`, last in run ids, never a grid dimension of the
+#                  comparison);
+#   short          an axis' name in run ids ("T" -> kd_T2_s0);
+#   aliases        further names the analysis accepts for it in folder names.
+#
+# A new grid axis is therefore one `knob(..., axis=5, short=..., member="traced")`
+# line: the sweep's keywords and run ids, the cohort's traced hyperparameters and
+# the analysis' columns and folder-name reader all read it (`grid_axes`,
+# `replicate_axis`, `traced_members`, `axis_names`).
 #
 # `operational=True` is the common case of a field that does not change what a
 # run computes (cadence, display, transport, device layout): resumable, no drift,
@@ -63,7 +77,9 @@ FILE_KEYS = frozenset({"schema_version"})
 
 _RULE_DEFAULTS = {"resume": False, "drift": True, "analysis": "compare",
                   "data_identity": False, "relevant_if": None, "domain": None,
-                  "member": False}
+                  "member": False, "axis": None, "short": None, "aliases": ()}
+MEMBER_KINDS = (False, "traced", "init")
+REPLICATE = "replicate"
 
 _BOUND = re.compile(r"^(>=|>|<=|<)\s*(\S+)$")
 _INTERVAL = re.compile(r"^([\[(])\s*([^,\s]+)\s*,\s*([^,\s]+)\s*([\])])$")
@@ -76,13 +92,16 @@ class Domain:
     `spec` is a bound ("> 0", ">= 1", "<= 10"), an interval with open or closed ends
     ("[0, 1)", "(0, 1)", "[0, 1]") or a tuple of choices. `also`: values accepted
     outside the range (train.mesh_data's -1); `note`: what a special value means or how
-    to pick one, shown as the fix. A float is also finite: inf and NaN are refused
-    whatever the spec (`check_fields`). None passes where the type allows it.
+    to pick one, shown as the fix; `multiple_of`: a number in range must also be a
+    multiple of it (SparseGPT's block of 2:4 groups). A float is also finite: inf and
+    NaN are refused whatever the spec (`check_fields`). None passes where the type
+    allows it.
     """
 
     spec: str | tuple
     also: tuple = ()
     note: str = ""
+    multiple_of: int = 0
     lo: float = field(default=-math.inf, init=False, compare=False)
     hi: float = field(default=math.inf, init=False, compare=False)
     lo_open: bool = field(default=True, init=False, compare=False)
@@ -116,6 +135,7 @@ class Domain:
         else:
             text = self.spec.strip()
             text = f"in {text}" if text[0] in "[(" else text
+            text += f" and a multiple of {self.multiple_of}" if self.multiple_of else ""
         return text + "".join(f" or {a!r}" for a in self.also)
 
     def contains(self, value: Any) -> bool:
@@ -127,7 +147,7 @@ class Domain:
             return False
         above = value > self.lo if self.lo_open else value >= self.lo
         below = value < self.hi if self.hi_open else value <= self.hi
-        return above and below
+        return above and below and not (self.multiple_of and value % self.multiple_of)
 
     def check(self, fieldname: str, value: Any, default: Any = None) -> None:
         """Raises ConfigError naming the field, the domain and the fix."""
@@ -147,10 +167,20 @@ def knob(default: Any = dataclasses.MISSING, *, factory: Any = dataclasses.MISSI
     unknown = set(rules) - set(_RULE_DEFAULTS)
     if unknown:
         raise TypeError(f"unknown field rules {sorted(unknown)}")
+    if rules.get("member", False) not in MEMBER_KINDS:
+        raise TypeError(f"member={rules['member']!r}: expected one of {MEMBER_KINDS}")
+    axis = rules.get("axis")
+    if axis not in (None, REPLICATE) and type(axis) is not int:
+        raise TypeError(f"axis={axis!r}: expected an int (its place in run ids) or "
+                        f"{REPLICATE!r}")
+    if (axis is None) == bool(rules.get("short")) or (axis is None and rules.get("aliases")):
+        raise TypeError("an axis has a short name (its name in run ids), and only an axis")
     if rules.get("domain") is not None and not isinstance(rules["domain"], Domain):
         rules["domain"] = Domain(rules["domain"])
     if operational:
         rules = {"resume": True, "drift": False, "analysis": "ignore", **rules}
+    if axis is not None:  # an axis is a column of the analysis (its field name)
+        rules = {"analysis": "column", **rules}
     return field(default=default, default_factory=factory, metadata={"rules": rules})
 
 
@@ -170,6 +200,45 @@ def field_rules(cls: type | None = None, prefix: str = "") -> dict[str, dict]:
 def fields_where(rule: str, value: Any = True) -> frozenset[str]:
     """Dotted names of the fields whose `rule` equals `value`."""
     return frozenset(k for k, r in field_rules().items() if r[rule] == value)
+
+
+def grid_axes(cls: type | None = None) -> tuple[str, ...]:
+    """The grid axes (rule `axis`: an int), in run-id order."""
+    rules = field_rules(cls)
+    return tuple(sorted((k for k, r in rules.items()
+                         if r["axis"] is not None and r["axis"] != REPLICATE),
+                        key=lambda k: rules[k]["axis"]))
+
+
+def replicate_axis(cls: type | None = None) -> str:
+    """The seed axis (`axis="replicate"`): the one field whose runs are replicates."""
+    names = [k for k, r in field_rules(cls).items() if r["axis"] == REPLICATE]
+    if len(names) != 1:
+        raise TypeError(f"exactly one field has axis={REPLICATE!r}, found {names}")
+    return names[0]
+
+
+def traced_members(cls: type | None = None) -> dict[str, tuple[str, str]]:
+    """{field name: (section, field)} of the `member="traced"` fields: the per-member
+    values a cohort feeds into its compiled step."""
+    return {k.rsplit(".", 1)[-1]: tuple(k.split(".")) for k, r in field_rules(cls).items()
+            if r["member"] == "traced"}
+
+
+def axis_names(cls: type | None = None) -> dict[str, dict[str, str]]:
+    """{axis field: {"column": its name (the Sweep keyword, the analysis column),
+    "short": its run-id name, "names": every name a folder name may use}} for the
+    grid axes and the replicate axis. Raises TypeError when two axes share a name."""
+    rules = field_rules(cls)
+    out, seen = {}, {}
+    for key in (*grid_axes(cls), replicate_axis(cls)):
+        r, column = rules[key], key.rsplit(".", 1)[-1]
+        names = tuple(dict.fromkeys((column, r["short"], *r["aliases"])))
+        for n in names:
+            if seen.setdefault(n, key) != key:
+                raise TypeError(f"{key} and {seen[n]} both use the axis name {n!r}")
+        out[key] = {"column": column, "short": r["short"], "names": names}
+    return out
 
 
 # --------------------------------------------------------------------------- #
@@ -285,7 +354,7 @@ class DataConfig:
 @dataclass(frozen=True)
 class TrainConfig:
     steps: int = knob(100, resume=True, domain=COUNT)
-    lr: float = knob(3e-3, analysis="column", domain=POSITIVE, member=True)
+    lr: float = knob(3e-3, domain=POSITIVE, member="traced", axis=1, short="lr")
     warmup_steps: int = knob(10, domain=NONNEG)
     # cosine | linear | constant
     schedule: str = knob("cosine", domain=SCHEDULES)
@@ -294,7 +363,7 @@ class TrainConfig:
     b1: float = knob(0.9, domain=Domain("[0, 1)", note="Adam's first-moment decay, e.g. 0.9"))
     b2: float = knob(0.95, domain=Domain("[0, 1)", note="Adam's second-moment decay, e.g. 0.95-0.999"))
     grad_clip: float = knob(1.0, domain=Domain(">= 0", note="0 = no clipping"))
-    seed: int = knob(0, analysis="column", domain=NONNEG, member=True)
+    seed: int = knob(0, domain=NONNEG, member="init", axis=REPLICATE, short="s")
     log_every: int = knob(10, operational=True, domain=COUNT)
     eval_every: int = knob(0, operational=True,
                            domain=Domain(">= 0", note="0 = evaluate at the end only"))
@@ -314,13 +383,15 @@ class TrainConfig:
 class DistillConfig:
     # baseline | kd | hldf | hldc | patient
     method: str = knob(methods.BASELINE, analysis="column")
-    alpha: float = knob(0.5, analysis="column", domain=UNIT, member=True)  # NLL weight
-    temperature: float = knob(1.0, analysis="column", domain=POSITIVE, member=True)
+    alpha: float = knob(0.5, domain=UNIT, member="traced", axis=3, short="a",
+                        aliases=("nllw", "nll"))  # NLL weight
+    temperature: float = knob(1.0, domain=POSITIVE, member="traced", axis=2, short="T",
+                              aliases=("temp", "tau"))
     # forward_kl | reverse_kl | jsd
     divergence: str = knob("forward_kl", domain=DIVERGENCES)
     jsd_beta: float = knob(0.5, relevant_if=("distill.divergence", "jsd"), domain=UNIT)
     # Weight of the hidden-alignment NMSE (hldc, patient).
-    hidden_weight: float = knob(1.0, domain=NONNEG, member=True)
+    hidden_weight: float = knob(1.0, domain=NONNEG, member="traced", axis=4, short="hw")
     # "s:t,s:t" pairs of (student layer, teacher layer), 1-based block outputs.
     # Empty -> middle layer of each (hld*), evenly mapped layers (patient).
     layer_pairs: str = ""

@@ -59,6 +59,55 @@ def test_groupable_error_names_the_dimension():
         sparse.nm_mask(np.ones((6, 2)))
 
 
+# --------------------------------------------------------------------------- #
+# The compress section's schema
+# --------------------------------------------------------------------------- #
+
+
+@pytest.mark.parametrize("override, field, words", [
+    ("blocksize=6", "compress.blocksize", "a multiple of 4, got 6"),
+    ("blocksize=0", "compress.blocksize", "must be > 0"),
+    ("percdamp=0", "compress.percdamp", "must be > 0, got 0.0"),
+    ("percdamp=1e400", "compress.percdamp", "finite"),
+    ("recover_flops=-1", "compress.recover_flops", "must be >= 0"),
+    ("calibration_batches=-1", "compress.calibration_batches", "must be >= 0"),
+    ("alpha=1.5", "compress.alpha", "in [0, 1], got 1.5"),
+    ("temperature=0", "compress.temperature", "must be > 0"),
+    ("lr=-1e-3", "compress.lr", "must be > 0"),
+    ("method=hldf", "compress.method", "'hldf' is not one of kd, hldc, patient"),
+    ("divergence=jsd", "compress.divergence", "not one of forward_kl, reverse_kl"),
+    ("quantize=int4", "compress.quantize", "use --quantize fp8"),
+    ("fp8_format=e3m4", "compress.fp8_format", "not one of e4m3, e5m2"),
+    ("fp8_granularity=row", "compress.fp8_granularity", "not one of channel, tensor"),
+    ("quantize_in_loop=true", "compress.quantize_in_loop", "needs compress.quantize=fp8"),
+])
+def test_compress_fields_are_checked_by_their_declared_domain(override, field, words):
+    from hldstudy.compress.config import CompressConfig, apply_overrides, validate
+    from hldstudy.errors import ConfigError
+
+    cfg = apply_overrides(CompressConfig(checkpoint="run", out="out"), [f"compress.{override}"])
+    with pytest.raises(ConfigError) as e:
+        validate(cfg)
+    assert e.value.field == field and words in str(e.value)
+
+
+def test_compress_schema_is_the_config_modules():
+    """Every checked compress field declares its domain with `knob`; the CLI's choices
+    and the FP8 module's names are those domains."""
+    from hldstudy.compress.__main__ import build_parser
+    from hldstudy.compress.config import CompressConfig, recover_methods, validate
+    from hldstudy.config import field_rules
+
+    rules = field_rules(CompressConfig)
+    assert rules["method"]["domain"].choices == recover_methods() == ("kd", "hldc", "patient")
+    assert rules["fp8_format"]["domain"].choices == tuple(fp8.FORMATS)
+    assert rules["fp8_granularity"]["domain"].choices == fp8.GRANULARITIES
+    flags = {a.dest: a.choices for a in build_parser()._actions if a.choices}
+    assert flags == {f: rules[f]["domain"].choices for f in ("method", "divergence", "quantize")}
+    assert validate(CompressConfig(checkpoint="run", out="out")) == \
+        CompressConfig(checkpoint="run", out="out")
+
+
 def _sparsegpt_direct_f64(w, h, percdamp, n=2, m=4):
     """SparseGPT's update, written directly in float64: rows (inputs) in order; at
     each row q the inverse Hessian of the rows not yet visited, inv(H[q:, q:]), is

@@ -3,11 +3,23 @@ FLOP CLI, a sweep dry run, training, and the analysis with no change anywhere in
 the package. Plus the registry's own rules and the config-field tags."""
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from hldstudy.config import Config, DataConfig, TrainConfig, field_rules, fields_where
+from hldstudy.config import (
+    Config,
+    DataConfig,
+    TrainConfig,
+    axis_names,
+    field_rules,
+    fields_where,
+    grid_axes,
+    knob,
+    replicate_axis,
+    traced_members,
+)
 from hldstudy.distill import methods
 from hldstudy.distill.methods import ALIGN_FIELDS, MethodSpec, StageSpec
 from hldstudy.flops.__main__ import main as flops_main
@@ -99,6 +111,44 @@ def test_field_rules_are_derived_from_tags():
     assert {"data.seq_len", "data.seed", "data.batch_size"} <= fields_where("data_identity")
     assert "data.path" not in fields_where("data_identity")
     assert rules["distill.jsd_beta"]["relevant_if"] == ("distill.divergence", "jsd")
+    # The grid axes, in run-id order, the seed axis, and what a cohort traces per member.
+    assert grid_axes() == ("train.lr", "distill.temperature", "distill.alpha",
+                           "distill.hidden_weight")
+    assert replicate_axis() == "train.seed" and fields_where("member", "init") == {"train.seed"}
+    assert traced_members() == {"lr": ("train", "lr"), "temperature": ("distill", "temperature"),
+                                "alpha": ("distill", "alpha"),
+                                "hidden_weight": ("distill", "hidden_weight")}
+    names = axis_names()
+    assert [names[k]["short"] for k in (*grid_axes(), "train.seed")] == ["lr", "T", "a", "hw", "s"]
+    assert names["distill.temperature"]["names"] == ("temperature", "T", "temp", "tau")
+    assert names["distill.alpha"]["names"] == ("alpha", "a", "nllw", "nll")
+    assert {k for k in names} <= fields_where("analysis", "column")  # an axis is a column
+
+
+def test_axis_rules_are_checked_where_they_are_declared():
+    with pytest.raises(TypeError, match="member=True"):
+        knob(1.0, member=True)
+    with pytest.raises(TypeError, match="short name"):
+        knob(1.0, short="x")  # a short name without an axis
+    with pytest.raises(TypeError, match="short name"):
+        knob(1.0, axis=5)  # an axis without a short name
+    with pytest.raises(TypeError, match="axis=1.5"):
+        knob(1.0, axis=1.5, short="x")
+
+    @dataclass(frozen=True)
+    class Clash:
+        seed: int = knob(0, axis="replicate", short="s")
+        scale: float = knob(1.0, axis=1, short="s")
+
+    with pytest.raises(TypeError, match="both use the axis name 's'"):
+        axis_names(Clash)
+
+    @dataclass(frozen=True)
+    class NoSeed:
+        scale: float = knob(1.0, axis=1, short="sc")
+
+    with pytest.raises(TypeError, match="exactly one field has axis='replicate'"):
+        replicate_axis(NoSeed)
 
 
 def test_new_method_flows_through_the_flop_cli(toy, tmp_path, capsys):

@@ -48,6 +48,32 @@ def test_grid_is_method_aware_and_names_round_trip():
             assert flat[k] == v
 
 
+def test_axes_keywords_and_run_ids_come_from_the_config_fields():
+    """The Sweep's axis keywords, their order in run ids, their short names and the keys
+    of a run's sweep.json entry are the config's axis fields (`knob(axis=, short=)`)."""
+    from hldstudy.config import axis_names, grid_axes
+    from hldstudy.sweep.spec import _SweepSpec
+
+    axis_kw = [f.name for f in dataclasses.fields(Sweep)
+               if f.name not in {g.name for g in dataclasses.fields(_SweepSpec)}]
+    assert axis_kw == ["lr", "temperature", "alpha", "hidden_weight"]
+    assert [axis_names()[k]["column"] for k in grid_axes()] == axis_kw
+    sweep = _sweep(extra_axes=(("distill.hldf_stage1_share", (0.2, 0.4)),), seeds=(0, 1))
+    assert [k for k, _ in sweep.axes()] == ["train.lr", "distill.temperature", "distill.alpha",
+                                             "distill.hidden_weight", "distill.hldf_stage1_share",
+                                             "train.seed"]
+    runs = {r.run_id: r for r in expand(sweep)}
+    # an axis' short name; another field's name without underscores and "="
+    assert "hldf_lr1e-2_T2_a0.5_hldfstage1share=0.4_s1" in runs
+    entry = runs["hldc_lr3e-3_T1_a0.5_hw0.5_s1"].entry()
+    assert {k: entry[k] for k in ("lr", "temperature", "alpha", "hidden_weight", "seed")} == \
+        {"lr": 3e-3, "temperature": 1.0, "alpha": 0.5, "hidden_weight": 0.5, "seed": 1}
+    hldf = runs["hldf_lr1e-2_T2_a0.5_hldfstage1share=0.4_s1"].entry()
+    assert hldf["distill.hldf_stage1_share"] == 0.4 and "hidden_weight" not in hldf
+    with pytest.raises(TypeError, match="unexpected keyword argument 'tau'"):
+        _sweep(tau=(1.0,))  # an alias names an axis in folder names, not a keyword
+
+
 def test_steps_and_flops_follow_the_budget():
     runs = expand(_sweep())
     budget = runs[0].config.budget.flops

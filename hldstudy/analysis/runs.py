@@ -32,7 +32,8 @@ failure raises ``InputError`` listing the runs:
    equal the config's values.
 4. Hyperparameters encoded in the folder name must match the config, at the
    precision written in the name. Recognised ``key[=|-]value`` tokens,
-   separated by ``_ , + /`` or the ends of the name: ``lr``; ``T``, ``tau``,
+   separated by ``_ , + /`` or the ends of the name (each sweep axis' field
+   name, short name and aliases, declared in ``hldstudy.config``): ``lr``; ``T``, ``tau``,
    ``temp``, ``temperature``; ``a``, ``alpha``, ``nll``, ``nllw``; ``hw``,
    ``hidden_weight``; ``seed``, ``s``; and a bare method name (``kd``,
    ``hldf``...). ``lr3e-3`` matches 0.003 and 0.0031 (one significant digit
@@ -58,7 +59,16 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from hldstudy.config import FILE_KEYS, Config, config_to_dict, field_rules, fields_where
+from hldstudy.config import (
+    FILE_KEYS,
+    Config,
+    axis_names,
+    config_to_dict,
+    field_rules,
+    fields_where,
+    grid_axes,
+    replicate_axis,
+)
 from hldstudy.distill import methods
 from hldstudy.errors import InputError
 from hldstudy.rundir import has_run_files
@@ -69,10 +79,15 @@ CONFIG_FILE = "config.json"
 RESULTS_FILE = "results.json"
 SWEEP_FILE = "sweep.json"
 
+# The sweep's axes (`hldstudy.config`: `knob(axis=, short=, aliases=)`), each a column
+# named after its field: the grid axes, then the seed (the replicate axis).
+AXES = axis_names()
+AXIS_COLUMNS = {k: AXES[k]["column"] for k in (*grid_axes(), replicate_axis())}
+SEED_AXIS = replicate_axis()
 # Methods with their own knobs (hldf's stage-1 share, the alignment weight...) are
-# split into "arms" by those knobs: `hldstudy.distill.methods.arm_fields`.
-ARM_SHORT = {
-    "distill.hidden_weight": "hw",
+# split into "arms" by those knobs: `hldstudy.distill.methods.arm_fields`; an axis is
+# labelled by its short name, these by theirs.
+ARM_LABELS = {
     "distill.hldf_stage1_share": "s1",
     "distill.layer_pairs": "pairs",
     "distill.patient_pairs": "np",
@@ -82,9 +97,8 @@ ARM_SHORT = {
 COLUMNS = fields_where("analysis", "column")
 IGNORED = fields_where("analysis", "ignore")
 BASE_COLUMNS = [
-    "run_id", "dir", "status", "method", "arm", "lr", "temperature", "alpha", "hidden_weight",
-    "seed", "budget", "count_teacher", "flops_budget", "flops_spent", "steps", "valid_ppl",
-    "valid_nll",
+    "run_id", "dir", "status", "method", "arm", *AXIS_COLUMNS.values(), "budget",
+    "count_teacher", "flops_budget", "flops_spent", "steps", "valid_ppl", "valid_nll",
 ]
 
 
@@ -169,15 +183,8 @@ def _discover(root: Path) -> list[Path]:
 # Name-encoded hyperparameters
 # --------------------------------------------------------------------------- #
 
-_NAME_KEYS = {
-    "lr": "train.lr",
-    "temperature": "distill.temperature", "temp": "distill.temperature",
-    "tau": "distill.temperature", "T": "distill.temperature",
-    "alpha": "distill.alpha", "nllw": "distill.alpha", "nll": "distill.alpha",
-    "a": "distill.alpha",
-    "hidden_weight": "distill.hidden_weight", "hw": "distill.hidden_weight",
-    "seed": "train.seed", "s": "train.seed",
-}
+# Folder-name tokens: every name of every axis (its field name, short name, aliases).
+_NAME_KEYS = {n: key for key, names in AXES.items() for n in names["names"]}
 _NUM = r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?"
 _SEP = r"[_,+/\s]"
 _KEY_RE = re.compile(
@@ -498,7 +505,7 @@ def load_runs(runs_dir: str | Path, *, allow_mixed_budgets: bool = False,
     df.attrs.update({
         "runs_dir": str(root),
         "wandb_project": str(projects.mode().iloc[0]) if len(projects) else None,
-        "grid_cols": ["lr", "temperature", "alpha"] + extra_cols,
+        "grid_cols": grid_columns() + extra_cols,
         "extra_cols": extra_cols,
         "metric_cols": metric_cols,
         "stderr_cols": stderr_cols,
@@ -533,21 +540,18 @@ def _row(run_id: str, d: Path, root: Path, flat: dict, res: dict | None,
     method = _cfg_get(flat, "distill.method")
     flops = float(_cfg_get(flat, "budget.flops") or 0.0)
     count_teacher = bool(_cfg_get(flat, "budget.count_teacher"))
-    distills = method in methods.teacher_methods()
-    row: dict[str, Any] = {
-        "run_id": run_id,
-        "dir": _rel(root, d),
-        "method": method,
-        "lr": _num(_cfg_get(flat, "train.lr")),
-        "temperature": _num(_cfg_get(flat, "distill.temperature")) if distills else math.nan,
-        "alpha": _num(_cfg_get(flat, "distill.alpha")) if distills else math.nan,
-        "hidden_weight": (_num(_cfg_get(flat, "distill.hidden_weight"))
-                          if _applies(method, "distill.hidden_weight", flat) else math.nan),
-        "seed": _cfg_get(flat, "train.seed"),
+    row: dict[str, Any] = {"run_id": run_id, "dir": _rel(root, d), "method": method}
+    # An axis the method does not use is NaN (the baseline has no temperature); the seed
+    # is an identifier, kept as written.
+    for key, column in AXIS_COLUMNS.items():
+        value = _cfg_get(flat, key)
+        row[column] = (value if key == SEED_AXIS else _num(value)) \
+            if _applies(method, key, flat) else math.nan
+    row.update({
         "budget": _budget_label(flops, count_teacher),
         "budget_flops": flops,
         "count_teacher": count_teacher,
-    }
+    })
     if res is None:
         row["status"] = "unfinished"
         return row
@@ -608,8 +612,16 @@ def _is_arm_field(key: str) -> bool:
     return any(key in methods.arm_fields(m) for m in methods.names())
 
 
+def grid_columns() -> list[str]:
+    """The columns of the grid axes every teacher method shares (the seed and a method's
+    own knobs, which split it into arms, apart): what defines a grid point."""
+    return [AXIS_COLUMNS[k] for k in grid_axes() if not _is_arm_field(k)]
+
+
 def _arm_short(key: str) -> str:
-    return ARM_SHORT.get(key, key.rsplit(".", 1)[-1])
+    if key in AXES:
+        return AXES[key]["short"]
+    return ARM_LABELS.get(key, key.rsplit(".", 1)[-1])
 
 
 def _extra_dims(df: pd.DataFrame, flats: list[dict], done: pd.Series) -> list[str]:

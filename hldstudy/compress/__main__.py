@@ -18,7 +18,8 @@ import argparse
 import sys
 
 from hldstudy.cli_common import quiet_libraries
-from hldstudy.compress.config import recover_methods
+from hldstudy.compress.config import CompressConfig
+from hldstudy.config import field_rules
 from hldstudy.distill import methods
 from hldstudy.errors import user_errors
 
@@ -32,6 +33,11 @@ SHORTHANDS = {"checkpoint": "checkpoint", "prune": "prune", "out": "out",
               "quantize_in_loop": "quantize_in_loop", "eval": "eval", "eval_limit": "eval_limit"}
 
 
+def _choices(field: str) -> tuple:
+    """The values a compress field's declared domain allows (its flag's choices)."""
+    return field_rules(CompressConfig)[field]["domain"].choices
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[2],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -43,11 +49,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--recover-steps", type=int, help="recovery distillation steps (0 = none)")
     p.add_argument("--recover-flops", type=float, help="recovery FLOP budget (wins over steps)")
     p.add_argument("--teacher", help="recovery teacher (default: the dense checkpoint)")
-    p.add_argument("--method", choices=recover_methods(),
+    p.add_argument("--method", choices=_choices("method"),
                    help=f"recovery method (default {methods.REFERENCE})")
-    p.add_argument("--divergence", choices=["forward_kl", "reverse_kl"],
+    p.add_argument("--divergence", choices=_choices("divergence"),
                    help="recovery divergence (default forward_kl)")
-    p.add_argument("--quantize", choices=["fp8"], help="quantize the block linears to FP8")
+    p.add_argument("--quantize", choices=_choices("quantize"), help="quantize the block linears to FP8")
     p.add_argument("--quantize-in-loop", action="store_true", default=None,
                    help="quantize before recovery and recover with FP8 in the loop")
     p.add_argument("--eval", help="downstream tasks per stage, e.g. synth_mc,synth_cloze")

@@ -18,17 +18,28 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hldstudy.config import config_from_dict, import_entry_point, parse_literal
+from hldstudy.config import (
+    NONNEG,
+    POSITIVE,
+    Domain,
+    check_fields,
+    config_from_dict,
+    import_entry_point,
+    knob,
+    parse_literal,
+)
 from hldstudy.distill import methods
 from hldstudy.errors import ConfigError, InputError
 from hldstudy.fileio import write_json_atomic  # noqa: F401  (the package writes with it)
 
-DIVERGENCES = ("forward_kl", "reverse_kl")
+# The names hldstudy.compress.fp8 defines (FORMATS, GRANULARITIES): declared here, where
+# the field is, since fp8 imports jax and validation must not.
+FP8_FORMATS = ("e4m3", "e5m2")
+FP8_GRANULARITIES = ("channel", "tensor")
 
 
 def recover_methods() -> tuple[str, ...]:
@@ -41,6 +52,9 @@ def recover_methods() -> tuple[str, ...]:
 
 @dataclass(frozen=True)
 class CompressConfig:
+    """Each field's values are declared with it (`knob(domain=)`, checked by
+    `hldstudy.config.check_fields`, errors naming compress.FIELD)."""
+
     # hldstudy run directory to compress (GGUF / HF imports carry no data config).
     checkpoint: str | None = None
     # Output directory: report.json, report.md, config.json, model.safetensors, model/.
@@ -49,39 +63,42 @@ class CompressConfig:
     prune: str = "sparsegpt-2:4"
     # Block linears to prune (comma-separated subset of q,k,v,o,gate,up,down).
     targets: str = "q,k,v,o,gate,up,down"
-    calibration_batches: int = 16
-    calibration_batch_size: int = 0
-    calibration_seq_len: int = 0
+    calibration_batches: int = knob(16, domain=NONNEG)
+    calibration_batch_size: int = knob(
+        0, domain=Domain(">= 0", note="0 = the checkpoint's data.batch_size"))
+    calibration_seq_len: int = knob(0, domain=Domain(">= 0", note="0 = the checkpoint's "
+                                                     "data.seq_len"))
     calibration_data: str | None = None
-    # SparseGPT: rows per lazy-update block, dampening as a fraction of mean(diag H).
-    blocksize: int = 128
-    percdamp: float = 0.01
+    # SparseGPT: rows per lazy-update block (whole 2:4 groups), dampening as a fraction
+    # of mean(diag H).
+    blocksize: int = knob(128, domain=Domain("> 0", multiple_of=4))
+    percdamp: float = knob(0.01, domain=POSITIVE)
     # Recovery distillation with masks held: steps, or a FLOP budget (wins when > 0).
-    recover_steps: int = 0
-    recover_flops: float = 0.0
+    recover_steps: int = knob(0, domain=Domain(">= 0", note="0 = no recovery"))
+    recover_flops: float = knob(0.0, domain=Domain(">= 0", note="0 = recover_steps decides"))
     # Teacher of the recovery: None = the dense checkpoint before pruning.
     teacher: str | None = None
-    method: str = methods.REFERENCE
-    divergence: str = "forward_kl"
+    method: str = knob(methods.REFERENCE, domain=recover_methods())
+    divergence: str = knob("forward_kl", domain=("forward_kl", "reverse_kl"))
     # NLL weight of the recovery objective (0 = pure distillation to the teacher).
-    alpha: float = 0.0
-    temperature: float = 1.0
-    lr: float = 1e-3
-    warmup_steps: int = 5
+    alpha: float = knob(0.0, domain=Domain("[0, 1]", note="the NLL weight; 0 = pure "
+                                           "distillation to the teacher"))
+    temperature: float = knob(1.0, domain=POSITIVE)
+    lr: float = knob(1e-3, domain=POSITIVE)
+    warmup_steps: int = knob(5, domain=NONNEG)
     # Patient KD layer map ("s:t,..."); "" = evenly mapped pairs.
     layer_pairs: str = ""
-    # None | "fp8"
-    quantize: str | None = None
-    fp8_format: str = "e4m3"
-    fp8_granularity: str = "channel"
+    quantize: str | None = knob(None, domain=Domain(("fp8",), note="use --quantize fp8, or "
+                                                    "leave it unset"))
+    fp8_format: str = knob("e4m3", domain=FP8_FORMATS)
+    fp8_granularity: str = knob("channel", domain=FP8_GRANULARITIES)
     # Quantize before recovery and train with the FP8 grid in the loop (straight-through).
     quantize_in_loop: bool = False
     # Downstream tasks per stage (comma-separated, hldstudy.eval names); "" = none.
     eval: str = ""
-    eval_limit: int = 0
-    # Validation batches for valid_ppl (0 = the whole validation split).
-    eval_batches: int = 0
-    seed: int = 0
+    eval_limit: int = knob(0, domain=Domain(">= 0", note="0 = every item"))
+    eval_batches: int = knob(0, domain=Domain(">= 0", note="0 = the whole validation split"))
+    seed: int = knob(0, domain=NONNEG)
     progress: bool = True
 
 
@@ -99,49 +116,19 @@ def prune_names(cfg: CompressConfig) -> tuple[str, ...]:
 
 
 def validate(cfg: CompressConfig) -> CompressConfig:
-    """Raises ConfigError naming the first bad field; returns cfg unchanged."""
-    from hldstudy.compress.fp8 import FORMATS, GRANULARITIES
+    """Raises ConfigError naming the first bad field; returns cfg unchanged: the two
+    paths every run needs, each field's declared domain, then the rules that read text
+    or the file system or involve two fields."""
     from hldstudy.compress.prune import parse_prune
 
     if not cfg.checkpoint:
         raise ConfigError("compress.checkpoint", "no checkpoint given", "pass --checkpoint RUN_DIR")
     if not cfg.out:
         raise ConfigError("compress.out", "no output directory given", "pass --out DIR")
+    check_fields(cfg, "compress.")
     if cfg.prune:
         parse_prune(cfg.prune)
     prune_names(cfg)
-    for name in ("calibration_batches", "calibration_batch_size", "calibration_seq_len",
-                 "recover_steps", "warmup_steps", "eval_limit", "eval_batches"):
-        if getattr(cfg, name) < 0:
-            raise ConfigError(f"compress.{name}", f"must be >= 0, got {getattr(cfg, name)}")
-    if cfg.blocksize <= 0 or cfg.blocksize % 4:
-        raise ConfigError("compress.blocksize", f"must be a positive multiple of 4, got "
-                          f"{cfg.blocksize}")
-    if not (cfg.percdamp > 0 and math.isfinite(cfg.percdamp)):
-        raise ConfigError("compress.percdamp", f"must be > 0, got {cfg.percdamp}")
-    if cfg.recover_flops < 0 or not math.isfinite(cfg.recover_flops):
-        raise ConfigError("compress.recover_flops", f"must be >= 0, got {cfg.recover_flops}")
-    if cfg.method not in recover_methods():
-        raise ConfigError("compress.method", f"{cfg.method!r} is not one of "
-                          f"{', '.join(recover_methods())}")
-    if cfg.divergence not in DIVERGENCES:
-        raise ConfigError("compress.divergence", f"{cfg.divergence!r} is not one of "
-                          f"{', '.join(DIVERGENCES)}")
-    if not 0.0 <= cfg.alpha <= 1.0:
-        raise ConfigError("compress.alpha", f"the NLL weight must be in [0, 1], got {cfg.alpha}")
-    if not cfg.temperature > 0:
-        raise ConfigError("compress.temperature", f"must be > 0, got {cfg.temperature}")
-    if not cfg.lr > 0:
-        raise ConfigError("compress.lr", f"must be > 0, got {cfg.lr}")
-    if cfg.quantize not in (None, "fp8"):
-        raise ConfigError("compress.quantize", f"{cfg.quantize!r} is not fp8",
-                          "use --quantize fp8, or leave it unset")
-    if cfg.fp8_format not in FORMATS:
-        raise ConfigError("compress.fp8_format", f"{cfg.fp8_format!r} is not one of "
-                          f"{', '.join(FORMATS)}")
-    if cfg.fp8_granularity not in GRANULARITIES:
-        raise ConfigError("compress.fp8_granularity", f"{cfg.fp8_granularity!r} is not one of "
-                          f"{', '.join(GRANULARITIES)}")
     if cfg.quantize_in_loop and cfg.quantize is None:
         raise ConfigError("compress.quantize_in_loop", "needs compress.quantize=fp8")
     if cfg.quantize_in_loop and not (cfg.recover_steps or cfg.recover_flops):

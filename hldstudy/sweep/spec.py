@@ -32,10 +32,13 @@ from hldstudy.config import (
     FILE_KEYS,
     Config,
     apply_overrides,
+    axis_names,
     config_to_dict,
     fields_where,
     flatten,
+    grid_axes,
     import_entry_point,
+    replicate_axis,
     validate,
 )
 from hldstudy.distill import methods
@@ -45,16 +48,11 @@ from hldstudy.flops.budget import plan_stages
 from hldstudy.model.loading import model_config_of
 from hldstudy.model.presets import preset
 
-# Short names in run ids; the first five are the ones hldstudy.analysis reads back.
-SHORT = {
-    "train.lr": "lr",
-    "distill.temperature": "T",
-    "distill.alpha": "a",
-    "distill.hidden_weight": "hw",
-    "train.seed": "s",
-}
-# The standard axes, in run-id order.
-STANDARD_AXES = ("train.lr", "distill.temperature", "distill.alpha", "distill.hidden_weight")
+# The grid axes and their names, declared on the config fields (`knob(axis=, short=)`):
+# {dotted field: {"column": Sweep keyword / entry key, "short": run-id name, ...}}.
+AXES = axis_names()
+GRID_AXES = grid_axes()
+SEED_AXIS = replicate_axis()
 
 # Config leaves that may differ between a run directory and the grid without it being
 # a different run (display, logging, checkpoint cadence, transport knobs, the mesh):
@@ -64,14 +62,14 @@ PATH_FIELDS = ("teacher.checkpoint", "data.tokenizer", "data.path", "data.valid_
 
 
 @dataclass(frozen=True)
-class Sweep:
+class _SweepSpec:
     """One student, one FLOP budget, one teacher, one grid.
 
     base: the student config every run starts from (its distill.method is replaced).
     methods: the methods compared (default: every registered method).
-    lr / temperature / alpha / hidden_weight / seeds: the grid axes (train.lr,
-        distill.temperature, distill.alpha, distill.hidden_weight, train.seed).
-        An empty tuple leaves that field at the base config's value (not swept).
+    lr / temperature / alpha / hidden_weight (every grid axis of the config, by its
+        field name: `hldstudy.config.grid_axes`) / seeds (`train.seed`): the values of
+        that axis. An empty tuple leaves that field at the base config's value (not swept).
     extra_axes: ((dotted config field, (values...)), ...) further axes; they apply
         to the methods that declare them (`hldstudy.distill.methods.applies`).
     budget_flops: the FLOP budget of every run; or
@@ -92,10 +90,6 @@ class Sweep:
     name: str
     base: Config
     methods: tuple[str, ...] = field(default_factory=lambda: methods.names())
-    lr: tuple[float, ...] = ()
-    temperature: tuple[float, ...] = ()
-    alpha: tuple[float, ...] = ()
-    hidden_weight: tuple[float, ...] = ()
     seeds: tuple[int, ...] = (0,)
     extra_axes: tuple[tuple[str, tuple], ...] = ()
     budget_flops: float = 0.0
@@ -111,16 +105,25 @@ class Sweep:
     launch: str = ""
 
     def axes(self) -> list[tuple[str, tuple]]:
+        """(dotted field, values) of every swept axis, in run-id order: the grid axes,
+        the extra axes, the seeds."""
         out = []
-        for key, values in (("train.lr", self.lr), ("distill.temperature", self.temperature),
-                            ("distill.alpha", self.alpha),
-                            ("distill.hidden_weight", self.hidden_weight)):
+        for key in GRID_AXES:
+            values = getattr(self, AXES[key]["column"])
             if values is not None and len(values):
                 out.append((key, tuple(values)))
         for key, values in self.extra_axes:
             out.append((key, tuple(values)))
-        out.append(("train.seed", tuple(self.seeds)))
+        out.append((SEED_AXIS, tuple(self.seeds)))
         return out
+
+
+# The grid axes' keywords (`Sweep(lr=(3e-3,), temperature=(1.0, 2.0))`) are the config's
+# axis fields by name, so a new axis declared in hldstudy.config is a keyword here too.
+Sweep = dataclasses.make_dataclass(
+    "Sweep", [(AXES[k]["column"], tuple, field(default=())) for k in GRID_AXES],
+    bases=(_SweepSpec,), frozen=True,
+    namespace={"__doc__": _SweepSpec.__doc__, "__module__": __name__})
 
 
 @dataclass
@@ -140,12 +143,9 @@ class Run:
 
     def entry(self) -> dict:
         """The run's line in sweep.json and in --dry-run --json."""
-        short = {"train.lr": "lr", "distill.temperature": "temperature",
-                 "distill.alpha": "alpha", "distill.hidden_weight": "hidden_weight",
-                 "train.seed": "seed"}
         d = {"run_id": self.run_id, "dir": self.run_id, "method": self.method}
         for k, v in self.params.items():
-            d[short.get(k, k)] = v
+            d[AXES[k]["column"] if k in AXES else k] = v
         d.update({"params": dict(self.params), "overrides": list(self.overrides),
                   "steps": self.steps, "stage_steps": dict(self.stage_steps),
                   "flops": self.flops, "flops_per_step": dict(self.flops_per_step),
@@ -210,8 +210,9 @@ def fmt_value(v: Any) -> str:
 
 
 def _short(key: str) -> str:
-    if key in SHORT:
-        return SHORT[key]
+    """An axis' declared short name; another field's name without underscores, and '='."""
+    if key in AXES:
+        return AXES[key]["short"]
     return key.rsplit(".", 1)[-1].replace("_", "") + "="
 
 
@@ -297,7 +298,7 @@ def expand(sweep: Sweep, overrides: tuple[str, ...] | list[str] = (), *,
     for key, values in axes:
         if not values:
             raise InputError(f"sweep {sweep.name!r}: the grid is empty (axis {key} has no "
-                             f"values{'; give at least one seed' if key == 'train.seed' else ''})")
+                             f"values{'; give at least one seed' if key == SEED_AXIS else ''})")
     base = base_config(sweep, overrides)
     teacher_model = teacher_model_config(base.teacher.checkpoint, sweep.teacher_preset)
     runs: dict[str, Run] = {}

@@ -48,7 +48,7 @@ import jax
 import jax.numpy as jnp
 
 from hldstudy import sharding as mesh_lib
-from hldstudy.config import Config, config_to_dict, field_rules, flatten
+from hldstudy.config import Config, config_to_dict, field_rules, flatten, traced_members
 from hldstudy.errors import ConfigError, InputError, RuntimeFault, warn
 from hldstudy.fileio import write_json_atomic
 from hldstudy.rundir import RESULTS_FILE, TOKENIZER_FILE, read_results
@@ -61,9 +61,9 @@ from hldstudy.train.step import make_train_step
 COHORT_FILE = "cohort.json"
 DIVERGED = "diverged"
 
-# Per-member hyperparameters that enter the compiled step (train.seed only seeds the init).
-HPARAMS = {"lr": ("train", "lr"), "temperature": ("distill", "temperature"),
-           "alpha": ("distill", "alpha"), "hidden_weight": ("distill", "hidden_weight")}
+# Per-member hyperparameters that enter the compiled step: {name: (section, field)} of the
+# fields tagged member="traced" (train.seed, member="init", only seeds the init).
+HPARAMS = traced_members()
 
 
 def _value(cfg: Config, name: str) -> float:
