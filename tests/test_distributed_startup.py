@@ -165,6 +165,7 @@ def test_a_coordinator_that_never_answers_ends_in_our_line_not_an_abort(tmp_path
     assert not workdir.exists()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_process_0_alone_ends_in_our_line(tmp_path):
     workdir = tmp_path / "run"

@@ -172,6 +172,23 @@ def test_train_on_a_directory_another_job_holds_is_one_line_exit_2(tmp_path):
     assert f"the run directory {run_dir} is in use by another job: pid {holder.pid}" in lines[0]
 
 
+@pytest.mark.timeout(120)
+def test_a_lock_left_by_a_killed_process_is_taken_over_by_the_next(tmp_path):
+    run_dir = tmp_path / "run"
+    first = _start_holder(run_dir)
+    first.send_signal(signal.SIGKILL)
+    first.wait()
+    second = subprocess.Popen([sys.executable, "-c", HOLDER, str(run_dir), "0"], cwd=ROOT,
+                              env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out, err = second.communicate(timeout=100)
+    assert second.returncode == 0 and out.strip() == "held", err[-2000:]
+    assert len(err.strip().splitlines()) == 1, err[-2000:]
+    assert (f"warning: took over the lock of the run directory {run_dir} from pid "
+            f"{first.pid} on host") in err
+    assert not (run_dir / rundir.LOCK_FILE).exists()
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_a_lock_left_by_a_killed_job_is_taken_over_and_released(tmp_path):
     run_dir = tmp_path / "run"
