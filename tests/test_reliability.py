@@ -618,6 +618,7 @@ def test_eval_falls_back_from_a_damaged_checkpoint_quietly(tmp_path, interrupted
     assert _file_hashes(work) == before  # a reader moves and rewrites nothing
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(320)
 def test_eval_with_every_checkpoint_damaged_is_one_line_not_blaming_config(tmp_path,
                                                                           interrupted_run):
