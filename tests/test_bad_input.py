@@ -35,6 +35,7 @@ MAINS = {
     "analysis": "hldstudy.analysis.__main__",
     "serve": "hldstudy.teacher.serve",
     "sweep": "hldstudy.sweep.__main__",
+    "quickstart": "hldstudy.quickstart",
 }
 # `python -m` names of the CLIs (the subprocess cases).
 MODULES = {"train": "hldstudy.train", "plan": "hldstudy.plan", "flops": "hldstudy.flops",
@@ -292,6 +293,17 @@ CASES: list[Case] = [
     # --- the teacher service's command line (its checks: hldstudy/teacher/serve.py) ---
     Case("serve", ["--config", "{tmp}/exp.py", "--port", "99999"], ("--port", "99999")),
     Case("serve", ["--config", "{tmp}/exp.py", "--host", "256.1.1.1"], ("--host", "256.1.1.1")),
+    # --config takes the built-in experiment names, as train and sweep do
+    Case("serve", ["--config", TINY, "--checkpoint", "{tmp}/no_teacher"],
+         ("--checkpoint", "no_teacher", "does not exist")),
+    # --- validated early, each blamed on its own flag or field (issue 21) ---
+    _train(*_set("model.attention.window=3"),
+           needles=["model.attention", "is a field ('dense')", "not a section"]),
+    _plan("--seq-len", "131072", needles=["--seq-len", "131072", "--tokens-per-step 65536"]),
+    Case("quickstart", ["--workdir", "{tmp}/afile.txt", "--size", "tiny"],
+         ("--workdir", "afile.txt", "is a file")),
+    Case("quickstart", ["--workdir", "{tmp}/qs", "--size", "tiny", "--methods", "kd,bogus"],
+         ("--methods", "'bogus'")),
 ]
 for _i, _c in enumerate(CASES):
     _c.id = f"{_c.cli}-{_i:02d}-{_c.needles[0].strip('-')}"
@@ -625,3 +637,20 @@ def test_a_compress_that_fails_midway_leaves_nothing(compress_run, tmp_path, cap
                            "--prune", "magnitude-2:4"], capsys)
     assert code == 3 and "disk filled up" in err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_bad_serve_cohort_is_blamed_on_cohort(compress_run, tmp_path, capsys, monkeypatch):
+    """A cohort member asking for a layer the teacher lacks: --cohort is named (the served
+    layers are its union), and the check comes before the replica makes its data cache."""
+    from hldstudy.teacher.serve import main
+
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", None)
+    with pytest.raises(SystemExit) as e:
+        main(["--checkpoint", str(compress_run), "--config", str(compress_run),
+              "--cohort", "a=final;b=final,99", "--no-warmup"])
+    line = one_line(e.value.code, capsys.readouterr().err, ["--cohort", "99"])
+    assert "--layers" not in line
+    assert list(tmp_path.iterdir()) == []  # no data cache left behind
