@@ -18,6 +18,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -660,3 +661,44 @@ def test_an_explicit_damaged_step_does_not_fall_back(tmp_path, interrupted_run):
                                          "step 4:"):
         load_model(work, step=4)
     assert load_model(work).model is not None  # the latest (6) is intact
+
+
+# --------------------------------------------------------------------------- #
+# teacher.timeout_s is honoured by the prefetch ring
+# --------------------------------------------------------------------------- #
+
+
+class _HangingLink:
+    """A replica whose handshake always answers (so it rejoins every time it is dropped)
+    and whose streams never answer a step."""
+
+    name = "hanging"
+
+    def __init__(self):
+        self.opened = 0
+
+    def connect(self):
+        pass
+
+    def open(self, on_result, on_error):
+        self.opened += 1
+        return SimpleNamespace(request=lambda step: None, close=lambda: None)
+
+
+def test_a_replica_that_rejoins_and_hangs_gives_up_near_the_timeout(caplog):
+    """Before: every drop reset the ring's "no replica" clock when the replica rejoined,
+    so the trainer waited timeout after timeout (109 s and 31 warnings for 5 s)."""
+    from hldstudy.teacher.ring import PrefetchRing, TeacherUnavailable
+
+    link = _HangingLink()
+    ring = PrefetchRing([link], start=0, end=8, ring_size=2, timeout_s=1.0, rejoin_s=0.05)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(TeacherUnavailable, match=r"answered for 1 s \(teacher.timeout_s\)"):
+            ring.get(0)
+    finally:
+        ring.close()
+    elapsed = time.monotonic() - t0
+    assert 1.0 <= elapsed < 2.0, elapsed
+    drops = [r for r in caplog.records if "dropped" in r.getMessage()]
+    assert len(drops) <= 2, [r.getMessage() for r in caplog.records]
