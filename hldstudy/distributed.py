@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import itertools
 import os
 import socket
 import sys
@@ -49,6 +50,10 @@ PROBE_DEFAULT_S = 20
 # JAX's own limit is set this far past the watchdog's, so that ours always speaks first.
 _JAX_MARGIN_S = 30
 _KV_PREFIX = "hldstudy/"
+# Every process of a job runs the same program, so the n-th decision has the same number
+# on each: a key is never set twice (the store refuses that) when a job decides the same
+# thing again (e.g. trains the same run directory twice).
+_decisions = itertools.count()
 
 
 def _env_number(name: str, fix: str, cast=int):
@@ -214,7 +219,7 @@ def primary_decides(name: str, enter):
         with enter() as value:
             yield value
         return
-    key = f"{_KV_PREFIX}{name}"
+    key = f"{_KV_PREFIX}{next(_decisions)}/{name}"
     timeout_ms = 1000 * (_env_number(INIT_TIMEOUT_ENV, "seconds") or INIT_TIMEOUT_DEFAULT_S)
     if jax.process_index() != 0:
         outcome = _client().blocking_key_value_get(key, timeout_ms)
