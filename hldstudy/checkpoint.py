@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import errno
 import os
+import sys
 import tempfile
 from pathlib import Path
 
 import jax
 import orbax.checkpoint as ocp
 
-from hldstudy.errors import InputError, RuntimeFault
+from hldstudy.errors import InputError, RuntimeFault, warn
 
 DAMAGED_DIR = "checkpoints.damaged"
 
@@ -42,6 +43,14 @@ def _reason(exc: BaseException) -> str:
         return f"{exc.strerror}{where}"
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0][:200]}" if text else type(exc).__name__
+
+
+def _root_reason(exc: BaseException) -> str:
+    """`_reason` of the innermost cause (tensorstore's own words: which file, which byte
+    range), not of the wrappers around it."""
+    while exc.__cause__ is not None:
+        exc = exc.__cause__
+    return _reason(exc)
 
 
 def _errno_of(exc: BaseException) -> int | None:
@@ -125,11 +134,13 @@ class Checkpointer:
 
     def restore(self, step: int, abstract_state):
         """Restores into the shardings/dtypes of `abstract_state` (ShapeDtypeStructs)."""
+        install_teardown_filter()
         restored = self.manager.restore(step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()))
         return restored.state, restored.meta
 
     def restore_meta(self, step: int) -> dict:
+        install_teardown_filter()
         return self.manager.restore(step, args=ocp.args.Composite(
             meta=ocp.args.JsonRestore())).meta
 
@@ -145,30 +156,100 @@ def abstract_like(tree, shardings):
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
 
 
-def restore_partial(directory: str | Path, target, step: int | None = None):
+def _reads_damaged(exc: BaseException) -> bool:
+    """A restore failure that says the files are damaged or missing (as opposed to a
+    checkpoint of another model's shapes)."""
+    text = f"{type(exc).__name__}: {exc}"
+    shape_words = ("shape", "Shape", "dtype", "Requested shape", "not compatible")
+    damage_words = ("OUT_OF_RANGE", "DATA_LOSS", "NOT_FOUND", "Error reading", "Error opening",
+                    "was not found in the checkpoint", "No such file", "corrupt", "Corrupt",
+                    "Encountered error while reading", "Invalid", "decod")
+    if isinstance(exc, FileNotFoundError) or any(w in text for w in damage_words):
+        return True
+    return not any(w in text for w in shape_words)
+
+
+def restore_partial(directory: str | Path, target, step: int | None = None,
+                    prog: str = "hldstudy"):
     """The part of a saved train state that `target` (a pytree of ShapeDtypeStructs, e.g.
-    `{"params": {"student": ...}}`) names, from the latest (or given) step; nothing else
-    (no optimizer state) is read."""
+    `{"params": {"student": ...}}`) names, from the given step, or from the newest step
+    that restores; nothing else (no optimizer state) is read.
+
+    The one restore path of every reader (eval, the served teacher, compress, the
+    colocated teacher): a newest step whose files are damaged gets one warning naming it,
+    and the previous step is restored instead (nothing is moved: a reader does not own
+    the run directory). When no step restores, one `InputError` names each step and
+    blames config.json only when the steps are intact but of another model's shapes."""
     directory = Path(directory).absolute()
     if not directory.is_dir():
         raise InputError(f"{directory.parent} has no {directory.name}/ (train it first)")
+    install_teardown_filter()
     manager = ocp.CheckpointManager(directory)
+    failures: dict[int, BaseException] = {}
     try:
-        step = manager.latest_step() if step is None else step
-        if step is None:
+        steps = sorted(manager.all_steps(), reverse=True) if step is None else [step]
+        if not steps:
             raise InputError(f"{directory} holds no complete checkpoint")
-        try:
-            restored = manager.restore(step, args=ocp.args.Composite(
-                state=ocp.args.PyTreeRestore(
-                    item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
-                    partial_restore=True)))
-        except (ValueError, KeyError, TypeError, FileNotFoundError) as e:
-            # Another model's shapes (config.json edited, or a checkpoint copied in), or a
-            # damaged step: say which step directory, not orbax's traceback.
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise InputError(f"{directory / str(step)} cannot be restored into the model its "
-                             f"config.json describes ({first[:200]}); check that config.json "
-                             "belongs to this checkpoint") from e
+        for candidate in steps:
+            try:
+                restored = manager.restore(candidate, args=ocp.args.Composite(
+                    state=ocp.args.PyTreeRestore(
+                        item=target,
+                        restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+                        partial_restore=True)))
+            except Exception as e:  # noqa: BLE001 - every failed read is reported below
+                failures[candidate] = e
+                if not _reads_damaged(e):
+                    break  # another model's shapes: every older step is the same model
+                continue
+            for bad in failures:
+                warn(f"checkpoint {directory / str(bad)} cannot be restored "
+                     f"({_root_reason(failures[bad])}); using step {candidate} instead", prog)
+            return restored.state
     finally:
         manager.close()
-    return restored.state
+    listed = "; ".join(f"step {s}: {_root_reason(e)}" for s, e in failures.items())
+    if not all(_reads_damaged(e) for e in failures.values()):
+        raise InputError(f"{directory} cannot be restored into the model its config.json "
+                         f"describes ({listed}); check that config.json belongs to this "
+                         "checkpoint")
+    raise InputError(f"no checkpoint in {directory} can be restored, its files are damaged "
+                     f"or missing ({listed}); retrain, or copy the run back from a backup")
+
+
+def _is_teardown_noise(unraisable) -> bool:
+    """The abandoned reads of a restore that failed (the failure itself is reported by
+    the caller): a read completing after Orbax closed its asyncio event loop
+    (tensorstore's callback finds the loop closed), or a read coroutine of Orbax's
+    collected with its own error never retrieved. They can arrive on tensorstore's
+    threads before the failure reaches the caller, so the filter does not wait for it."""
+    obj = getattr(unraisable, "object", None)
+    code = getattr(obj, "cr_code", None)
+    if code is not None and "orbax" in code.co_filename:
+        return True
+    if unraisable.exc_type is not RuntimeError or \
+            str(unraisable.exc_value) != "Event loop is closed":
+        return False
+    tb = unraisable.exc_traceback
+    while tb is not None:
+        if tb.tb_frame.f_code.co_name == "call_soon_threadsafe":
+            return True
+        tb = tb.tb_next
+    return False
+
+
+def install_teardown_filter() -> None:
+    """Keeps the teardown tracebacks of a failed restore ("RuntimeError: Event loop is
+    closed", "Exception ignored in: <coroutine ...>", printed through sys.unraisablehook,
+    tens to hundreds of lines) off the terminal; every other unraisable exception is
+    printed as before. Installed before each restore; idempotent."""
+    previous = sys.unraisablehook
+    if getattr(previous, "_hldstudy_filter", False):
+        return
+
+    def hook(unraisable):
+        if not _is_teardown_noise(unraisable):
+            previous(unraisable)
+
+    hook._hldstudy_filter = True
+    sys.unraisablehook = hook

@@ -661,6 +661,10 @@ def apply_overrides(cfg: Config, overrides: list[str] | tuple[str, ...]) -> Conf
         node = data
         parts = key.split(".")
         for i, p in enumerate(parts[:-1]):
+            if isinstance(node, dict) and p in node and not isinstance(node[p], dict):
+                raise ConfigError(".".join(parts[: i + 1]), f"is a field ({node[p]!r}), "
+                                  "not a section with fields of its own",
+                                  f"set it as {'.'.join(parts[: i + 1])}=VALUE")
             if not isinstance(node, dict) or p not in node or not isinstance(node[p], dict):
                 raise ConfigError(".".join(parts[: i + 1]), "unknown section",
                                   f"sections: {', '.join(k for k, v in data.items() if isinstance(v, dict))}")

@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-from hldstudy.cli_common import EXPERIMENTS, SWEEPS
+from hldstudy.cli_common import EXPERIMENTS, SWEEPS, check_output_dir
 from hldstudy.config import apply_overrides, load_experiment, validate
 from hldstudy.distill import methods as method_registry
 from hldstudy.errors import ConfigError
@@ -86,7 +86,11 @@ def run_quickstart(workdir: Path, size: str = "small", methods: tuple[str, ...] 
 
     if size not in SIZES:
         raise ConfigError("--size", f"unknown size {size!r}", f"choose one of {', '.join(SIZES)}")
+    # Every input is checked before the teacher trains (minutes a bad flag must not cost).
+    for m in methods or ():
+        method_registry.get(m, "--methods")
     workdir = Path(workdir)
+    check_output_dir(workdir, "--workdir")
     timings: dict[str, float] = {}
     t_start = time.time()
 
@@ -95,8 +99,6 @@ def run_quickstart(workdir: Path, size: str = "small", methods: tuple[str, ...] 
 
     sweep = load_sweep(SWEEP_FILE, size=size, teacher=str(teacher_dir))
     if methods:
-        for m in methods:
-            method_registry.get(m, "--methods")
         sweep = dataclasses.replace(sweep, methods=tuple(methods))
     if grid:
         sweep = dataclasses.replace(sweep, **grid)

@@ -8,6 +8,7 @@ A run directory (`python -m hldstudy.train --workdir DIR`, one run of a sweep) h
     results.json    written when the run finishes: {"status": "done", ...}
     error.txt       the traceback of a failed run (sweeps)
     tokenizer.model the SentencePiece model it trained, when data.tokenizer is unset
+    run.lock        while a job writes it: its owner (host, pid, start; hldstudy.runlock)
 
 Every module that asks "is this a run?", "what is its config / tokenizer /
 status?" or writes one of its JSON files asks here.
@@ -15,9 +16,11 @@ status?" or writes one of its JSON files asks here.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
+from hldstudy import runlock
 from hldstudy.config import Config, save_config
 from hldstudy.config import read_config as _read_config_file
 from hldstudy.fileio import write_json_atomic  # noqa: F401  (run files are written with it)
@@ -27,6 +30,7 @@ RESULTS_FILE = "results.json"
 CHECKPOINTS_DIR = "checkpoints"
 ERROR_FILE = "error.txt"
 TOKENIZER_FILE = "tokenizer.model"
+LOCK_FILE = "run.lock"
 
 
 def is_run_dir(path: str | Path) -> bool:
@@ -98,3 +102,15 @@ def tokenizer_candidates(run_dir: str | Path, cfg: Config) -> list[Path]:
 def write_config(run_dir: str | Path, cfg: Config) -> None:
     """Writes the run's config.json (atomically, with its schema version)."""
     save_config(cfg, Path(run_dir) / CONFIG_FILE)
+
+
+@contextlib.contextmanager
+def owned(run_dir: str | Path, prog: str = "hldstudy"):
+    """The run directory owned by this process while the block runs: made if needed, then
+    locked (run.lock) before anything else is written there, released on every exit.
+    A directory held by another live job raises `runlock.LockHeld` (exit code 2) naming
+    it; a lock left by a dead process on this host is taken over with a warning."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with runlock.held(run_dir / LOCK_FILE, f"the run directory {run_dir}", prog):
+        yield run_dir

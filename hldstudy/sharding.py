@@ -22,61 +22,28 @@ places only its own rows (`put_batch`); CPU collectives go through gloo.
 
 from __future__ import annotations
 
-import os
-
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from hldstudy import distributed
 from hldstudy.config import TrainConfig
-from hldstudy.errors import ConfigError, InputError, RuntimeFault
+from hldstudy.errors import ConfigError
 
 BATCH_AXES = ("data", "fsdp")
 
 
-# Seconds a process waits for the others to join (the coordinator's barrier at start).
-INIT_TIMEOUT_ENV = "HLDSTUDY_DISTRIBUTED_TIMEOUT_S"
-
-
-def _env_int(name: str, fix: str) -> int | None:
-    raw = os.environ.get(name)
-    if raw is None or raw.strip() == "":
-        return None
-    try:
-        return int(raw)
-    except ValueError:
-        raise InputError(f"{name}={raw!r} is not an integer ({fix})") from None
-
-
 def distributed_requested() -> bool:
     """Whether the environment asks for a multi-process job (see the module docstring)."""
-    return bool(os.environ.get("JAX_COORDINATOR_ADDRESS")) or \
-        os.environ.get("HLDSTUDY_DISTRIBUTED") == "1"
+    return distributed.requested()
 
 
 def maybe_initialize_distributed() -> None:
-    """Joins a multi-process job when the launcher says so (JAX_COORDINATOR_ADDRESS +
-    JAX_NUM_PROCESSES + JAX_PROCESS_ID, or HLDSTUDY_DISTRIBUTED=1 under SLURM); a no-op
+    """Joins a multi-process job when the launcher says so (hldstudy.distributed: a
+    partial setting is refused, an unreachable coordinator ends in one line); a no-op
     otherwise, and when already joined. Must run before anything uses a JAX device."""
-    if not distributed_requested() or jax.distributed.is_initialized():
-        return
-    from jax._src import xla_bridge
-
-    if xla_bridge.backends_are_initialized():
-        raise RuntimeFault("the multi-process job cannot be joined: JAX already started its "
-                           "devices in this process (call "
-                           "hldstudy.sharding.maybe_initialize_distributed() first)")
-    n = _env_int("JAX_NUM_PROCESSES", "the number of processes of the job")
-    pid = _env_int("JAX_PROCESS_ID", "this process's index, 0..JAX_NUM_PROCESSES-1")
-    if (n is None) != (pid is None) and not os.environ.get("SLURM_JOB_ID"):
-        raise InputError("set both JAX_NUM_PROCESSES and JAX_PROCESS_ID (or neither, under "
-                         "SLURM), with JAX_COORDINATOR_ADDRESS=host:port of process 0")
-    timeout = _env_int(INIT_TIMEOUT_ENV, "seconds to wait for the other processes") or 300
-    # CPU collectives between processes (gloo is JAX's default; said here, not assumed).
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(os.environ.get("JAX_COORDINATOR_ADDRESS") or None, n, pid,
-                               initialization_timeout=timeout)
+    distributed.initialize()
 
 
 def is_primary() -> bool:

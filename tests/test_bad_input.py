@@ -35,6 +35,7 @@ MAINS = {
     "analysis": "hldstudy.analysis.__main__",
     "serve": "hldstudy.teacher.serve",
     "sweep": "hldstudy.sweep.__main__",
+    "quickstart": "hldstudy.quickstart",
 }
 # `python -m` names of the CLIs (the subprocess cases).
 MODULES = {"train": "hldstudy.train", "plan": "hldstudy.plan", "flops": "hldstudy.flops",
@@ -292,6 +293,17 @@ CASES: list[Case] = [
     # --- the teacher service's command line (its checks: hldstudy/teacher/serve.py) ---
     Case("serve", ["--config", "{tmp}/exp.py", "--port", "99999"], ("--port", "99999")),
     Case("serve", ["--config", "{tmp}/exp.py", "--host", "256.1.1.1"], ("--host", "256.1.1.1")),
+    # --config takes the built-in experiment names, as train and sweep do
+    Case("serve", ["--config", TINY, "--checkpoint", "{tmp}/no_teacher"],
+         ("--checkpoint", "no_teacher", "does not exist")),
+    # --- validated early, each blamed on its own flag or field (issue 21) ---
+    _train(*_set("model.attention.window=3"),
+           needles=["model.attention", "is a field ('dense')", "not a section"]),
+    _plan("--seq-len", "131072", needles=["--seq-len", "131072", "--tokens-per-step 65536"]),
+    Case("quickstart", ["--workdir", "{tmp}/afile.txt", "--size", "tiny"],
+         ("--workdir", "afile.txt", "is a file")),
+    Case("quickstart", ["--workdir", "{tmp}/qs", "--size", "tiny", "--methods", "kd,bogus"],
+         ("--methods", "'bogus'")),
 ]
 for _i, _c in enumerate(CASES):
     _c.id = f"{_c.cli}-{_i:02d}-{_c.needles[0].strip('-')}"
@@ -508,3 +520,137 @@ def test_eval_makes_its_output_directory_before_evaluating(world, monkeypatch, c
                    "--out", str(out)])
     one_line(e.value.code, capsys.readouterr().err, ["unknown task"])
     assert not (world / "other").exists()  # the folder it made for nothing is gone
+
+
+# --------------------------------------------------------------------------- #
+# compress: a refusal writes nothing; outputs appear whole (temporary sibling, rename)
+# --------------------------------------------------------------------------- #
+
+
+@pytest.fixture(scope="module")
+def compress_run(tmp_path_factory):
+    """A tiny run directory with random weights (compress needs only a loadable one)."""
+    from flax import nnx
+
+    from hldstudy.compress import export
+    from hldstudy.data.synthetic import generate_documents
+    from hldstudy.data.tokenizer import train_tokenizer
+    from hldstudy.model import Transformer
+    from hldstudy.model.presets import preset
+
+    root = tmp_path_factory.mktemp("compress_src")
+    data = C.DataConfig(seq_len=64, batch_size=4, tokenizer_vocab_size=512,
+                        synthetic_docs=300, synthetic_valid_docs=30)
+    tok = train_tokenizer(generate_documents(data.synthetic_docs, seed=0), 512, root / "tok")
+    cfg = C.Config(name="src", model=preset("tiny"), data=data,
+                   train=C.TrainConfig(steps=1, eval_batches=1, progress=False))
+    model = Transformer(cfg.model, rngs=nnx.Rngs(3))
+    return export.save_run_dir(model, cfg, root / "run", tokenizer_file=tok.model_path)
+
+
+def _compress(argv, capsys):
+    from hldstudy.compress.__main__ import main
+
+    try:
+        code = main([*argv, "--no-progress", "--set", "compress.eval_batches=1"])
+    except SystemExit as e:
+        code = e.code
+    return code, capsys.readouterr().err
+
+
+def _earlier_output(root: Path) -> Path:
+    out = root / "earlier"
+    (out / "model").mkdir(parents=True)
+    (out / "config.json").write_text('{"prune": "sparsegpt-2:4"}\n')
+    (out / "report.json").write_text('{"stages": []}\n')
+    (out / "model" / "config.json").write_text('{"name": "earlier"}\n')
+    return out
+
+
+@pytest.mark.parametrize("argv", [
+    ["--prune", "magnitude-2:4"],
+    ["--prune", "wanda-2:4", "--calibration-batches", "0"],
+    ["--prune", "magnitude-2:4", "--recover-steps", "2", "--teacher", "/no/teacher"],
+])
+def test_a_refused_compress_keeps_an_earlier_output(compress_run, tmp_path, capsys, argv):
+    """An earlier output in --out is refused first, whatever else is wrong: it is never
+    mixed with, or described by the config.json of, another run."""
+    out = _earlier_output(tmp_path)
+    before = snapshot(tmp_path)
+    code, err = _compress(["--checkpoint", str(compress_run), "--out", str(out), *argv], capsys)
+    one_line(code, err, ["compress.out", "is not empty"])
+    assert snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize("argv,needles", [
+    (["--prune", "wanda-2:4", "--calibration-batches", "0"], ["compress.calibration_batches"]),
+    (["--prune", "wanda-2:4", "--set", "compress.calibration_data=/no/calib.jsonl"],
+     ["compress.calibration_data"]),
+    (["--prune", "magnitude-2:3"], ["compress.prune"]),
+    (["--prune", "magnitude-2:4", "--recover-steps", "2", "--teacher", "/no/teacher"],
+     ["compress.teacher", "/no/teacher"]),
+])
+def test_a_refused_compress_creates_no_output(compress_run, tmp_path, capsys, argv, needles):
+    out = tmp_path / "new" / "out"
+    code, err = _compress(["--checkpoint", str(compress_run), "--out", str(out), *argv], capsys)
+    one_line(code, err, needles)
+    assert list(tmp_path.iterdir()) == []  # not --out, not its parent, no temporary sibling
+
+
+def test_compress_writes_into_a_sibling_and_renames_it_when_complete(compress_run, tmp_path,
+                                                                      capsys, monkeypatch):
+    from hldstudy.compress import pipeline
+
+    out = tmp_path / "empty"
+    out.mkdir()  # an empty --out is accepted
+    seen = {}
+    real = pipeline._write_report
+
+    def spy(where, *args):
+        seen.setdefault("dirs", set()).add(Path(where))
+        assert not (out / "report.json").exists()  # nothing in --out before the end
+        return real(where, *args)
+
+    monkeypatch.setattr(pipeline, "_write_report", spy)
+    code, err = _compress(["--checkpoint", str(compress_run), "--out", str(out),
+                           "--prune", "magnitude-2:4"], capsys)
+    assert code == 0, err
+    (partial,) = seen["dirs"]
+    assert partial.parent == tmp_path and partial.name.startswith(".empty.partial-")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty"]  # the sibling is gone
+    assert {"config.json", "report.json", "report.md", "model.safetensors", "model"} <= \
+        {p.name for p in out.iterdir()}
+    assert ".partial-" not in (out / "report.json").read_text()
+
+
+def test_a_compress_that_fails_midway_leaves_nothing(compress_run, tmp_path, capsys,
+                                                     monkeypatch):
+    from hldstudy.compress import pipeline
+    from hldstudy.errors import RuntimeFault
+
+    def fail(*args, **kwargs):
+        raise RuntimeFault("the disk filled up while saving (test)")
+
+    monkeypatch.setattr(pipeline, "save_safetensors", fail)
+    out = tmp_path / "out"
+    code, err = _compress(["--checkpoint", str(compress_run), "--out", str(out),
+                           "--prune", "magnitude-2:4"], capsys)
+    assert code == 3 and "disk filled up" in err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_bad_serve_cohort_is_blamed_on_cohort(compress_run, tmp_path, capsys, monkeypatch):
+    """A cohort member asking for a layer the teacher lacks: --cohort is named (the served
+    layers are its union), and the check comes before the replica makes its data cache."""
+    from hldstudy.teacher.serve import main
+
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", None)
+    with pytest.raises(SystemExit) as e:
+        main(["--checkpoint", str(compress_run), "--config", str(compress_run),
+              "--cohort", "a=final;b=final,99", "--no-warmup"])
+    line = one_line(e.value.code, capsys.readouterr().err, ["--cohort", "99"])
+    assert "--layers" not in line
+    assert list(tmp_path.iterdir()) == []  # no data cache left behind

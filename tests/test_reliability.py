@@ -18,6 +18,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -568,3 +569,136 @@ def test_sweep_run_killed_with_sigkill_is_reported_and_resumed(tmp_path, tokeniz
     launch = json.loads((runs / ".sweep" / "last_launch.json").read_text())
     assert launch["killed_earlier"] == [run_dir.name]
     assert sorted(_losses(run_dir)) == list(range(1, 61))
+
+
+# --------------------------------------------------------------------------- #
+# One restore path for readers (eval, served teacher, compress): load_model
+# --------------------------------------------------------------------------- #
+
+
+def _truncate_every_data_file(step_dir: Path) -> None:
+    """Every array file of the step cut short: the restore fails on many reads at once
+    (what made Orbax's asyncio teardown print its tracebacks)."""
+    for p in (step_dir / "state").rglob("*"):
+        if p.is_file() and "/d/" in str(p):
+            with open(p, "r+b") as fh:
+                fh.truncate(10)
+
+
+def _file_hashes(root: Path) -> dict[str, str]:
+    import hashlib
+
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def _eval(run_dir: Path) -> subprocess.CompletedProcess:
+    return _run([sys.executable, "-m", "hldstudy.eval", "--checkpoint", str(run_dir),
+                 "--tasks", "valid_ppl", "--limit", "2", "--no-progress"], timeout=300)
+
+
+def _quiet(proc: subprocess.CompletedProcess) -> None:
+    for noise in ("Traceback", "Event loop is closed", "Exception ignored"):
+        assert noise not in proc.stderr, proc.stderr[-3000:]
+
+
+@pytest.mark.timeout(320)
+def test_eval_falls_back_from_a_damaged_checkpoint_quietly(tmp_path, interrupted_run):
+    work = tmp_path / "run"
+    shutil.copytree(interrupted_run, work)
+    _truncate_every_data_file(work / "checkpoints" / "6")
+    before = _file_hashes(work)
+    proc = _eval(work)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    _quiet(proc)
+    warnings = [ln for ln in proc.stderr.splitlines() if "warning:" in ln]
+    assert len(warnings) == 1, proc.stderr[-3000:]
+    assert f"checkpoint {work / 'checkpoints' / '6'} cannot be restored" in warnings[0]
+    assert "using step 4 instead" in warnings[0]
+    assert "valid_ppl" in proc.stdout
+    assert _file_hashes(work) == before  # a reader moves and rewrites nothing
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(320)
+def test_eval_with_every_checkpoint_damaged_is_one_line_not_blaming_config(tmp_path,
+                                                                          interrupted_run):
+    work = tmp_path / "run"
+    shutil.copytree(interrupted_run, work)
+    for step in _steps(work):
+        _truncate_every_data_file(work / "checkpoints" / str(step))
+    before = _file_hashes(work)
+    proc = _eval(work)
+    assert proc.returncode == EXIT_INPUT, proc.stderr[-3000:]
+    _quiet(proc)
+    line = _assert_one_line(proc, "no checkpoint in", "damaged or missing", "step 6:",
+                            "step 2:")
+    assert "config.json" not in line
+    assert _file_hashes(work) == before
+
+
+def test_a_checkpoint_of_another_model_blames_config_json(tmp_path, interrupted_run, capsys):
+    from hldstudy.model.loading import load_model
+
+    work = tmp_path / "run"
+    shutil.copytree(interrupted_run, work)
+    raw = json.loads((work / "config.json").read_text())
+    raw["model"]["d_ff"] *= 2
+    (work / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(InputError, match="config.json describes.*step 6:.*check that "
+                                         "config.json belongs to this checkpoint"):
+        load_model(work)
+    assert "warning" not in capsys.readouterr().err  # no fall-back to an older step
+
+
+def test_an_explicit_damaged_step_does_not_fall_back(tmp_path, interrupted_run):
+    from hldstudy.model.loading import load_model
+
+    work = tmp_path / "run"
+    shutil.copytree(interrupted_run, work)
+    _truncate_every_data_file(work / "checkpoints" / "4")
+    with pytest.raises(InputError, match="step 4: .*damaged or missing|damaged or missing.*"
+                                         "step 4:"):
+        load_model(work, step=4)
+    assert load_model(work).model is not None  # the latest (6) is intact
+
+
+# --------------------------------------------------------------------------- #
+# teacher.timeout_s is honoured by the prefetch ring
+# --------------------------------------------------------------------------- #
+
+
+class _HangingLink:
+    """A replica whose handshake always answers (so it rejoins every time it is dropped)
+    and whose streams never answer a step."""
+
+    name = "hanging"
+
+    def __init__(self):
+        self.opened = 0
+
+    def connect(self):
+        pass
+
+    def open(self, on_result, on_error):
+        self.opened += 1
+        return SimpleNamespace(request=lambda step: None, close=lambda: None)
+
+
+def test_a_replica_that_rejoins_and_hangs_gives_up_near_the_timeout(caplog):
+    """Before: every drop reset the ring's "no replica" clock when the replica rejoined,
+    so the trainer waited timeout after timeout (109 s and 31 warnings for 5 s)."""
+    from hldstudy.teacher.ring import PrefetchRing, TeacherUnavailable
+
+    link = _HangingLink()
+    ring = PrefetchRing([link], start=0, end=8, ring_size=2, timeout_s=1.0, rejoin_s=0.05)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(TeacherUnavailable, match=r"answered for 1 s \(teacher.timeout_s\)"):
+            ring.get(0)
+    finally:
+        ring.close()
+    elapsed = time.monotonic() - t0
+    assert 1.0 <= elapsed < 2.0, elapsed
+    drops = [r for r in caplog.records if "dropped" in r.getMessage()]
+    assert len(drops) <= 2, [r.getMessage() for r in caplog.records]

@@ -12,6 +12,12 @@ vocabulary), then runs the stages and writes, under `ccfg.out`:
     model/             the final model as an hldstudy run directory (eval reads it)
     recover/           the recovery run directory (metrics.jsonl), when recovering
 
+`--out` must be absent or an empty directory (an earlier output is never mixed with or
+overwritten by a new one), and a refused input writes nothing: every check runs before
+anything is made. The outputs are written into a temporary sibling
+(`.<name>.partial-<id>` next to `--out`) and renamed onto `--out` when complete; a run
+that fails removes it, so `--out` only ever holds a whole output.
+
 Bytes are those of the weights one forward reads: every parameter (the tied
 embedding / head, norms and all block linears) at its stored width.
 `weight_bytes` stores zeros as values; `weight_bytes_packed` stores each
@@ -24,7 +30,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import shutil
 import time
+import uuid
 from pathlib import Path
 
 import jax
@@ -195,11 +204,11 @@ def _stage(name: str, model, *, valid, sparse_keys, quantized, nm, ccfg, tokeniz
 def preflight(ccfg: CompressConfig):
     """Everything checkable before compute. Returns (model, tokenizer, run_cfg)."""
     validate(ccfg)
-    out = Path(ccfg.out)
-    for parent in (out, *out.parents):
-        if parent.exists() and not parent.is_dir():
-            raise ConfigError("compress.out", f"{parent} is a file, not a folder",
-                              "give --out a new or existing directory")
+    check_out(Path(ccfg.out))
+    if ccfg.calibration_data and not Path(ccfg.calibration_data).is_file():
+        raise ConfigError("compress.calibration_data",
+                          f"{ccfg.calibration_data} is not a file",
+                          "point compress.calibration_data at a local .txt/.jsonl file")
     path = Path(ccfg.checkpoint)
     if not path.exists():
         raise ConfigError("compress.checkpoint", f"{path} does not exist",
@@ -214,8 +223,12 @@ def preflight(ccfg: CompressConfig):
         raise InputError(f"{path}: the run's tokenizer is missing")
     names = prune_names(ccfg)
     if ccfg.prune:
-        _, _, m = parse_prune(ccfg.prune)
+        method, _, m = parse_prune(ccfg.prune)
         check_prunable(model.cfg, m, names)
+        if method in ("wanda", "sparsegpt") and ccfg.calibration_batches == 0:
+            raise ConfigError("compress.calibration_batches",
+                              f"{method} needs calibration data and 0 batches were asked for",
+                              "pass --calibration-batches N with N > 0")
     recovering = ccfg.recover_steps > 0 or ccfg.recover_flops > 0
     if recovering and ccfg.teacher:
         tcfg = model_config_of(ccfg.teacher)
@@ -230,10 +243,48 @@ def preflight(ccfg: CompressConfig):
     return model, tokenizer, run_cfg
 
 
+def check_out(out: Path) -> None:
+    """--out is absent or an empty directory, and can be made; makes nothing."""
+    for parent in (out, *out.parents):
+        if parent.exists() and not parent.is_dir():
+            raise ConfigError("compress.out", f"{parent} is a file, not a folder",
+                              "give --out a new or empty directory")
+    if out.is_dir() and any(out.iterdir()):
+        raise ConfigError("compress.out", f"{out} is not empty",
+                          "give a new or empty directory; an earlier output is never "
+                          "overwritten")
+    base = next(p for p in (out.absolute(), *out.absolute().parents) if p.exists())
+    if not os.access(base, os.W_OK | os.X_OK):
+        raise ConfigError("compress.out", f"{out} cannot be made ({base} is not writable)",
+                          "give a directory you can write to")
+
+
 def run(ccfg: CompressConfig) -> dict:
-    model, tokenizer, run_cfg = preflight(ccfg)
-    out = Path(ccfg.out)
-    out.mkdir(parents=True, exist_ok=True)
+    """Checks everything (`preflight`), then compresses into a temporary sibling of
+    `ccfg.out`, renamed onto it when complete (see the module doc)."""
+    loaded = preflight(ccfg)
+    out = Path(ccfg.out).absolute()
+    made = [p for p in out.parents if not p.exists()]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = out.parent / f".{out.name}.partial-{uuid.uuid4().hex[:12]}"
+    partial.mkdir()
+    try:
+        report = _run_into(ccfg, partial, *loaded)
+        if out.is_dir():
+            out.rmdir()  # empty (checked in preflight); a file put there since fails here
+        os.rename(partial, out)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        for d in made:  # the parents this run made, deepest first
+            try:
+                d.rmdir()
+            except OSError:
+                break
+        raise
+    return report
+
+
+def _run_into(ccfg: CompressConfig, out: Path, model, tokenizer, run_cfg) -> dict:
     write_json_atomic(out / "config.json", to_dict(ccfg))
     work = out / "work"
     names = prune_names(ccfg)
@@ -245,13 +296,8 @@ def run(ccfg: CompressConfig) -> dict:
     method = n = m = None
     if ccfg.prune:
         method, n, m = parse_prune(ccfg.prune)
-    needs_calibration = method in ("wanda", "sparsegpt")
     calib = None
-    if needs_calibration:
-        if ccfg.calibration_batches == 0:
-            raise ConfigError("compress.calibration_batches",
-                              f"{method} needs calibration data and 0 batches were asked for",
-                              "pass --calibration-batches N with N > 0")
+    if method in ("wanda", "sparsegpt"):
         calib = calibration_batches(ccfg, run_cfg, tokenizer, work)
     bundle = prepare_data(run_cfg.data, work)
     valid = bundle.valid_batches(ccfg.eval_batches or None)

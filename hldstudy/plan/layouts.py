@@ -142,6 +142,10 @@ def check_inputs(p: PlanInputs) -> None:
     if p.tokens_per_step % (p.devices * p.grad_accum):
         raise ConfigError("tokens-per-step", f"{p.tokens_per_step} is not divisible by "
                           f"devices x grad-accum = {p.devices * p.grad_accum}")
+    if p.seq_len > p.tokens_per_step:
+        raise ConfigError("--seq-len", f"{p.seq_len} is longer than --tokens-per-step "
+                          f"{p.tokens_per_step}: a step would hold no whole sequence",
+                          "lower --seq-len or raise --tokens-per-step")
 
 
 def plan(p: PlanInputs) -> dict:

@@ -19,6 +19,7 @@ equal steps so no work is dropped. A member that diverges is recorded failed
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -26,6 +27,7 @@ import signal
 import time
 from pathlib import Path
 
+from hldstudy.distributed import job_owns
 from hldstudy.errors import RuntimeFault, exit_code_of
 from hldstudy.rundir import checkpoint_steps, read_results
 from hldstudy.sweep.cohorts import group
@@ -86,31 +88,34 @@ def run_cohort(worker, members: list[Run], workdir: Path, report, out: Outcome) 
     t0 = time.time()
     failed: dict[str, BaseException] = {}
     for part in parts:
-        for r in part:
-            (workdir / r.run_id / "error.txt").unlink(missing_ok=True)
-            mark_running(workdir / r.run_id)
-            report("start", r.run_id, f"cohort {cid} ({len(part)} members)")
-        try:
-            cfg = part[0].config
-            data = worker.data_for(cfg)
-            teacher = worker.teacher_for(cfg, data.tokenizer if data else None)
-            trainer = CohortTrainer([r.config for r in part],
-                                    [workdir / r.run_id for r in part],
-                                    teacher=teacher, data=data,
-                                    cohort_dir=cohort_dir if len(parts) == 1 else
-                                    cohort_dir / str(parts.index(part)))
-            trainer.run()
-        except Interrupted as e:
+        with contextlib.ExitStack() as owned:
+            for r in part:  # each member's run.lock before anything is written there
+                owned.enter_context(job_owns(workdir / r.run_id, "hldstudy.sweep"))
             for r in part:
-                record_interrupted(workdir / r.run_id, e)
-                out.interrupted.append(r.run_id)
-                out.exit_codes[r.run_id] = 128 + e.signum
-                report("interrupted", r.run_id, f"checkpoint at step {e.step}")
-            out.signum = e.signum
-            return
-        except Exception as e:  # noqa: BLE001 - a failed cohort fails its members, not the sweep
-            for r in part:
-                failed[r.run_id] = e
+                (workdir / r.run_id / "error.txt").unlink(missing_ok=True)
+                mark_running(workdir / r.run_id)
+                report("start", r.run_id, f"cohort {cid} ({len(part)} members)")
+            try:
+                cfg = part[0].config
+                data = worker.data_for(cfg)
+                teacher = worker.teacher_for(cfg, data.tokenizer if data else None)
+                trainer = CohortTrainer([r.config for r in part],
+                                        [workdir / r.run_id for r in part],
+                                        teacher=teacher, data=data,
+                                        cohort_dir=cohort_dir if len(parts) == 1 else
+                                        cohort_dir / str(parts.index(part)))
+                trainer.run()
+            except Interrupted as e:
+                for r in part:
+                    record_interrupted(workdir / r.run_id, e)
+                    out.interrupted.append(r.run_id)
+                    out.exit_codes[r.run_id] = 128 + e.signum
+                    report("interrupted", r.run_id, f"checkpoint at step {e.step}")
+                out.signum = e.signum
+                return
+            except Exception as e:  # noqa: BLE001 - a failed cohort fails its members, not the sweep
+                for r in part:
+                    failed[r.run_id] = e
     for run in todo:
         run_dir = workdir / run.run_id
         try:

@@ -27,6 +27,7 @@ import traceback
 from pathlib import Path
 
 from hldstudy.distill import methods
+from hldstudy.distributed import job_owns
 from hldstudy.errors import EXIT_OK, InputError, exit_code_of
 from hldstudy.fileio import write_text_atomic
 from hldstudy.rundir import write_json_atomic
@@ -94,22 +95,23 @@ class Worker:
         status = run_status(run, run_dir, self.eval_tasks)
         if status == "done":
             return _read_json(run_dir / "results.json")
-        (run_dir / "error.txt").unlink(missing_ok=True)
-        mark_running(run_dir)
-        t0 = time.time()
-        if status != "trained":
-            from hldstudy.train.loop import Trainer
+        with job_owns(run_dir, "hldstudy.sweep"):  # run.lock before anything is written
+            (run_dir / "error.txt").unlink(missing_ok=True)
+            mark_running(run_dir)
+            t0 = time.time()
+            if status != "trained":
+                from hldstudy.train.loop import Trainer
 
-            data = self.data_for(run.config)
-            teacher = self.teacher_for(run.config, data.tokenizer if data else None)
-            trainer = Trainer(run.config, run_dir, teacher=teacher, data=data)
-            planned = {p.stage.name: p.steps for p in trainer.plans}
-            if planned != run.stage_steps:
-                log.warning("%s: the trainer plans %s steps, the sweep expected %s (the teacher's "
-                            "real config differs from the one used for counting?)",
-                            run.run_id, planned, run.stage_steps)
-            trainer.run(stop_at_step=stop_at_step)
-        return self.complete(run, run_dir, t0)
+                data = self.data_for(run.config)
+                teacher = self.teacher_for(run.config, data.tokenizer if data else None)
+                trainer = Trainer(run.config, run_dir, teacher=teacher, data=data)
+                planned = {p.stage.name: p.steps for p in trainer.plans}
+                if planned != run.stage_steps:
+                    log.warning("%s: the trainer plans %s steps, the sweep expected %s (the "
+                                "teacher's real config differs from the one used for counting?)",
+                                run.run_id, planned, run.stage_steps)
+                trainer.run(stop_at_step=stop_at_step)
+            return self.complete(run, run_dir, t0)
 
     def complete(self, run: Run, run_dir: Path, t0: float) -> dict:
         """After training (solo or in a cohort): identity fields, evaluation, outcome."""

@@ -69,6 +69,9 @@ class _Replica:
     steps_served: int = 0
     failures: int = 0
     refused: str = ""
+    # Whether its current stream has answered a step: a replica that rejoins (its handshake
+    # answers) and then never answers is no proof that the teacher is there.
+    answered: bool = False
 
 
 @dataclass
@@ -100,7 +103,7 @@ class PrefetchRing:
         self._expected = start
         self._closed = False
         self._fatal: BaseException | None = None
-        self._all_dead_since: float | None = None
+        self._last_answer = time.monotonic()
         self.stall_s = 0.0
         self.dropped = 0
         self.reassigned = 0
@@ -126,6 +129,7 @@ class PrefetchRing:
         gen = rep.gen
         rep.pending = set()
         rep.live = True
+        rep.answered = False
         rep.last_progress = time.monotonic()
         try:
             rep.session = rep.link.open(
@@ -205,7 +209,8 @@ class PrefetchRing:
                 self.dropped += 1  # a late answer of a stream already given up on
                 return
             rep.pending.discard(step)
-            rep.last_progress = time.monotonic()
+            rep.answered = True
+            self._last_answer = rep.last_progress = time.monotonic()
             rep.steps_served += 1
             self._ready[step] = (payload, i, digest)
             self._cv.notify_all()
@@ -278,20 +283,23 @@ class PrefetchRing:
             self._horizon = min(self.end, max(self._horizon, step + 1 + self.ring_size))
             self._pump()
             t0 = time.perf_counter()
+            waiting_since = time.monotonic()
             while step not in self._ready:
                 if self._fatal is not None:
                     raise self._fatal
-                if not self._live():
-                    now = time.monotonic()
-                    self._all_dead_since = self._all_dead_since or now
-                    if now - self._all_dead_since > self.timeout_s:
-                        names = ", ".join(str(getattr(r.link, "name", i))
-                                          for i, r in enumerate(self._reps))
-                        raise TeacherUnavailable(
-                            f"teacher.checkpoint: no teacher replica ({names}) answered for "
-                            f"{self.timeout_s:g} s (teacher.timeout_s); start them and resume")
-                else:
-                    self._all_dead_since = None
+                # Given up after teacher.timeout_s without an answer while no replica whose
+                # stream has answered is live: replicas that are down, and replicas that
+                # rejoin and then hang, count alike (the second kind once kept a run
+                # waiting, timeout after timeout, for minutes).
+                now = time.monotonic()
+                quiet = now - max(self._last_answer, waiting_since)
+                if quiet > self.timeout_s and \
+                        not any(self._reps[i].answered for i in self._live()):
+                    names = ", ".join(str(getattr(r.link, "name", i))
+                                      for i, r in enumerate(self._reps))
+                    raise TeacherUnavailable(
+                        f"teacher.checkpoint: no teacher replica ({names}) answered for "
+                        f"{self.timeout_s:g} s (teacher.timeout_s); start them and resume")
                 self._cv.wait(0.05)
             stall = time.perf_counter() - t0
             self.stall_s += stall

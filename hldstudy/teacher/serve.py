@@ -75,7 +75,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hldstudy.cli_common import quiet_libraries
+from hldstudy.cli_common import EXPERIMENTS, find_builtin, quiet_libraries
 from hldstudy.config import apply_overrides, load_experiment, read_config
 from hldstudy.data import prepare_data
 from hldstudy.distill.base import make_strategy
@@ -218,14 +218,8 @@ class TeacherServer:
         self.teacher = ColocatedTeacher(loaded.model, loaded.tokenizer, dtype=dtype,
                                         source=checkpoint)
         self.model_cfg = self.teacher.model_cfg
-        self._own_workdir = workdir is None  # a temporary one: removed by cleanup()
-        self.workdir = Path(workdir or tempfile.mkdtemp(prefix="hldstudy-teacher-"))
-        try:
-            self.data = prepare_data(cfg.data, self.workdir)
-            self.teacher.check_tokenizer(self.data.tokenizer)
-        except BaseException:
-            self.cleanup()
-            raise
+        # The served layers are checked before anything is made (the data cache below),
+        # each against the flag it came from.
         cohort = parse_cohort(cohort) if isinstance(cohort, str) else cohort
         if cohort is not None and layers:
             raise ConfigError("--layers", "a cohort replica serves the union of its members' "
@@ -237,8 +231,17 @@ class TeacherServer:
         else:
             needs = method_needs(make_strategy(cfg, cfg.model, self.model_cfg), self.model_cfg)
             self.final, self.layers = needs.final, needs.layers
-        check_layers(self.layers, self.model_cfg.n_layers, "--layers", first=0,
+        check_layers(self.layers, self.model_cfg.n_layers,
+                     "--cohort" if cohort is not None else "--layers", first=0,
                      what="teacher layer")
+        self._own_workdir = workdir is None  # a temporary one: removed by cleanup()
+        self.workdir = Path(workdir or tempfile.mkdtemp(prefix="hldstudy-teacher-"))
+        try:
+            self.data = prepare_data(cfg.data, self.workdir)
+            self.teacher.check_tokenizer(self.data.tokenizer)
+        except BaseException:
+            self.cleanup()
+            raise
         self.fingerprint = params_fingerprint(self.model_cfg, self.teacher.params)
         self.params = jax.device_put(self.teacher.params)
         self._jits: dict = {}
@@ -715,8 +718,8 @@ def load_student_config(spec: str, overrides: list[str]):
         cfg = read_config(path / "config.json")
     elif path.suffix == ".json":
         cfg = read_config(path)
-    else:
-        cfg = load_experiment(path)
+    else:  # an experiment file, or a built-in one by name (as train and sweep accept)
+        cfg = load_experiment(find_builtin(spec, EXPERIMENTS))
     return apply_overrides(cfg, overrides)
 
 

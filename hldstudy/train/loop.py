@@ -45,6 +45,7 @@ from hldstudy.config import (
 )
 from hldstudy.distill import methods
 from hldstudy.distill.base import make_strategy
+from hldstudy.distributed import job_owns
 from hldstudy.errors import ConfigError, InputError, RuntimeFault, warn
 from hldstudy.fileio import write_json_atomic
 from hldstudy.flops.budget import StagePlan, plan_stages, total_steps
@@ -512,4 +513,6 @@ def check_fits(compiled, mesh, cfg: Config, stage: str = "") -> None:
 
 
 def train(cfg: Config, workdir: str | Path, **kwargs) -> dict:
-    return Trainer(cfg, workdir, **kwargs).run()
+    # The job owns the run directory (run.lock, held by process 0) before anything is written.
+    with job_owns(workdir, "hldstudy.train"):
+        return Trainer(cfg, workdir, **kwargs).run()
