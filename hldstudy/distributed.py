@@ -34,7 +34,6 @@ import socket
 import sys
 import threading
 import time
-from pathlib import Path
 
 from hldstudy.errors import EXIT_RUNTIME, HLDError, InputError, RuntimeFault
 
@@ -239,16 +238,3 @@ def primary_decides(name: str, enter):
     with contextlib.ExitStack() as stack:
         stack.push(cm)
         yield value
-
-
-@contextlib.contextmanager
-def job_owns(run_dir: str | Path, prog: str = "hldstudy"):
-    """The job (joined first, when multi-process) owns `run_dir` while the block runs:
-    process 0 holds its lock (hldstudy.rundir.owned); the other processes of the job
-    write their checkpoint shards there under it."""
-    from hldstudy import rundir
-
-    initialize()
-    with primary_decides(f"lock:{Path(run_dir).absolute()}",
-                         lambda: rundir.owned(run_dir, prog)):
-        yield Path(run_dir)

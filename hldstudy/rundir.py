@@ -20,7 +20,7 @@ import contextlib
 import json
 from pathlib import Path
 
-from hldstudy import runlock
+from hldstudy import distributed, runlock
 from hldstudy.config import Config, save_config
 from hldstudy.config import read_config as _read_config_file
 from hldstudy.fileio import write_json_atomic  # noqa: F401  (run files are written with it)
@@ -114,3 +114,14 @@ def owned(run_dir: str | Path, prog: str = "hldstudy"):
     run_dir.mkdir(parents=True, exist_ok=True)
     with runlock.held(run_dir / LOCK_FILE, f"the run directory {run_dir}", prog):
         yield run_dir
+
+
+@contextlib.contextmanager
+def job_owns(run_dir: str | Path, prog: str = "hldstudy"):
+    """The job (joined first, when multi-process) owns `run_dir` while the block runs:
+    process 0 holds its lock (`owned`); the other processes of the job write their
+    checkpoint shards there under it, and share process 0's outcome."""
+    distributed.initialize()
+    with distributed.primary_decides(f"lock:{Path(run_dir).absolute()}",
+                                     lambda: owned(run_dir, prog)):
+        yield Path(run_dir)

@@ -27,9 +27,8 @@ import signal
 import time
 from pathlib import Path
 
-from hldstudy.distributed import job_owns
 from hldstudy.errors import RuntimeFault, exit_code_of
-from hldstudy.rundir import checkpoint_steps, read_results
+from hldstudy.rundir import checkpoint_steps, job_owns, read_results
 from hldstudy.sweep.cohorts import group
 from hldstudy.sweep.executors import INTERNAL, Outcome, _Stop, spawned_worker, worker_kwargs
 from hldstudy.sweep.spec import Run, run_status

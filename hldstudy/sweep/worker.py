@@ -27,10 +27,9 @@ import traceback
 from pathlib import Path
 
 from hldstudy.distill import methods
-from hldstudy.distributed import job_owns
 from hldstudy.errors import EXIT_OK, InputError, exit_code_of
 from hldstudy.fileio import write_text_atomic
-from hldstudy.rundir import write_json_atomic
+from hldstudy.rundir import job_owns, write_json_atomic
 from hldstudy.sweep.spec import Run, run_status
 
 log = logging.getLogger("hldstudy.sweep")

@@ -45,12 +45,11 @@ from hldstudy.config import (
 )
 from hldstudy.distill import methods
 from hldstudy.distill.base import make_strategy
-from hldstudy.distributed import job_owns
 from hldstudy.errors import ConfigError, InputError, RuntimeFault, warn
 from hldstudy.fileio import write_json_atomic
 from hldstudy.flops.budget import StagePlan, plan_stages, total_steps
 from hldstudy.model import Transformer
-from hldstudy.rundir import CHECKPOINTS_DIR, RESULTS_FILE, checkpoint_steps
+from hldstudy.rundir import CHECKPOINTS_DIR, RESULTS_FILE, checkpoint_steps, job_owns
 from hldstudy.signals import Interrupted, StopSignals  # noqa: F401  (Interrupted re-exported)
 from hldstudy.teacher import load_teacher, with_teacher_tokenizer
 from hldstudy.teacher.base import NO_FEED, StageFeed
