@@ -2,7 +2,7 @@
 
 The ring tests drive `PrefetchRing` with in-process fake replicas (no JAX).
 The end-to-end tests start real replicas (`python -m hldstudy.teacher.serve`
-subprocesses on loopback) for a tiny teacher trained in the module fixture,
+subprocesses on loopback) for the session's tiny teacher (tests/conftest.py),
 and compare a remote run with the colocated one bitwise (float32 on CPU).
 """
 
@@ -22,15 +22,14 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from helpers.runs import VOCAB, data_config, losses, student_config, teacher_steps
 
-from hldstudy.config import Config, DataConfig, DistillConfig, TrainConfig, save_config
+from hldstudy.config import DistillConfig, save_config
 from hldstudy.errors import ConfigError
 from hldstudy.model import preset
 from hldstudy.teacher import protocol as proto
 from hldstudy.teacher.remote import RemoteTeacher, parse_spec
 from hldstudy.teacher.ring import PrefetchRing, TeacherUnavailable
-
-VOCAB = 384
 
 # --------------------------------------------------------------------------- #
 # Fake replicas for the ring
@@ -219,30 +218,10 @@ def test_remote_spec_parsing():
 # --------------------------------------------------------------------------- #
 
 
-def _data(tokenizer=None):
-    return DataConfig(seq_len=64, batch_size=8, tokenizer_vocab_size=VOCAB, synthetic_docs=600,
-                      synthetic_valid_docs=50, tokenizer=tokenizer)
-
-
-def _train(steps):
-    return TrainConfig(steps=steps, lr=3e-3, warmup_steps=2, log_every=1, checkpoint_every=4,
-                       eval_batches=1, progress=False)
-
-
 def _student(method, checkpoint, tokenizer, steps=5, **teacher):
-    return Config(name=method, model=preset("tiny", vocab_size=VOCAB), data=_data(tokenizer),
-                  train=_train(steps), distill=DistillConfig(method=method),
-                  teacher=dataclasses.replace(Config().teacher, checkpoint=checkpoint, **teacher))
-
-
-def _losses(workdir):
-    recs = [json.loads(line) for line in (Path(workdir) / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in recs if "loss" in r}
-
-
-def _steps_log(workdir):
-    return [json.loads(line)["step"] for line in
-            (Path(workdir) / "teacher_steps.log").read_text().splitlines()]
+    """These tests' student: 5 steps, one validation batch; `teacher` sets teacher fields."""
+    return student_config(method, checkpoint, steps=steps, tokenizer=tokenizer,
+                          train={"eval_batches": 1}, teacher_fields=teacher)
 
 
 class Replica:
@@ -286,40 +265,18 @@ class Replica:
         return GrpcLink(self.address).stats()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _compile_cache(tmp_path_factory):
-    """Colocated and remote runs share most programs (init, eval): compile them once."""
-    from jax._src import compilation_cache
-
-    old = (jax.config.jax_compilation_cache_dir,
-           jax.config.jax_persistent_cache_min_compile_time_secs)
-    jax.config.update("jax_compilation_cache_dir", str(tmp_path_factory.mktemp("jax_cache")))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-    compilation_cache.reset_cache()
-    yield
-    jax.config.update("jax_compilation_cache_dir", old[0])
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", old[1])
-    compilation_cache.reset_cache()
-
-
 @pytest.fixture(scope="module")
-def env(tmp_path_factory):
-    """A tiny teacher (trained a few steps), the student config and two replicas."""
-    from hldstudy.train.loop import Trainer
-
+def env(tmp_path_factory, teacher_dir, tokenizer_path):
+    """The session's tiny teacher, the student config and two replicas serving it."""
     root = tmp_path_factory.mktemp("disagg")
-    teacher = root / "teacher"
-    tcfg = Config(name="teacher", model=preset("tiny-teacher", vocab_size=VOCAB), data=_data(),
-                  train=_train(6))
-    Trainer(tcfg, teacher, devices=jax.devices()[:1]).run()
-    tok = str(teacher / "tokenizer.model")
+    tok = tokenizer_path
     config = root / "student.json"
-    save_config(_student("kd", str(teacher), tok), config)
+    save_config(_student("kd", str(teacher_dir), tok), config)
     # hldc aligns the student's middle layer with the teacher's layer 3.
     replicas = [Replica(config, root / f"replica{i}", "--layers", "final,3").start()
                 for i in range(2)]
     try:  # not waited for here: they start while the colocated reference trains
-        yield {"root": root, "teacher": str(teacher), "tokenizer": tok, "config": config,
+        yield {"root": root, "teacher": str(teacher_dir), "tokenizer": tok, "config": config,
                "replicas": replicas}
     finally:
         for r in replicas:
@@ -355,7 +312,7 @@ def _run_pair(env, method):
                                                                checkpoint=_remote(env)))
     Trainer(rem, root / "remote", devices=jax.devices()[:1]).run()
     sent = sum(r.stats()["payload_bytes"] - b for r, b in zip(env["replicas"], before, strict=True))
-    _runs[method] = (_losses(root / "colocated"), _losses(root / "remote"), root / "remote", sent)
+    _runs[method] = (losses(root / "colocated"), losses(root / "remote"), root / "remote", sent)
     return _runs[method]
 
 
@@ -364,7 +321,7 @@ def test_remote_teacher_matches_colocated_bitwise(env, method):
     col, rem, workdir, _ = _run_pair(env, method)
     assert sorted(rem) == [1, 2, 3, 4, 5]
     assert rem == col  # float32 on CPU: the same bits
-    assert _steps_log(workdir) == [0, 1, 2, 3, 4]
+    assert teacher_steps(workdir) == [0, 1, 2, 3, 4]
     records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
     assert all("teacher_stall_s" in r for r in records if "loss" in r)
 
@@ -381,8 +338,8 @@ def test_remote_hldf_switches_streams_at_the_stage_boundary(env):
     root = env["root"] / "hldf"
     Trainer(col, root / "colocated", devices=jax.devices()[:1]).run()
     Trainer(rem, root / "remote", devices=jax.devices()[:1]).run()
-    assert _losses(root / "remote") == _losses(root / "colocated")
-    assert _steps_log(root / "remote") == [0, 1, 2, 3, 4]
+    assert losses(root / "remote") == losses(root / "colocated")
+    assert teacher_steps(root / "remote") == [0, 1, 2, 3, 4]
 
 
 @pytest.mark.parametrize("method", ["kd", pytest.param("hldc", marks=pytest.mark.slow)])
@@ -414,7 +371,7 @@ def test_handshake_refuses_mismatches(env, tmp_path):
     connect(_student("kd", remote, tok))  # the matching config is accepted
     with pytest.raises(ConfigError, match=r"teacher.checkpoint: .*data.seq_len=64.*seq_len=32"):
         connect(dataclasses.replace(_student("kd", remote, tok),
-                                    data=dataclasses.replace(_data(tok), seq_len=32)))
+                                    data=data_config(tok, seq_len=32)))
     with pytest.raises(ConfigError, match=r"teacher.checkpoint: .*computes in float32"):
         connect(_student("kd", remote, tok, dtype="bfloat16"))
     with pytest.raises(ConfigError, match=r"teacher.checkpoint: .*serve layers final,3.*needs"):
@@ -470,7 +427,7 @@ def test_killed_replica_mid_run(env):
     finally:
         remote_mod.RemoteFeeder.inputs = original
     assert b.proc.poll() is not None
-    assert _losses(workdir) == col
+    assert losses(workdir) == col
     log = [json.loads(line) for line in (workdir / "teacher_steps.log").read_text().splitlines()]
     assert [r["step"] for r in log] == [0, 1, 2, 3, 4]
     assert [r["replica"] for r in log] == [0, 1, 0, 0, 0]  # b's step 3 went to a
@@ -498,7 +455,7 @@ def test_replica_that_dies_mid_stream(env):
         assert faulty.proc.wait(timeout=30) == 3
     finally:
         faulty.kill()
-    assert _losses(workdir) == col
+    assert losses(workdir) == col
     log = [json.loads(line) for line in (workdir / "teacher_steps.log").read_text().splitlines()]
     assert [r["step"] for r in log] == [0, 1, 2, 3, 4]
     assert [r["replica"] for r in log] == [0, 1, 0, 0, 0]  # its step 3 went to the other
@@ -540,21 +497,22 @@ def test_resumed_run_restarts_the_stream_at_its_checkpoint(env):
     with pytest.raises(Interrupted):
         Trainer(cfg, workdir, devices=jax.devices()[:1]).run(stop_at_step=3)
     Trainer(cfg, workdir, devices=jax.devices()[:1]).run()
-    assert _losses(workdir) == col
-    assert _steps_log(workdir) == [0, 1, 2, 3, 4]
+    assert losses(workdir) == col
+    assert teacher_steps(workdir) == [0, 1, 2, 3, 4]
 
 
 _BF16_SCRIPT = """
 import dataclasses, json, sys
 import jax
 sys.path.insert(0, {tests!r})
-from test_disagg import _student, _losses
+from helpers.runs import losses
+from test_disagg import _student
 from hldstudy.train.loop import Trainer
 col = _student("hldc", {teacher!r}, {tok!r}, dtype="bfloat16")
 rem = dataclasses.replace(col, teacher=dataclasses.replace(col.teacher, checkpoint={remote!r}))
 Trainer(col, {root!r} + "/col", devices=jax.devices()[:1]).run()
 Trainer(rem, {root!r} + "/rem", devices=jax.devices()[:1]).run()
-print(json.dumps([_losses({root!r} + "/col"), _losses({root!r} + "/rem")]))
+print(json.dumps([losses({root!r} + "/col"), losses({root!r} + "/rem")]))
 """
 
 
@@ -690,7 +648,7 @@ def test_token_and_tls_replica_trains_bitwise_equal(env, tmp_path):
         extra = {"token_file": str(token), "tls_ca": str(pem[0]) if pem else None}
         cfg = _student("kd", f"remote://127.0.0.1:{port}", env["tokenizer"], **extra)
         Trainer(cfg, tmp_path / "run", devices=jax.devices()[:1]).run()
-        assert _losses(tmp_path / "run") == col
+        assert losses(tmp_path / "run") == col
         assert server.stats["steps"] == 5 and server.stats["refused"] == 0
         without = dataclasses.replace(cfg, teacher=dataclasses.replace(cfg.teacher,
                                                                        token_file=None))

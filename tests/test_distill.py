@@ -2,57 +2,22 @@
 
 import dataclasses
 import json
-from pathlib import Path
 
 import jax
 import pytest
+from helpers.runs import VOCAB, data_config, losses, student_config, train_config
 
-from hldstudy.config import Config, DataConfig, DistillConfig, TrainConfig
+from hldstudy.config import Config
 from hldstudy.distill.base import make_strategy
 from hldstudy.errors import ConfigError
 from hldstudy.model import preset
 from hldstudy.train.loop import Interrupted, Trainer
 
-VOCAB = 384
-
-
-def _data(tokenizer=None, **kw):
-    fields = dict(seq_len=64, batch_size=8, tokenizer_vocab_size=VOCAB, synthetic_docs=600,
-                  synthetic_valid_docs=50)
-    return DataConfig(tokenizer=tokenizer, **{**fields, **kw})
-
-
-def _train(steps, **kw):
-    return TrainConfig(steps=steps, lr=3e-3, warmup_steps=2, log_every=1, checkpoint_every=4,
-                       eval_batches=2, progress=False, **kw)
-
-
-@pytest.fixture(scope="module")
-def teacher_dir(tmp_path_factory):
-    """A tiny teacher pretrained for a few steps (an hldstudy run directory)."""
-    work = tmp_path_factory.mktemp("teacher")
-    cfg = Config(name="teacher", model=preset("tiny-teacher", vocab_size=VOCAB), data=_data(),
-                 train=_train(30))
-    Trainer(cfg, work, devices=jax.devices()[:1]).run()
-    return work
-
-
-def _student(method, teacher_dir, steps=6, **distill):
-    return Config(name=method, model=preset("tiny", vocab_size=VOCAB), data=_data(),
-                  train=_train(steps),
-                  distill=DistillConfig(method=method, **distill),
-                  teacher=dataclasses.replace(Config().teacher, checkpoint=str(teacher_dir)))
-
-
-def _losses(workdir):
-    records = [json.loads(line) for line in (Path(workdir) / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in records if "loss" in r}
-
 
 @pytest.mark.parametrize("method", ["kd", "hldc", "patient"])
 def test_methods_run_end_to_end(tmp_path, teacher_dir, method):
     extra = {"patient_pairs": 2} if method == "patient" else {}
-    result = Trainer(_student(method, teacher_dir, **extra), tmp_path,
+    result = Trainer(student_config(method, teacher_dir, **extra), tmp_path,
                      devices=jax.devices()[:1]).run()
     assert result["status"] == "done" and result["steps"] == 6
     record = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-2])
@@ -62,7 +27,7 @@ def test_methods_run_end_to_end(tmp_path, teacher_dir, method):
 
 
 def test_hldf_stage_boundary_is_resumable_bitwise(tmp_path, teacher_dir):
-    cfg = _student("hldf", teacher_dir, steps=10, hldf_stage1_share=0.4)
+    cfg = student_config("hldf", teacher_dir, steps=10, hldf_stage1_share=0.4)
     full = Trainer(cfg, tmp_path / "full", devices=jax.devices()[:1])
     assert [(p.stage.name, p.steps) for p in full.plans] == [("stage1", 4), ("stage2", 6)]
     full.run()
@@ -72,7 +37,7 @@ def test_hldf_stage_boundary_is_resumable_bitwise(tmp_path, teacher_dir):
     with pytest.raises(Interrupted):
         Trainer(cfg, tmp_path / "split", devices=jax.devices()[:1]).run(stop_at_step=7)
     Trainer(cfg, tmp_path / "split", devices=jax.devices()[:1]).run()
-    a, b = _losses(tmp_path / "full"), _losses(tmp_path / "split")
+    a, b = losses(tmp_path / "full"), losses(tmp_path / "split")
     assert sorted(a) == list(range(1, 11)) and a == b
     stages = [json.loads(line).get("stage") for line in
               (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()]
@@ -87,7 +52,7 @@ def test_hldf_stage1_trains_only_the_aligned_prefix(teacher_dir):
     from hldstudy.model import Transformer
     from hldstudy.train.optim import make_optimizer
 
-    cfg = _student("hldf", teacher_dir)
+    cfg = student_config("hldf", teacher_dir)
     strategy = make_strategy(cfg, cfg.model, preset("tiny-teacher", vocab_size=VOCAB))
     stage1 = strategy.stages()[0]
     assert strategy.trainable_student_layers(stage1) == 2  # middle of 4 layers
@@ -105,15 +70,15 @@ def test_hldf_stage1_trains_only_the_aligned_prefix(teacher_dir):
 def test_fused_and_materialized_losses_train_identically(tmp_path, teacher_dir):
     runs = {}
     for impl in ("fused", "materialized"):
-        Trainer(_student("kd", teacher_dir, steps=3, loss_impl=impl), tmp_path / impl,
+        Trainer(student_config("kd", teacher_dir, steps=3, loss_impl=impl), tmp_path / impl,
                 devices=jax.devices()[:1]).run()
-        runs[impl] = _losses(tmp_path / impl)
+        runs[impl] = losses(tmp_path / impl)
     for step in runs["fused"]:
         assert runs["fused"][step] == pytest.approx(runs["materialized"][step], rel=1e-5)
 
 
 def test_vocabulary_mismatch_is_refused(teacher_dir):
-    cfg = _student("kd", teacher_dir)
+    cfg = student_config("kd", teacher_dir)
     with pytest.raises(ConfigError, match="vocabulary"):
         make_strategy(cfg, cfg.model, preset("tiny-teacher", vocab_size=VOCAB * 2))
 
@@ -123,26 +88,26 @@ def test_tokenizer_mismatch_is_refused(tmp_path, teacher_dir):
     from hldstudy.data.tokenizer import train_tokenizer
 
     other = train_tokenizer(generate_documents(300, seed=7)[::-1], VOCAB, tmp_path / "other")
-    cfg = _student("kd", teacher_dir)
+    cfg = student_config("kd", teacher_dir)
     cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=str(other.model_path)))
     with pytest.raises(ConfigError, match="tokenizer"):
         Trainer(cfg, tmp_path / "run", devices=jax.devices()[:1])
 
 
 def test_layer_out_of_range_is_refused(teacher_dir):
-    cfg = _student("hldc", teacher_dir, layer_pairs="2:9")
+    cfg = student_config("hldc", teacher_dir, layer_pairs="2:9")
     with pytest.raises(ConfigError, match="teacher layer 9"):
         make_strategy(cfg, cfg.model, preset("tiny-teacher", vocab_size=VOCAB))
 
 
 def test_hidden_sizes_differ_without_regressor(teacher_dir):
-    cfg = _student("hldc", teacher_dir, regressor=False)
+    cfg = student_config("hldc", teacher_dir, regressor=False)
     with pytest.raises(ConfigError, match="distill.regressor"):
         make_strategy(cfg, cfg.model, preset("tiny-teacher", vocab_size=VOCAB))
 
 
 def test_missing_teacher_is_refused(tmp_path):
-    cfg = _student("kd", tmp_path / "nowhere")
+    cfg = student_config("kd", tmp_path / "nowhere")
     with pytest.raises(ConfigError, match="teacher.checkpoint"):
         Trainer(cfg, tmp_path / "run", devices=jax.devices()[:1])
 
@@ -153,13 +118,13 @@ def test_kd_beats_baseline_at_one_flop_budget(tmp_path):
     reaches a lower validation NLL than the self-supervised baseline."""
     from hldstudy.flops import step_flops
 
-    data = _data(synthetic_docs=3000)
+    data = data_config(synthetic_docs=3000)
     teacher = Config(name="teacher", model=preset("tiny-teacher", vocab_size=VOCAB), data=data,
-                     train=_train(250))
+                     train=train_config(250))
     Trainer(teacher, tmp_path / "teacher", devices=jax.devices()[:1]).run()
     results = {}
     for method in ("baseline", "kd"):
-        cfg = _student(method, tmp_path / "teacher", steps=120)
+        cfg = student_config(method, tmp_path / "teacher", steps=120)
         cfg = dataclasses.replace(cfg, data=data)
         if method == "baseline":
             budget = 120 * step_flops(cfg, method="baseline").total

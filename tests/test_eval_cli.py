@@ -139,17 +139,15 @@ def test_sequence_longer_than_the_model(capsys, tmp_path, run_dir):
 def test_valid_ppl_equals_the_trainers_validation(tmp_path):
     """A trained run's valid_ppl over the trainer's validation batches is its valid_nll."""
     import jax
+    from helpers.runs import VOCAB, data_config, train_config
 
-    from hldstudy.config import Config, DataConfig, TrainConfig
+    from hldstudy.config import Config
     from hldstudy.eval import evaluate
     from hldstudy.model import preset
     from hldstudy.train.loop import Trainer
 
-    cfg = Config(name="t", model=preset("tiny", vocab_size=384),
-                 data=DataConfig(seq_len=64, batch_size=8, tokenizer_vocab_size=384,
-                                 synthetic_docs=300, synthetic_valid_docs=50),
-                 train=TrainConfig(steps=4, warmup_steps=1, log_every=1, checkpoint_every=4,
-                                   eval_batches=2, progress=False))
+    cfg = Config(name="t", model=preset("tiny", vocab_size=VOCAB), data=data_config(),
+                 train=train_config(4, warmup_steps=1))
     Trainer(cfg, tmp_path / "run", devices=jax.devices()[:1]).run()
     want = json.loads((tmp_path / "run" / "results.json").read_text())
     got = evaluate(tmp_path / "run", ["valid_ppl"], limit=16, progress=False)["valid_ppl"]

@@ -24,7 +24,6 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -445,7 +444,6 @@ def test_a_cohort_fails_over_to_the_other_replica():
 # End to end: one replica subprocess, three trainer processes, two methods
 # --------------------------------------------------------------------------- #
 
-VOCAB = 384
 MEMBER_SCRIPT = """
 import sys, jax
 from hldstudy.config import read_config
@@ -458,37 +456,21 @@ except Interrupted:
 """
 
 
-def _configs(root, steps=5, checkpoint_every=4, names=("kd-a", "kd-b", "hldc-c")):
-    """The teacher (trained a few steps) and the three members' colocated configs."""
-    from hldstudy.config import Config, DataConfig, DistillConfig, TrainConfig
-    from hldstudy.model import preset
-    from hldstudy.train.loop import Trainer
-
-    def data(tok=None):
-        return DataConfig(seq_len=64, batch_size=8, tokenizer_vocab_size=VOCAB,
-                          synthetic_docs=600, synthetic_valid_docs=50, tokenizer=tok)
-
-    def train(steps, lr=3e-3):
-        return TrainConfig(steps=steps, lr=lr, warmup_steps=2, log_every=1,
-                           checkpoint_every=checkpoint_every, eval_batches=1, progress=False)
-
-    import jax
-
-    teacher = root / "teacher"
-    Trainer(Config(name="teacher", model=preset("tiny-teacher", vocab_size=VOCAB), data=data(),
-                   train=train(6)), teacher, devices=jax.devices()[:1]).run()
-    tok = str(teacher / "tokenizer.model")
+def _configs(teacher_dir, tokenizer, steps=5, checkpoint_every=4,
+             names=("kd-a", "kd-b", "hldc-c")):
+    """The three members' colocated configs, distilled from the session's tiny teacher."""
+    from helpers.runs import student_config
 
     def student(name, method, lr, **distill):
-        return Config(name=name, model=preset("tiny", vocab_size=VOCAB), data=data(tok),
-                      train=train(steps, lr), distill=DistillConfig(method=method, **distill),
-                      teacher=dataclasses.replace(Config().teacher, checkpoint=str(teacher),
-                                                  timeout_s=120.0))
+        return student_config(method, teacher_dir, name=name, steps=steps, tokenizer=tokenizer,
+                              train={"lr": lr, "checkpoint_every": checkpoint_every,
+                                     "eval_batches": 1},
+                              teacher_fields={"timeout_s": 120.0}, **distill)
 
     every = {"kd-a": student("kd-a", "kd", 3e-3), "kd-b": student("kd-b", "kd", 1e-3),
              "hldc-c": student("hldc-c", "hldc", 3e-3),
              "hldf-d": student("hldf-d", "hldf", 3e-3, hldf_stage1_share=0.4)}
-    return str(teacher), {k: every[k] for k in names}
+    return {k: every[k] for k in names}
 
 
 class CohortReplica:
@@ -534,24 +516,16 @@ def _member(root, name, cfg, address, stop=None):
         stdout=subprocess.DEVNULL, stderr=open(root / f"{name}.log", "a"))
 
 
-def _steps_log(workdir):
-    return [json.loads(x)["step"] for x in
-            (Path(workdir) / "teacher_steps.log").read_text().splitlines()]
-
-
-def _losses(workdir):
-    recs = [json.loads(x) for x in (Path(workdir) / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in recs if "loss" in r}
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_three_trainer_processes_share_one_forward_per_step(tmp_path):
+def test_three_trainer_processes_share_one_forward_per_step(
+        tmp_path, teacher_dir, tokenizer_path):
     import jax
+    from helpers.runs import losses, teacher_steps
 
     from hldstudy.train.loop import Trainer
 
-    teacher, members = _configs(tmp_path)
+    members = _configs(teacher_dir, tokenizer_path)
     # hldc aligns with teacher layer 3: the replica computes final + layer 3 once per step
     replica = CohortReplica(tmp_path, members["kd-a"], "kd-a=final;kd-b=final;hldc-c=final,3",
                             "--window", "3", "--lag-timeout-s", "60")
@@ -572,26 +546,29 @@ def test_three_trainer_processes_share_one_forward_per_step(tmp_path):
     assert stats["forwards"] == 5 and stats["recomputed"] == 0  # 5 steps, not 3 x 5
     assert stats["steps"] == 15
     for name in members:
-        col, rem = _losses(tmp_path / name / "colocated"), _losses(tmp_path / name / "remote")
+        col, rem = losses(tmp_path / name / "colocated"), losses(tmp_path / name / "remote")
         assert sorted(rem) == [1, 2, 3, 4, 5]
         assert rem == col, name  # float32 on CPU: the same bits
-        assert _steps_log(tmp_path / name / "remote") == [0, 1, 2, 3, 4]
-    assert _losses(tmp_path / "kd-a" / "remote") != _losses(tmp_path / "kd-b" / "remote")
-    assert np.isfinite(list(_losses(tmp_path / "hldc-c" / "remote").values())).all()
+        assert teacher_steps(tmp_path / name / "remote") == [0, 1, 2, 3, 4]
+    assert losses(tmp_path / "kd-a" / "remote") != losses(tmp_path / "kd-b" / "remote")
+    assert np.isfinite(list(losses(tmp_path / "hldc-c" / "remote").values())).all()
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_a_member_that_stops_mid_run_rejoins_and_is_recomputed_alone(tmp_path):
+def test_a_member_that_stops_mid_run_rejoins_and_is_recomputed_alone(
+        tmp_path, teacher_dir, tokenizer_path):
     """kd-b stops at step 3 (as on SIGTERM or a crash: its stream ends before its last
     step); kd-a goes on once the lag timeout detaches kd-b; kd-b resumes from its
     checkpoint and the steps kd-a has passed are computed for it alone."""
     import jax
+    from helpers.runs import losses, teacher_steps
 
     from hldstudy.train.loop import Trainer
 
     n = 8
-    teacher, members = _configs(tmp_path, steps=n, checkpoint_every=2, names=("kd-a", "kd-b"))
+    members = _configs(teacher_dir, tokenizer_path, steps=n, checkpoint_every=2,
+                       names=("kd-a", "kd-b"))
     replica = CohortReplica(tmp_path, members["kd-a"], "kd-a=final;kd-b=final",
                             "--window", "2", "--lag-timeout-s", "3")
     procs = []
@@ -617,20 +594,22 @@ def test_a_member_that_stops_mid_run_rejoins_and_is_recomputed_alone(tmp_path):
     assert stats["cohort"]["members"]["kd-b"]["detached"] >= 1
     assert stats["cohort"]["members"]["kd-b"]["recomputed"] == stats["recomputed"]
     for name in members:
-        assert _losses(tmp_path / name / "remote") == _losses(tmp_path / name / "colocated")
-        assert _steps_log(tmp_path / name / "remote") == list(range(n))  # each step once
+        assert losses(tmp_path / name / "remote") == losses(tmp_path / name / "colocated")
+        assert teacher_steps(tmp_path / name / "remote") == list(range(n))  # each step once
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_an_hldf_member_crosses_its_stage_boundary_without_extra_forwards(tmp_path):
+def test_an_hldf_member_crosses_its_stage_boundary_without_extra_forwards(
+        tmp_path, teacher_dir, tokenizer_path):
     """hldf streams layer 3 in stage 1 and the final state in stage 2 (two streams); the
     union is computed once per step, and its layer 3 is the colocated stage 1's, bitwise."""
     import jax
+    from helpers.runs import losses, teacher_steps
 
     from hldstudy.train.loop import Trainer
 
-    teacher, members = _configs(tmp_path, names=("kd-a", "hldf-d"))
+    members = _configs(teacher_dir, tokenizer_path, names=("kd-a", "hldf-d"))
     replica = CohortReplica(tmp_path, members["kd-a"], "kd-a=final;hldf-d=final,3",
                             "--window", "2", "--lag-timeout-s", "60")
     procs = []
@@ -650,5 +629,5 @@ def test_an_hldf_member_crosses_its_stage_boundary_without_extra_forwards(tmp_pa
     assert stats["forwards"] == 5 and stats["recomputed"] == 0
     assert stats["streams"] == 3  # kd-a's, and one per hldf stage
     for name in members:
-        assert _losses(tmp_path / name / "remote") == _losses(tmp_path / name / "colocated")
-        assert _steps_log(tmp_path / name / "remote") == [0, 1, 2, 3, 4]
+        assert losses(tmp_path / name / "remote") == losses(tmp_path / name / "colocated")
+        assert teacher_steps(tmp_path / name / "remote") == [0, 1, 2, 3, 4]

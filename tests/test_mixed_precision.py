@@ -2,17 +2,15 @@
 state, and an optimizer handed bfloat16 parameters (no master copy) is refused."""
 
 import dataclasses
-import json
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from helpers.runs import VOCAB, data_config, losses, train_config
 
-from hldstudy.config import Config, DataConfig, TrainConfig
-from hldstudy.data import prepare_data
+from hldstudy.config import Config, TrainConfig
 from hldstudy.errors import ConfigError
 from hldstudy.model import Transformer, preset
 from hldstudy.train.loop import Trainer
@@ -26,27 +24,13 @@ STEPS = 6
 RTOL = 5e-3
 
 
-@pytest.fixture(scope="module")
-def tokenizer_path(tmp_path_factory):
-    work = tmp_path_factory.mktemp("tok")
-    prepare_data(_cfg().data, work)
-    return str(work / "tokenizer.model")
-
-
 def _cfg(tokenizer=None, **model) -> Config:
-    return Config(
-        name="mp",
-        model=preset("tiny", vocab_size=384, **model),
-        data=DataConfig(seq_len=64, batch_size=8, tokenizer_vocab_size=384, synthetic_docs=600,
-                        synthetic_valid_docs=50, tokenizer=tokenizer),
-        train=TrainConfig(steps=STEPS, lr=3e-3, warmup_steps=2, log_every=1, checkpoint_every=0,
-                          eval_batches=2, progress=False),
-    )
+    return Config(name="mp", model=preset("tiny", vocab_size=VOCAB, **model),
+                  data=data_config(tokenizer), train=train_config(STEPS, checkpoint_every=0))
 
 
-def _losses(workdir: Path) -> list[float]:
-    recs = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
-    return [r["loss"] for r in sorted((r for r in recs if "loss" in r), key=lambda r: r["step"])]
+def _losses(workdir) -> list[float]:
+    return [loss for _, loss in sorted(losses(workdir).items())]
 
 
 def _dtypes(tree) -> set[str]:
@@ -95,7 +79,7 @@ def test_bf16_params_keep_float32_masters_and_track_float32(tmp_path, tokenizer_
 
 
 def test_optimizer_refuses_bf16_params_without_a_master_copy():
-    cfg = dataclasses.replace(preset("tiny", vocab_size=384), param_dtype="bfloat16")
+    cfg = dataclasses.replace(preset("tiny", vocab_size=VOCAB), param_dtype="bfloat16")
     student = Transformer(cfg, rngs=nnx.Rngs(0))
     raw = nnx.split(student, nnx.Param)[1]  # bfloat16, as the model declares them
     assert _dtypes(raw) == {"bfloat16"}

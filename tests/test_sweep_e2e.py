@@ -10,27 +10,12 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers.runs import DATA
 from helpers.sweep_stop import runs_stopped_at
 
-from hldstudy.config import Config, DataConfig, TrainConfig
-from hldstudy.model import preset
 from hldstudy.sweep.__main__ import main as sweep_main
-from hldstudy.train.loop import train
 
 ROOT = Path(__file__).resolve().parent.parent
-DATA = dict(seq_len=64, batch_size=8, tokenizer_vocab_size=384, synthetic_docs=600,
-            synthetic_valid_docs=50)
-
-
-@pytest.fixture(scope="module")
-def teacher_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("teacher") / "teacher"
-    cfg = Config(name="teacher", model=preset("tiny-teacher", vocab_size=384),
-                 data=DataConfig(**DATA),
-                 train=TrainConfig(steps=4, warmup_steps=1, log_every=2, checkpoint_every=0,
-                                   eval_batches=1, progress=False))
-    train(cfg, d)
-    return d
 
 
 def _sweep_file(tmp_path: Path, teacher: Path, *, eval_tasks=("synth_mc",), methods=None,
