@@ -17,16 +17,15 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from helpers.runs import data_config
 
 from hldstudy.config import (
     Config,
-    DataConfig,
     DistillConfig,
     TeacherConfig,
     TrainConfig,
     config_to_dict,
 )
-from hldstudy.data import prepare_data
 from hldstudy.model import preset
 from hldstudy.train.loop import Interrupted, Trainer
 
@@ -56,19 +55,11 @@ except Interrupted:
     sys.exit(143)
 """
 
-@pytest.fixture(scope="module")
-def tokenizer_path(tmp_path_factory):
-    work = tmp_path_factory.mktemp("tok")
-    prepare_data(_cfg().data, work)
-    return str(work / "tokenizer.model")
-
-
 def _cfg(steps=8, tokenizer=None, **distill) -> Config:
     return Config(
         name="mp",
         model=preset("tiny", vocab_size=384),
-        data=DataConfig(seq_len=64, batch_size=8, tokenizer_vocab_size=384, synthetic_docs=600,
-                        synthetic_valid_docs=50, tokenizer=tokenizer),
+        data=data_config(tokenizer),
         train=TrainConfig(steps=steps, lr=3e-3, warmup_steps=2, log_every=1, checkpoint_every=4,
                           eval_batches=2, progress=False, mesh_data=1, mesh_fsdp=2),
         distill=DistillConfig(**distill),

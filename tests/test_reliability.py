@@ -26,8 +26,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers.runs import data_config
 
-from hldstudy.config import Config, ConfigError, DataConfig, TrainConfig, validate
+from hldstudy.config import Config, ConfigError, TrainConfig, validate
 from hldstudy.data import prepare_data
 from hldstudy.errors import (
     EXIT_INPUT,
@@ -47,21 +48,13 @@ FAULTS = ROOT / "tests" / "helpers" / "train_faults.py"
 ONE_DEVICE = jax.devices()[:1]
 
 
-@pytest.fixture(scope="module")
-def tokenizer_path(tmp_path_factory):
-    work = tmp_path_factory.mktemp("tok")
-    prepare_data(_cfg().data, work)
-    return str(work / "tokenizer.model")
-
-
 def _cfg(steps=8, tokenizer=None, **train) -> Config:
     base = dict(steps=steps, lr=3e-3, warmup_steps=2, log_every=1, checkpoint_every=2,
                 keep_checkpoints=3, eval_batches=2, progress=False)
     return Config(
         name="t",
         model=preset("tiny", vocab_size=384),
-        data=DataConfig(seq_len=64, batch_size=8, tokenizer_vocab_size=384, synthetic_docs=600,
-                        synthetic_valid_docs=50, tokenizer=tokenizer),
+        data=data_config(tokenizer),
         train=TrainConfig(**{**base, **train}),
     )
 
