@@ -53,23 +53,26 @@ def _phase(timings: dict, name: str, t0: float) -> None:
 
 def train_teacher(workdir: Path, steps: int, progress: bool, timings: dict) -> dict:
     from hldstudy.data import prepare_data
-    from hldstudy.train.loop import train
+    from hldstudy.rundir import job_owns
+    from hldstudy.train.loop import Trainer
 
     cfg = load_experiment(EXPERIMENTS / "tiny_teacher.py")
     cfg = validate(apply_overrides(cfg, [f"train.steps={steps}",
                                          f"train.progress={str(progress).lower()}"]))
     teacher_dir = workdir / "teacher"
     res_path = teacher_dir / "results.json"
-    t0 = time.time()
-    prepare_data(cfg.data, teacher_dir)  # synthetic corpus + tokenizer (cached in the run dir)
-    _phase(timings, "corpus_tokenizer", t0)
-    t0 = time.time()
-    if res_path.exists():
-        res = json.loads(res_path.read_text())
-        if res.get("status") == "done" and res.get("steps") == steps:
-            _phase(timings, "teacher", t0)
-            return res
-    res = train(cfg, teacher_dir)
+    # The teacher's run directory is owned (run.lock) before its corpus is written there.
+    with job_owns(teacher_dir, "hldstudy quickstart"):
+        t0 = time.time()
+        prepare_data(cfg.data, teacher_dir)  # synthetic corpus + tokenizer (cached there)
+        _phase(timings, "corpus_tokenizer", t0)
+        t0 = time.time()
+        if res_path.exists():
+            res = json.loads(res_path.read_text())
+            if res.get("status") == "done" and res.get("steps") == steps:
+                _phase(timings, "teacher", t0)
+                return res
+        res = Trainer(cfg, teacher_dir).run()
     _phase(timings, "teacher", t0)
     return res
 

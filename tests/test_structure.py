@@ -94,6 +94,7 @@ FUNCTION_LEVEL_IMPORTS = {
     "hldstudy.quickstart -> hldstudy.cli_common": _MOVABLE,
     "hldstudy.quickstart -> hldstudy.data": "front door: each stage loads what it runs",
     "hldstudy.quickstart -> hldstudy.errors": _MOVABLE,
+    "hldstudy.quickstart -> hldstudy.rundir": "front door: each stage loads what it runs",
     "hldstudy.quickstart -> hldstudy.sweep.cohort_exec":
         "front door: each stage loads what it runs (cohort executor)",
     "hldstudy.quickstart -> hldstudy.sweep.executors":
