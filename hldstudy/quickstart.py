@@ -175,7 +175,8 @@ def run_quickstart(workdir: Path, size: str = "small", methods: tuple[str, ...] 
     _phase(timings, "report", t0)
     timings["total"] = round(time.time() - t_start, 1)
 
-    results = collect(workdir, teacher, runs, sweep, timings, out, summary, size)
+    results = collect(workdir, teacher, runs, sweep, timings, out, summary, size,
+                      selection_seed=seeds[0] if len(seeds) > 1 else None)
     (workdir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     (workdir / "results.md").write_text(render(results))
     return results
@@ -237,12 +238,13 @@ def _seed_summary(students: dict, best_id: str) -> dict:
     return {"run_ids": ids, "valid_ppl_mean": mean, "valid_ppl_std": std}
 
 
-def collect(workdir: Path, teacher: dict, runs, sweep, timings, out, summary, size) -> dict:
+def collect(workdir: Path, teacher: dict, runs, sweep, timings, out, summary, size,
+            selection_seed: int | None = None) -> dict:
+    """selection_seed: the seed the grid ran at when best configs were re-run at more seeds
+    (the best run per method is chosen among its runs); None: one seed, every run."""
     students = _read_students(workdir, runs)
-    seeds = sorted({s["params"].get("train.seed", 0) for s in students.values()
-                    if "params" in s})
-    multi_seed = len(seeds) > 1
-    best = best_runs(students, seeds[0] if multi_seed else None)
+    multi_seed = selection_seed is not None
+    best = best_runs(students, selection_seed)
     return {
         "size": size,
         "teacher": {k: teacher.get(k) for k in ("steps", "valid_nll", "valid_ppl", "flops_spent")},
