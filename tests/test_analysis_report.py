@@ -488,7 +488,7 @@ def test_paper_claim2_downstream(paper_budget):
     assert "towards better on `synth_mc/acc`" in hldf
     # best vs best: 0.05 > 1.96 * sqrt(0.01^2 + 0.01^2) = 0.0277
     assert "Best vs best, |Δ| > 1.96 combined stderr: better on `synth_mc/acc`" in hldf
-    assert r.verdict == paper.SAME_DIRECTION  # 4 points cannot separate: said, not agreed
+    assert r.verdict == paper.NO_WINNER_UNRESOLVED  # 4 points cannot separate: not "agrees"
     assert any("cannot reach p < 0.05" in c for c in r.caveats)
 
 
@@ -512,6 +512,8 @@ def test_paper_claim2_winner_or_not():
     r = paper.read_downstream(sweep, pd.DataFrame())
     assert r.verdict == paper.DIFFERS
     assert "`hldf` better than `kd` on every metric" in r.shows[-1]
+    assert paper._combine([paper.AGREES, paper.OPPOSITE_UNRESOLVED]) == paper.MIXED
+    assert paper._combine([paper.SILENT, paper.AGREES]) == paper.AGREES
     assert paper.read_downstream(pd.DataFrame([ppl]), pd.DataFrame()).verdict == paper.SILENT
 
 
@@ -538,7 +540,7 @@ def test_paper_setting_and_section_in_report(tmp_path):
     assert "### Against the paper" in md
     assert md.index("### Against the paper") < md.index("### Best vs best")
     verdicts = [c["verdict"] for c in summary["budgets"][0]["against_paper"]]
-    assert verdicts == [paper.AGREES, paper.SAME_DIRECTION, paper.SAME_DIRECTION]
+    assert verdicts == [paper.AGREES, paper.NO_WINNER_UNRESOLVED, paper.SAME_DIRECTION]
     cfg = Config()
     kd_tokens = int(1e15 // FLOPS_PER_STEP["kd"]) * cfg.data.batch_size * cfg.data.seq_len
     assert f"kd: {kd_tokens:,}" in md

@@ -51,7 +51,9 @@ AGREES = "agrees"
 SAME_DIRECTION = "same direction, not resolved"
 OPPOSITE = "opposite, resolved"
 OPPOSITE_UNRESOLVED = "opposite direction, not resolved"
-DIFFERS = "differs"  # claim 2: a consistent winner; claims 1 and 3: the HLD arms disagree
+DIFFERS = "differs"  # claim 2: an HLD arm wins (or loses) on every downstream metric
+NO_WINNER_UNRESOLVED = "no winner found, not resolved"  # claim 2 when no test could separate
+MIXED = "mixed across the HLD arms"  # the arms' verdicts differ
 SILENT = "cannot speak to it"
 
 # The paper's setting, as DESIGN.md states it; None: not stated there.
@@ -166,10 +168,11 @@ def read_ppl_gain(summary: pd.DataFrame, best: pd.DataFrame, method: str = HLDF,
 
 
 def _combine(verdicts: list[str]) -> str:
-    """One verdict for several arms: theirs when they agree, else DIFFERS (the arms
-    disagree); an arm that cannot speak to the claim is left out unless all cannot."""
+    """One verdict for several arms: theirs when they agree, else MIXED (each arm's line
+    says which way it points); an arm that cannot speak to the claim is left out unless
+    all cannot."""
     spoken = [v for v in verdicts if v != SILENT] or [SILENT]
-    return spoken[0] if len(set(spoken)) == 1 else DIFFERS
+    return spoken[0] if len(set(spoken)) == 1 else MIXED
 
 
 # --------------------------------------------------------------------------- #
@@ -222,7 +225,7 @@ def read_downstream(summary: pd.DataFrame, best: pd.DataFrame,
     else:
         separable = any(_min_sign_p(int(down[down["arm"] == a]["n_points"].min()))
                         * int((down["arm"] == a).sum()) <= alpha for a in arms)
-        verdict = AGREES if separable else SAME_DIRECTION
+        verdict = AGREES if separable else NO_WINNER_UNRESOLVED
     return ClaimReading(claim, shows, verdict, caveats)
 
 
@@ -411,10 +414,11 @@ def setting_rows(s: RunSetting) -> list[tuple[str, str, str]]:
 def against_paper_md(readings: list[ClaimReading], setting: RunSetting | None) -> list[str]:
     """The "Against the paper" section of one budget (markdown lines)."""
     L = ["### Against the paper\n",
-         f"The claims of {PAPER} (as DESIGN.md states them), what this run shows about each, "
-         "and the verdict: `agrees` / `same direction, not resolved` / `opposite direction, "
-         "not resolved` / `opposite, resolved` / `differs` (claim 2: a consistent winner; "
-         "otherwise the HLD arms disagree) / `cannot speak to it`. "
+         f"The claims of {PAPER}, as DESIGN.md states them, what this run shows about each, "
+         f"and a verdict: `{AGREES}` / `{SAME_DIRECTION}` / `{OPPOSITE_UNRESOLVED}` / "
+         f"`{OPPOSITE}`; for claim 2 `{NO_WINNER_UNRESOLVED}` (no test could separate the "
+         f"methods) or `{DIFFERS}` (an HLD arm wins or loses on every metric); `{MIXED}` "
+         f"when the HLD arms point different ways; `{SILENT}`. "
          "Resolved: 95% bootstrap CI excludes 0 (claim 1), Holm-adjusted sign test p < 0.05 "
          "(claim 2), exact rank-correlation p < 0.05 (claim 3).\n"]
     for i, r in enumerate(readings, 1):
