@@ -18,7 +18,9 @@ share, model and corpus size, seeds) is ``RunSetting``, read from the runs'
 config.json files by ``read_setting``. ``against_paper_md`` renders both.
 
 What "resolved" means here: a direction counts as shown when the 95%
-bootstrap CI of the mean delta over the grid points excludes zero (claim 1),
+bootstrap CI of the mean delta over the grid points excludes zero and the
+sign test gives p < 0.05 (claim 1; the CI of a handful of points alone is
+too optimistic),
 when the Holm-adjusted sign test gives p < 0.05 (claim 2), or when the exact
 rank-correlation p < 0.05 (claim 3). With few grid points none of these can
 be reached; the reading then says so instead of reading noise as agreement.
@@ -148,10 +150,11 @@ def read_ppl_gain(summary: pd.DataFrame, best: pd.DataFrame, method: str = HLDF,
             line += (f". Best vs best: {fmt_signed(float(b.iloc[0][PPL_DELTA]))}% "
                      f"({int(b.iloc[0]['n_seeds'])} seed(s))")
         shows.append(line + ".")
-        resolved = bool(np.isfinite(lo) and np.isfinite(hi) and (lo > 0 or hi < 0))
+        resolved = bool(np.isfinite(lo) and np.isfinite(hi) and (lo > 0 or hi < 0)
+                        and r["sign_p"] < ALPHA)
         if mean < 0:
             verdicts.append(AGREES if resolved else SAME_DIRECTION)
-            if resolved and not lo <= PAPER_HLDF_PPL_DELTA_PCT <= hi:
+            if np.isfinite(lo) and not lo <= PAPER_HLDF_PPL_DELTA_PCT <= hi:
                 caveats.append(f"`{arm}`: the size differs: the CI excludes the paper's "
                                f"{PAPER_HLDF_PPL_DELTA_PCT:+.2f}%.")
         else:
@@ -419,7 +422,8 @@ def against_paper_md(readings: list[ClaimReading], setting: RunSetting | None) -
          f"`{OPPOSITE}`; for claim 2 `{NO_WINNER_UNRESOLVED}` (no test could separate the "
          f"methods) or `{DIFFERS}` (an HLD arm wins or loses on every metric); `{MIXED}` "
          f"when the HLD arms point different ways; `{SILENT}`. "
-         "Resolved: 95% bootstrap CI excludes 0 (claim 1), Holm-adjusted sign test p < 0.05 "
+         "Resolved: 95% bootstrap CI excludes 0 and sign test p < 0.05 (claim 1), Holm-adjusted "
+         "sign test p < 0.05 "
          "(claim 2), exact rank-correlation p < 0.05 (claim 3).\n"]
     for i, r in enumerate(readings, 1):
         L.append(f"**{i}. {r.claim}** Verdict: **{r.verdict}**.\n")
