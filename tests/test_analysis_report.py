@@ -572,3 +572,10 @@ def test_best_config_is_chosen_on_the_seeds_every_config_ran(tmp_path):
     assert best["lr"] == pytest.approx(1e-3) and best["n_seeds"] == 3
     assert best["valid_ppl"] == pytest.approx(12.0)
     assert best["valid_ppl_seed_std"] == pytest.approx(2.0)
+
+
+def test_paper_section_without_a_reference_or_hld_arm_cannot_speak(tmp_path):
+    for i, ms in enumerate((("baseline", "hldf"), ("baseline", "kd"))):
+        make_runs_dir(tmp_path / f"r{i}", methods=ms, lrs=(1e-3, 3e-3), temps=(1.0,), seeds=(0,))
+        s = build_report(tmp_path / f"r{i}", tmp_path / f"rep{i}", n_resamples=100)
+        assert [c["verdict"] for c in s["budgets"][0]["against_paper"]] == [paper.SILENT] * 3
