@@ -6,7 +6,7 @@ study's methods x learning rate x temperature) at one FLOP budget ->
 evaluation (validation perplexity, the synthetic HellaSwag- and LAMBADA-style
 tasks) -> the analysis report. Every file it reads ships with the package.
 
-    hldstudy quickstart --workdir runs/quickstart [--size tiny|small|medium|large]
+    hldstudy quickstart --workdir runs/quickstart [--size tiny|small|double|medium|large]
 
 Writes DIR/teacher/ (the teacher run), DIR/runs/<run_id>/ (one run
 directory per grid point, DIR/runs/sweep.json lists them), DIR/report/
@@ -14,6 +14,11 @@ directory per grid point, DIR/runs/sweep.json lists them), DIR/report/
 the teacher's and every student's losses, evaluation scores and the time of
 each phase. Rerunning resumes: finished runs are skipped, interrupted ones
 continue from their checkpoints.
+
+Sizes with more than one seed (`double`; or `--seeds 0,1,2`) run the grid at the
+first seed, pick each method's best config on its validation perplexity, and
+re-run that config with the other seeds: best vs best then has a seed mean and
+a seed standard deviation, and the selection does not see the re-run seeds.
 """
 
 from __future__ import annotations
@@ -40,11 +45,26 @@ SWEEP_FILE = SWEEPS / "cpu.py"
 # 5e-7 relative (bitwise for half the runs). --cohort 1 trains every run alone.
 COHORT = 4
 # size -> teacher steps (the students' budget and eval items are SIZES in the sweep file).
-SIZES = {"tiny": 8, "small": 200, "medium": 800, "large": 3000}
+# "double" keeps small's teacher (200 steps, the same teacher bit for bit) so that only the
+# students' budget (2x) and the seeds change against the default size.
+SIZES = {"tiny": 8, "small": 200, "double": 200, "medium": 800, "large": 3000}
+# size -> seeds of each method's best config (the grid itself runs at the first seed only);
+# sizes not listed run seed 0 alone. Three seeds: the fewest that give a seed std with 2
+# degrees of freedom, at 8 extra runs (2 seeds x 4 methods) instead of 28 for a 3-seed grid.
+SEEDS = {"double": (0, 1, 2)}
+# size -> overrides of every student config, to state a value the size's report depends on.
+# distill.hldf_stage1_share: the share of HLDF's FLOP budget spent in stage 1 (alignment only,
+# no LM head). 0.2 is the config default; DESIGN.md's account of the paper does not give the
+# paper's share, so the project cannot claim to match it. It is kept (not tuned) so that
+# `double` differs from `small` in budget and seeds only; at 0.2, stage 1 is ~35% of HLDF's
+# steps (51 of 147 at `small`, stage-1 steps cost no LM head), and the other 80% of the budget
+# is plain KD. The report's "Against the paper" section states it next to the HLDF results.
+SIZE_OVERRIDES = {"double": ("distill.hldf_stage1_share=0.2",)}
 SIZE_HELP = ("tiny: a smoke test of the whole pipeline in a few minutes (8 teacher steps, "
              "6-step student budget, 8 eval items: the numbers mean nothing); small (default): "
-             "the comparison in miniature; medium, large: longer teacher and student budgets, "
-             "more eval items")
+             "the comparison in miniature (~6 min on 2 quiet cores); double: twice small's "
+             "student budget, 300 eval items, each method's best config re-run with seeds 1 "
+             "and 2 (22 runs); medium, large: longer teacher and student budgets, more eval items")
 
 
 def _phase(timings: dict, name: str, t0: float) -> None:
@@ -79,10 +99,13 @@ def train_teacher(workdir: Path, steps: int, progress: bool, timings: dict) -> d
 
 def run_quickstart(workdir: Path, size: str = "small", methods: tuple[str, ...] | None = None,
                    overrides: tuple[str, ...] = (), progress: bool = True, parallel: int = 1,
-                   force: bool = False, grid: dict | None = None, cohort: int = COHORT) -> dict:
+                   force: bool = False, grid: dict | None = None, cohort: int = COHORT,
+                   seeds: tuple[int, ...] | None = None) -> dict:
     """grid: Sweep fields to replace (e.g. {"lr": (3e-3,)}) - a smaller grid for tests.
     cohort: K > 1 trains compatible runs as cohorts of at most K sharing one teacher
-    forward per step (`python -m hldstudy.sweep --cohort K`); 1: every run alone."""
+    forward per step (`python -m hldstudy.sweep --cohort K`); 1: every run alone.
+    seeds: the grid runs at seeds[0], each method's best config then at every seed
+    (default: the size's SEEDS, else (0,))."""
     from hldstudy.sweep.executors import run_local
     from hldstudy.sweep.launch import prepare_workdir
     from hldstudy.sweep.spec import expand, load_sweep
@@ -92,6 +115,10 @@ def run_quickstart(workdir: Path, size: str = "small", methods: tuple[str, ...] 
     # Every input is checked before the teacher trains (minutes a bad flag must not cost).
     for m in methods or ():
         method_registry.get(m, "--methods")
+    seeds = tuple(seeds) if seeds is not None else SEEDS.get(size, (0,))
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise ConfigError("--seeds", f"need distinct seeds, got {seeds!r}", "e.g. --seeds 0,1,2")
+    overrides = SIZE_OVERRIDES.get(size, ()) + tuple(overrides)
     workdir = Path(workdir)
     check_output_dir(workdir, "--workdir")
     timings: dict[str, float] = {}
@@ -105,21 +132,41 @@ def run_quickstart(workdir: Path, size: str = "small", methods: tuple[str, ...] 
         sweep = dataclasses.replace(sweep, methods=tuple(methods))
     if grid:
         sweep = dataclasses.replace(sweep, **grid)
+    sweep = dataclasses.replace(sweep, seeds=seeds[:1])
     runs = expand(sweep, overrides, check_paths=True)
     runs_dir = workdir / "runs"
     prepare_workdir(sweep, runs, runs, runs_dir, sweep_file=SWEEP_FILE, overrides=overrides,
                     force=force)
-    t0 = time.time()
-    if cohort > 1:
-        from hldstudy.sweep.cohort_exec import run_local_cohorts
 
-        out = run_local_cohorts(runs, sweep, runs_dir, k=cohort, parallel=parallel,
-                                progress=progress)
-    else:
-        out = run_local(runs, sweep, runs_dir, parallel=parallel, progress=progress)
+    def train_eval(todo):
+        if cohort > 1:
+            from hldstudy.sweep.cohort_exec import run_local_cohorts
+
+            return run_local_cohorts(todo, sweep, runs_dir, k=cohort, parallel=parallel,
+                                     progress=progress)
+        return run_local(todo, sweep, runs_dir, parallel=parallel, progress=progress)
+
+    t0 = time.time()
+    out = train_eval(runs)
     _phase(timings, "students_train_eval", t0)
     if out.signum is not None:
         raise SystemExit(out.exit_code)
+    if len(seeds) > 1:
+        # Each method's best grid config (chosen on the first seed alone) at the other seeds.
+        best = best_runs(_read_students(workdir, runs))
+        reruns = seed_reruns(expand(dataclasses.replace(sweep, seeds=seeds), overrides,
+                                    check_paths=True), [r for r in runs if r.run_id in
+                                                        best.values()])
+        runs = runs + reruns
+        prepare_workdir(sweep, runs, reruns, runs_dir, sweep_file=SWEEP_FILE,
+                        overrides=overrides, force=force)
+        t0 = time.time()
+        more = train_eval(reruns)
+        _phase(timings, "best_configs_more_seeds", t0)
+        if more.signum is not None:
+            raise SystemExit(more.exit_code)
+        out = dataclasses.replace(out, failed={**out.failed, **more.failed},
+                                  no_eval=list(out.no_eval) + list(more.no_eval))
 
     t0 = time.time()
     report_dir = workdir / "report"
@@ -133,13 +180,25 @@ def run_quickstart(workdir: Path, size: str = "small", methods: tuple[str, ...] 
     _phase(timings, "report", t0)
     timings["total"] = round(time.time() - t_start, 1)
 
-    results = collect(workdir, teacher, runs, sweep, timings, out, summary, size)
+    results = collect(workdir, teacher, runs, sweep, timings, out, summary, size,
+                      selection_seed=seeds[0] if len(seeds) > 1 else None)
     (workdir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     (workdir / "results.md").write_text(render(results))
     return results
 
 
-def collect(workdir: Path, teacher: dict, runs, sweep, timings, out, summary, size) -> dict:
+def seed_reruns(seeded_runs, best_runs_first_seed) -> list:
+    """The runs of `seeded_runs` (the grid expanded at every seed) that repeat one of
+    `best_runs_first_seed` at another seed: same method, same swept values but the seed."""
+    def point(r):
+        return r.method, tuple(sorted((k, repr(v)) for k, v in r.params.items()
+                                      if k != "train.seed"))
+
+    chosen = {point(r): r.run_id for r in best_runs_first_seed}
+    return [r for r in seeded_runs if point(r) in chosen and r.run_id != chosen[point(r)]]
+
+
+def _read_students(workdir: Path, runs) -> dict:
     students = {}
     for r in runs:
         p = workdir / "runs" / r.run_id / "results.json"
@@ -153,13 +212,44 @@ def collect(workdir: Path, teacher: dict, runs, sweep, timings, out, summary, si
             "valid_nll": res.get("valid_nll"), "valid_ppl": res.get("valid_ppl"),
             "eval": res.get("eval", {}),
             "seconds": {"train": res.get("train_seconds"), "eval": res.get("eval_seconds")}}
-    best = {}
+    return students
+
+
+def best_runs(students: dict, seed: int | None = None) -> dict[str, str]:
+    """method -> run_id of its lowest validation perplexity, among the runs at `seed`
+    (train.seed in params) when given: the selection seed when best configs are re-run."""
+    best: dict[str, str] = {}
     for rid, s in students.items():
         if s.get("valid_ppl") is None:
+            continue
+        if seed is not None and s.get("params", {}).get("train.seed", seed) != seed:
             continue
         m = s["method"]
         if m not in best or s["valid_ppl"] < students[best[m]]["valid_ppl"]:
             best[m] = rid
+    return best
+
+
+def _seed_summary(students: dict, best_id: str) -> dict:
+    """The best config's runs over every seed: ids, mean and sample std of valid ppl."""
+    b = students[best_id]
+    same = {k: v for k, v in b["params"].items() if k != "train.seed"}
+    ids = sorted(rid for rid, s in students.items()
+                 if s["method"] == b["method"] and s.get("valid_ppl") is not None
+                 and {k: v for k, v in s["params"].items() if k != "train.seed"} == same)
+    ppl = [students[i]["valid_ppl"] for i in ids]
+    mean = sum(ppl) / len(ppl)
+    std = math.sqrt(sum((p - mean) ** 2 for p in ppl) / (len(ppl) - 1)) if len(ppl) > 1 else None
+    return {"run_ids": ids, "valid_ppl_mean": mean, "valid_ppl_std": std}
+
+
+def collect(workdir: Path, teacher: dict, runs, sweep, timings, out, summary, size,
+            selection_seed: int | None = None) -> dict:
+    """selection_seed: the seed the grid ran at when best configs were re-run at more seeds
+    (the best run per method is chosen among its runs); None: one seed, every run."""
+    students = _read_students(workdir, runs)
+    multi_seed = selection_seed is not None
+    best = best_runs(students, selection_seed)
     return {
         "size": size,
         "teacher": {k: teacher.get(k) for k in ("steps", "valid_nll", "valid_ppl", "flops_spent")},
@@ -168,7 +258,8 @@ def collect(workdir: Path, teacher: dict, runs, sweep, timings, out, summary, si
         "eval_tasks": list(sweep.eval_tasks), "eval_limit": sweep.eval_limit,
         "students": students,
         "best": {m: {"run_id": rid, **{k: students[rid][k] for k in
-                                         ("valid_nll", "valid_ppl", "eval", "steps")}}
+                                         ("valid_nll", "valid_ppl", "eval", "steps")},
+                     **({"seeds": _seed_summary(students, rid)} if multi_seed else {})}
                  for m, rid in best.items()},
         "failed": out.failed, "not_evaluated": out.no_eval,
         "report": "report/report.md" if summary else None,  # relative to the workdir
@@ -217,6 +308,14 @@ def render(results: dict) -> str:
                      f"{b['valid_ppl']:.3f} | "
                      + " | ".join("-" if v is None or not math.isfinite(v) else f"{v:.3f}"
                                   for v in vals) + " |")
+    seeded = {m: b["seeds"] for m, b in results["best"].items() if b.get("seeds")}
+    if seeded:
+        lines += ["", "The best configs (chosen on the first seed) at every seed:", "",
+                  "| method | seeds | valid ppl mean | seed std |", "|---|---:|---:|---:|"]
+        for m in sorted(seeded, key=_method_rank):
+            s = seeded[m]
+            std = "-" if s["valid_ppl_std"] is None else f"{s['valid_ppl_std']:.3f}"
+            lines.append(f"| {m} | {len(s['run_ids'])} | {s['valid_ppl_mean']:.3f} | {std} |")
     lines += ["", f"All {len(results['students'])} runs: `runs/*/results.json`; the comparison "
               "(point by point, best vs best, statistics): "
               + (f"`{results['report']}` (in the quickstart directory)." if results.get("report")
@@ -248,18 +347,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cohort", type=int, default=COHORT, metavar="K",
                         help="train compatible runs as cohorts of at most K sharing one teacher "
                              f"forward per step (default {COHORT}; 1: every run alone)")
+    parser.add_argument("--seeds", default=None, metavar="S,S,...",
+                        help="run the grid at the first seed, then each method's best config at "
+                             "every seed (default: the size's, "
+                             + ", ".join(f"{k}: {','.join(map(str, v))}" for k, v in SEEDS.items())
+                             + "; others 0)")
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("--debug", action="store_true")
     args = parser.parse_args(argv)
     if args.cohort < 1:
         parser.error(f"--cohort must be >= 1, got {args.cohort}")
+    try:
+        seeds = tuple(int(x) for x in args.seeds.split(",")) if args.seeds else None
+    except ValueError:
+        parser.error(f"--seeds must be comma-separated integers, got {args.seeds!r}")
     quiet_libraries()
     methods = tuple(m.strip() for m in args.methods.split(",") if m.strip()) \
         if args.methods else None
     with user_errors(args.debug, prog="hldstudy quickstart"):
         results = run_quickstart(Path(args.workdir), args.size, methods, tuple(args.overrides),
                                  progress=not args.no_progress, parallel=args.parallel,
-                                 force=args.force, cohort=args.cohort)
+                                 force=args.force, cohort=args.cohort, seeds=seeds)
         print(render(results))
         print(f"written: {Path(args.workdir) / 'results.json'}, "
               f"{Path(args.workdir) / 'report' / 'report.md'} ({results['seconds']['total']} s)")

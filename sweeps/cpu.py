@@ -21,7 +21,10 @@ from hldstudy.sweep import Sweep
 EXPERIMENTS = Path(__file__).resolve().parent.parent / "experiments"
 
 # size -> (student budget in baseline steps, eval items per task); "tiny": a smoke test.
-SIZES = {"tiny": (6, 8), "small": (120, 200), "medium": (400, 500), "large": (1500, 1000)}
+# "double": twice small's budget, more eval items (hldstudy/quickstart.py re-runs its best configs
+# with 3 seeds).
+SIZES = {"tiny": (6, 8), "small": (120, 200), "double": (240, 300), "medium": (400, 500),
+         "large": (1500, 1000)}
 
 
 def get_sweep(size: str = "small", teacher: str = "runs/quickstart/teacher") -> Sweep:

@@ -8,6 +8,7 @@ import math
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import pytest
 
 from hldstudy.analysis import runs as runs_mod
@@ -409,3 +410,172 @@ def test_teacher_run_next_to_students_is_left_out(tmp_path):
     summary = build_report(root, tmp_path / "o", n_resamples=100)
     assert summary["runs"]["teacher"] == "teacher of the students (left out)"
     assert "baseline" not in summary["budgets"][0]["arms"]
+
+
+# --------------------------------------------------------------------------- #
+# Against the paper (hldstudy.analysis.paper), on hand-computed cases
+# --------------------------------------------------------------------------- #
+
+from hldstudy.analysis import paper, tables  # noqa: E402
+
+# KD's perplexity at four shared points, HLDF's relative change there (%): the gain grows
+# where KD is weak (rank correlation -1), HLDC is 1% worse everywhere.
+POINTS = [(1e-3, 1.0), (1e-3, 2.0), (3e-3, 1.0), (3e-3, 2.0)]
+KD_PPL = [10.0, 20.0, 40.0, 80.0]
+HLDF_PCT = [-1.0, -2.0, -3.0, -4.0]
+
+
+def _exact_run(root, method, lr, temp, seed, ppl, acc):
+    return write_run(root, method, lr, temp, 0.5, seed, extra_results={
+        "valid_ppl": ppl, "valid_nll": math.log(ppl),
+        "eval": {"synth_mc": {"acc": acc, "acc_stderr": 0.01}}})
+
+
+def _paper_runs(root, hldf_acc_delta=0.05):
+    for (lr, temp), kd, pct in zip(POINTS, KD_PPL, HLDF_PCT, strict=True):
+        _exact_run(root, "kd", lr, temp, 0, kd, 0.30)
+        _exact_run(root, "hldf", lr, temp, 0, kd * (1 + pct / 100), 0.30 + hldf_acc_delta)
+        _exact_run(root, "hldc", lr, temp, 0, kd * 1.01, 0.30)
+
+
+@pytest.fixture(scope="module")
+def paper_budget(tmp_path_factory):
+    root = tmp_path_factory.mktemp("paper_runs")
+    _paper_runs(root)
+    df = load_runs(root)
+    kept, _ = tables.dedupe(tables.finished(df))
+    pairs, _ = tables.point_table(kept)
+    summary = tables.grid_summary(pairs, n_resamples=2000)
+    best = tables.best_table(kept)
+    return root, kept, pairs, summary, best
+
+
+def test_paper_claim1_hldf_gain_read_with_its_statistics(paper_budget):
+    _, _, _, summary, best = paper_budget
+    r = paper.read_ppl_gain(summary, best)
+    # mean of -1, -2, -3, -4 = -2.5%, better at all 4 points, sign p = 2/2^4
+    # every resample mean is < 0 (the CI excludes 0), but 4 points cannot give p < 0.05
+    assert r.verdict == paper.SAME_DIRECTION
+    assert "95% CI [-3.50, -1.50]" in r.shows[0]  # 2.5% and 97.5% quantiles of 2000 means
+    assert "mean Δppl -2.50%" in r.shows[0]
+    assert "better at 4, worse at 0, tied at 0; sign-test p 0.125" in r.shows[0]
+    # best vs best: HLDF's best (9.9 at lr 1e-3, T 1) vs KD's best (10): -1%
+    assert "Best vs best: -1.0" in r.shows[0] and "% (1 seed(s))" in r.shows[0]
+    # resample means lie in [-4, -1]: the paper's -0.26% is outside, and n=4 caps the p
+    assert any("the size differs" in c for c in r.caveats)
+    assert any("cannot go below p = 0.125" in c for c in r.caveats)
+    assert not any("not systematic" in c for c in r.caveats)
+
+
+def test_paper_claim1_opposite_and_silent():
+    # 8 points, 1 better / 7 worse: sign p = 2 * 9/256 = 0.0703 -> not resolved
+    summary = pd.DataFrame([{"arm": "hldf", "metric": paper.PPL_METRIC, "n_points": 8,
+                             "mean_delta": 1.5, "ci_lo": 0.5, "ci_hi": 2.5, "n_better": 1,
+                             "n_worse": 7, "n_tie": 0, "sign_p": 0.0703, "seed_std": 2.0}])
+    r = paper.read_ppl_gain(summary, pd.DataFrame())
+    assert r.verdict == paper.OPPOSITE_UNRESOLVED
+    assert any("not systematic" in c for c in r.caveats)
+    assert any("below the seed noise" in c for c in r.caveats)  # |1.5| < 2.0
+    # 0 better / 8 worse: sign p = 2/256 and the CI excludes 0 -> resolved
+    resolved = summary.assign(n_better=0, n_worse=8, sign_p=2 / 256)
+    assert paper.read_ppl_gain(resolved, pd.DataFrame()).verdict == paper.OPPOSITE
+    gain = resolved.assign(mean_delta=-0.3, ci_lo=-0.4, ci_hi=-0.2, n_better=8, n_worse=0,
+                           seed_std=0.1)
+    r = paper.read_ppl_gain(gain, pd.DataFrame())
+    assert r.verdict == paper.AGREES and not r.caveats  # -0.26 in [-0.4, -0.2]
+    only_hldc = summary.assign(arm="hldc")
+    assert paper.read_ppl_gain(only_hldc, pd.DataFrame()).verdict == paper.SILENT
+
+
+def test_paper_claim2_downstream(paper_budget):
+    _, _, _, summary, best = paper_budget
+    r = paper.read_downstream(summary, best)
+    hldf = next(s for s in r.shows if s.startswith("`hldf`"))
+    # +0.05 at all 4 points: CI [0.05, 0.05] excludes 0, but sign p = 0.125 (Holm, 1 metric)
+    assert "better at Holm p < 0.05 on none" in hldf
+    assert "towards better on `synth_mc/acc`" in hldf
+    # best vs best: 0.05 > 1.96 * sqrt(0.01^2 + 0.01^2) = 0.0277
+    assert "Best vs best, |Δ| > 1.96 combined stderr: better on `synth_mc/acc`" in hldf
+    assert r.verdict == paper.NO_WINNER_UNRESOLVED  # 4 points cannot separate: not "agrees"
+    assert any("cannot reach p < 0.05" in c for c in r.caveats)
+
+
+def _down_row(arm, metric, better, n_better, n_worse, holm_p, n=7):
+    return {"arm": arm, "metric": metric, "better": better, "n_points": n,
+            "mean_delta": 0.0, "ci_lo": -1.0, "ci_hi": 1.0, "n_better": n_better,
+            "n_worse": n_worse, "n_tie": n - n_better - n_worse, "sign_p": holm_p,
+            "sign_p_holm": holm_p, "wilcoxon_p": holm_p, "seed_std": math.nan}
+
+
+def test_paper_claim2_winner_or_not():
+    ppl = {**_down_row("hldf", paper.PPL_METRIC, "lower", 7, 0, 0.0156), "n_better": 7}
+    # 7 points: sign p 2/128 = 0.0156, Holm x2 = 0.031 < 0.05 on both metrics
+    mixed = pd.DataFrame([ppl, _down_row("hldf", "a/acc", "higher", 7, 0, 0.031),
+                          _down_row("hldf", "b/acc", "higher", 0, 7, 0.031)])
+    r = paper.read_downstream(mixed, pd.DataFrame())
+    assert r.verdict == paper.AGREES and not r.caveats
+    assert "better at Holm p < 0.05 on `a/acc`, worse on `b/acc`" in r.shows[0]
+    sweep = pd.DataFrame([ppl, _down_row("hldf", "a/acc", "higher", 7, 0, 0.031),
+                          _down_row("hldf", "b/perplexity", "lower", 7, 0, 0.031)])
+    r = paper.read_downstream(sweep, pd.DataFrame())
+    assert r.verdict == paper.DIFFERS
+    assert "`hldf` better than `kd` on every metric" in r.shows[-1]
+    assert paper._combine([paper.AGREES, paper.OPPOSITE_UNRESOLVED]) == paper.MIXED
+    assert paper._combine([paper.SILENT, paper.AGREES]) == paper.AGREES
+    assert paper.read_downstream(pd.DataFrame([ppl]), pd.DataFrame()).verdict == paper.SILENT
+
+
+def test_paper_claim3_gains_where_kd_is_weak(paper_budget):
+    _, _, pairs, _, _ = paper_budget
+    r = paper.read_kd_weak(pairs)
+    hldf = next(s for s in r.shows if s.startswith("`hldf`"))
+    # KD ppl 10 < 20 < 40 < 80 against Δ -1 > -2 > -3 > -4: ρ = -1, exact p = 2/4! = 0.0833
+    assert "Spearman ρ(kd ppl, Δppl%) = -1.00, exact p 0.0833" in hldf
+    # KD's median ppl is 30: Δ -3.5% at the two weaker points, -1.5% at the others
+    assert "mean Δppl -3.50% where kd is weaker than its median (ppl > 30)" in hldf
+    assert "-1.50% elsewhere" in hldf
+    # HLDC's Δ is +1% everywhere: no rank correlation, left out of the verdict
+    assert any(s.startswith("`hldc`") and "no rank correlation" in s for s in r.shows)
+    assert r.verdict == paper.SAME_DIRECTION
+    assert any("cannot go below 0.0833" in c for c in r.caveats)
+
+
+def test_paper_setting_and_section_in_report(tmp_path):
+    root = tmp_path / "runs"
+    _paper_runs(root)
+    summary = build_report(root, tmp_path / "rep", n_resamples=500)
+    md = (tmp_path / "rep" / "report.md").read_text()
+    assert "### Against the paper" in md
+    assert md.index("### Against the paper") < md.index("### Best vs best")
+    verdicts = [c["verdict"] for c in summary["budgets"][0]["against_paper"]]
+    assert verdicts == [paper.SAME_DIRECTION, paper.NO_WINNER_UNRESOLVED, paper.SAME_DIRECTION]
+    cfg = Config()
+    kd_tokens = int(1e15 // FLOPS_PER_STEP["kd"]) * cfg.data.batch_size * cfg.data.seq_len
+    assert f"kd: {kd_tokens:,}" in md
+    assert "| HLDF stage-1 share of the budget | not stated in DESIGN.md" in md
+    assert "| 0.2 |" in md
+    assert "| teacher |" in md and "not readable here" in md  # /ckpt/teacher does not exist
+    assert "up to 1 per grid point; best configs: kd: 1, hldc: 1, hldf: 1" in md
+    assert "One seed per grid point" in md
+
+
+def test_best_config_is_chosen_on_the_seeds_every_config_ran(tmp_path):
+    # kd: two configs at seed 0 (10 vs 11); the first re-run at seeds 1, 2 (12, 14): its
+    # 3-seed mean (12) is worse than the other's single seed, yet it stays the choice.
+    root = tmp_path / "runs"
+    for seed, ppl in ((0, 10.0), (1, 12.0), (2, 14.0)):
+        _exact_run(root, "kd", 1e-3, 1.0, seed, ppl, 0.3)
+    _exact_run(root, "kd", 3e-3, 1.0, 0, 11.0, 0.3)
+    kept, _ = tables.dedupe(tables.finished(load_runs(root)))
+    assert tables.selection_seeds(kept) == [0]
+    best = tables.best_table(kept).iloc[0]
+    assert best["lr"] == pytest.approx(1e-3) and best["n_seeds"] == 3
+    assert best["valid_ppl"] == pytest.approx(12.0)
+    assert best["valid_ppl_seed_std"] == pytest.approx(2.0)
+
+
+def test_paper_section_without_a_reference_or_hld_arm_cannot_speak(tmp_path):
+    for i, ms in enumerate((("baseline", "hldf"), ("baseline", "kd"))):
+        make_runs_dir(tmp_path / f"r{i}", methods=ms, lrs=(1e-3, 3e-3), temps=(1.0,), seeds=(0,))
+        s = build_report(tmp_path / f"r{i}", tmp_path / f"rep{i}", n_resamples=100)
+        assert [c["verdict"] for c in s["budgets"][0]["against_paper"]] == [paper.SILENT] * 3

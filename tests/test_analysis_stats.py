@@ -277,3 +277,43 @@ def test_flops_table():
     per, arms, max_dev = tables.flops_table(df)
     assert per["rel_dev_pct"].iloc[0] == pytest.approx(-1.0)
     assert max_dev == pytest.approx(1.0)
+
+
+# --------------------------------------------------------------------------- #
+# rank correlation (Spearman, exact permutation p for small n)
+# --------------------------------------------------------------------------- #
+
+
+def test_rank_correlation_hand_computed():
+    from hldstudy.analysis.stats import rank_correlation
+
+    # perfectly reversed: rho = -1; of the 4! = 24 orderings only the two monotone
+    # ones reach |rho| = 1, so p = 2/24
+    r = rank_correlation([10, 20, 40, 80], [-1, -2, -3, -4])
+    assert r.rho == pytest.approx(-1.0) and r.p_value == pytest.approx(2 / 24) and r.exact
+    # one adjacent swap: rho = 1 - 6 * 2 / (4 * 15) = 0.8; |rho| >= 0.8 for the identity,
+    # the 3 adjacent swaps and their 4 reversals: p = 8/24
+    r = rank_correlation([1, 2, 3, 4], [1, 3, 2, 4])
+    assert r.rho == pytest.approx(0.8) and r.p_value == pytest.approx(8 / 24)
+    # ties get average ranks: y ranks (1.5, 1.5, 3) -> rho = corr((1,2,3), (1.5,1.5,3))
+    r = rank_correlation([1, 2, 3], [5, 5, 7])
+    assert r.rho == pytest.approx(0.8660254, rel=1e-6)
+
+
+def test_rank_correlation_degenerate_and_large_n():
+    from scipy import stats as scipy_stats
+
+    from hldstudy.analysis.stats import rank_correlation
+
+    assert math.isnan(rank_correlation([1, 2], [2, 1]).rho)          # n < 3
+    assert math.isnan(rank_correlation([1, 2, 3], [4, 4, 4]).p_value)  # constant
+    r = rank_correlation([1, 2, float("nan"), 4, 5], [2, 1, 9, 4, 3])  # NaN pair dropped
+    assert r.n == 4
+    x = np.arange(12.0)
+    y = x + 4 * np.sin(3 * x)
+    r = rank_correlation(x, y)
+    ref = scipy_stats.spearmanr(x, y)
+    assert not r.exact and r.rho == pytest.approx(ref.statistic)
+    assert r.p_value == pytest.approx(ref.pvalue)
+    with pytest.raises(ValueError, match="differ in length"):
+        rank_correlation([1, 2, 3], [1, 2])

@@ -1,10 +1,19 @@
 """The quickstart: the whole pipeline at a tiny size (slow) and its summary rendering."""
 
+import dataclasses
 import json
 
 import pytest
 
-from hldstudy.quickstart import SWEEP_FILE, render, run_quickstart
+from hldstudy.quickstart import (
+    SEEDS,
+    SIZES,
+    SWEEP_FILE,
+    best_runs,
+    render,
+    run_quickstart,
+    seed_reruns,
+)
 from hldstudy.sweep import expand, load_sweep
 
 
@@ -30,6 +39,39 @@ def test_render_lists_the_best_run_of_every_method():
     assert "| kd | kd_x | 5 | 1.5000 | 4.480 | 0.500 |" in md
     assert md.index("| kd |") < md.index("| hldf |") < md.index("| baseline |")
     assert "synth_mc acc" in md and "r/report.md" in md
+
+
+def test_double_size_twice_small_budget_three_seeds(tmp_path):
+    small = expand(load_sweep(SWEEP_FILE, size="small", teacher=str(tmp_path / "t")))
+    double = expand(load_sweep(SWEEP_FILE, size="double", teacher=str(tmp_path / "t")))
+    assert double[0].config.budget.flops == pytest.approx(2 * small[0].config.budget.flops)
+    assert SIZES["double"] == SIZES["small"]  # the same teacher: only budget and seeds change
+    assert SEEDS["double"] == (0, 1, 2)
+
+
+def test_best_config_of_each_method_rerun_at_the_other_seeds(tmp_path):
+    sweep = load_sweep(SWEEP_FILE, size="tiny", teacher=str(tmp_path / "t"))
+    grid = expand(sweep)
+    ppl = {r.run_id: 3.0 + i / 10 for i, r in enumerate(grid)}
+    students = {r.run_id: {"method": r.method, "params": r.params, "valid_ppl": ppl[r.run_id]}
+                for r in grid}
+    best = best_runs(students, seed=0)
+    assert set(best) == {"baseline", "kd", "hldf", "hldc"}
+    for m, rid in best.items():  # the lowest perplexity of the method
+        assert ppl[rid] == min(ppl[r.run_id] for r in grid if r.method == m)
+    seeded = expand(dataclasses.replace(sweep, seeds=(0, 1, 2)))
+    reruns = seed_reruns(seeded, [r for r in grid if r.run_id in best.values()])
+    assert len(reruns) == 2 * 4
+    chosen = {r.run_id: r for r in grid if r.run_id in best.values()}
+    for r in reruns:
+        assert r.params["train.seed"] in (1, 2)
+        twin = chosen[best[r.method]]
+        assert {k: v for k, v in r.params.items() if k != "train.seed"} == \
+            {k: v for k, v in twin.params.items() if k != "train.seed"}
+    # a seed-1 run with a lower perplexity does not change the choice made at seed 0
+    students[reruns[0].run_id] = {"method": reruns[0].method, "params": reruns[0].params,
+                                  "valid_ppl": 0.5}
+    assert best_runs(students, seed=0) == best
 
 
 @pytest.mark.slow

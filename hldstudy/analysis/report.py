@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from hldstudy.analysis import plots, stats, tables
+from hldstudy.analysis import paper, plots, stats, tables
 from hldstudy.analysis.runs import load_runs
 from hldstudy.analysis.tables import PPL_DELTA, fmt_num, fmt_p, fmt_signed, md_table, pm
 from hldstudy.distill import methods
@@ -89,6 +89,10 @@ class _Budget:
         self.flops_runs, self.flops_arms, self.max_dev = tables.flops_table(self.kept)
         self.count_teacher = sorted(set(bool(x) for x in self.kept["count_teacher"]))
         self.figures: dict[str, str] = {}
+        self.paper = [paper.read_ppl_gain(self.summary, self.best, reference=reference),
+                      paper.read_downstream(self.summary, self.best, reference=reference),
+                      paper.read_kd_weak(self.pairs, reference=reference)]
+        self.setting: paper.RunSetting | None = None
 
 
 def build_report(runs_dir: str | Path, out_dir: str | Path, *, allow_mixed_budgets: bool = False,
@@ -128,6 +132,11 @@ def build_report(runs_dir: str | Path, out_dir: str | Path, *, allow_mixed_budge
         if len(over):
             warnings.append(f"[{label}] {len(over)} run(s) spent more FLOPs than the budget: "
                             + ", ".join(over["run_id"].astype(str).head(5)))
+        try:
+            b.setting = paper.read_setting(runs_dir, b.kept, b.best, b.pairs, reference)
+        except (OSError, ValueError) as e:  # the comparison stands without the setting table
+            warnings.append(f"[{label}] the setting of the runs could not be read for the "
+                            f"comparison with the paper: {type(e).__name__}: {e}")
         budgets.append(b)
         _write_tables(b, out)
         _write_figures(b, out)
@@ -224,8 +233,9 @@ def _summary(df, budgets: list[_Budget], accounting, warnings, *, runs_dir, n_re
         "n_runs": int(len(df)),
         "status_counts": {str(k): int(v) for k, v in df["status"].value_counts().items()},
         "grid_cols": list(df.attrs.get("grid_cols", [])),
-        "selection": "best config per arm = lowest seed-mean validation perplexity; ties broken "
-                     "by grid columns ascending",
+        "selection": "best config per arm = lowest seed-mean validation perplexity over the "
+                     "seeds every config of the arm ran; ties broken by grid columns ascending; "
+                     "reported values average every seed of the chosen config",
         "statistics": {
             "pairing": "same grid point and seed, same FLOP budget",
             "unit": "grid point (per-seed deltas averaged first)",
@@ -260,6 +270,8 @@ def _summary(df, budgets: list[_Budget], accounting, warnings, *, runs_dir, n_re
                             "n_tie", "sign_p", "sign_p_holm", "wilcoxon_p", "seed_std")}
                         for _, row in s.iterrows()}
             sv = b.seeds[(b.seeds["arm"] == arm) & (b.seeds["metric"] == "valid_ppl")]
+            a["selection_seeds"] = (br.iloc[0]["selection_seeds"].split(",")
+                                    if len(br) and br.iloc[0]["selection_seeds"] else [])
             if len(sv):
                 a["valid_ppl_seed_std"] = sv.iloc[0]["pooled_std"]
             arms[arm] = a
@@ -274,6 +286,8 @@ def _summary(df, budgets: list[_Budget], accounting, warnings, *, runs_dir, n_re
             "max_abs_flops_dev_pct": b.max_dev,
             "arms": arms,
             "figures": b.figures,
+            "against_paper": [{"claim": r.claim, "verdict": r.verdict, "shows": r.shows,
+                               "caveats": r.caveats} for r in b.paper],
         })
     return out
 
@@ -311,9 +325,11 @@ def _markdown(df, budgets: list[_Budget], accounting, warnings, summary) -> str:
     L.append("- Arms: a method plus any method-specific knob that varies within it "
              "(e.g. `hldc[hw=0.5]` for the hidden-alignment weight).")
     L.append("- **Config selection** (best-vs-best): for each arm the config with the lowest "
-             "*seed-mean validation perplexity*; ties broken by the grid values ascending. "
-             "Downstream scores never enter the choice. The reported perplexity is the one "
-             "used to select (optimistic alike for every arm).")
+             "*seed-mean validation perplexity* over the seeds every config of the arm ran; "
+             "ties broken by the grid values ascending. Downstream scores never enter the "
+             "choice. The reported values average every seed of the chosen config; on the "
+             "selection seeds they are the ones used to select (optimistic alike for every "
+             "arm), seeds re-run only at the chosen config are not.")
     st = summary["statistics"]
     L.append(f"- **Across the grid**: per-seed deltas of a grid point are averaged, then the "
              f"grid points are the paired units: {st['ci']} (CI of the *mean delta over this "
@@ -330,6 +346,7 @@ def _markdown(df, budgets: list[_Budget], accounting, warnings, summary) -> str:
 
     for b in budgets:
         L.append(f"## Budget: {b.label}\n")
+        L += paper.against_paper_md(b.paper, b.setting)
         L += _budget_md(b, ref)
 
     L.append("## Run accounting\n")

@@ -26,6 +26,8 @@ What each test answers:
   the noise floor a systematic delta has to beat.
 - ``select_best``: best config per method on validation perplexity, seed-mean
   first, ties broken deterministically.
+- ``rank_correlation``: Spearman's rho between two per-point quantities (e.g. the
+  reference's perplexity and the delta), with an exact permutation p for small n.
 """
 
 from __future__ import annotations
@@ -50,6 +52,8 @@ __all__ = [
     "seed_variance",
     "select_best",
     "lower_is_better",
+    "RankCorrelation",
+    "rank_correlation",
 ]
 
 
@@ -287,6 +291,67 @@ def select_best(df, score: str = "valid_ppl", config_cols: Sequence[str] = (),
         col = sub[c]
         mask &= (col.isna().to_numpy() if _isnan(v) else (col == v).to_numpy())
     return key, sub[mask]
+
+
+@dataclass(frozen=True)
+class RankCorrelation:
+    """Spearman's rho of n finite pairs and its two-sided p-value.
+
+    ``exact``: p counts the permutations of y whose |rho| is at least the
+    observed one (all n! of them, n <= ``EXACT_MAX_N``); otherwise scipy's
+    t-approximation. rho and p are NaN for n < 3 or a constant input.
+    """
+
+    rho: float
+    p_value: float
+    n: int
+    exact: bool
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+EXACT_MAX_N = 8  # 8! = 40320 permutations
+
+
+def _ranks(x: np.ndarray) -> np.ndarray:
+    return _st.rankdata(x)  # average ranks for ties
+
+
+def _pearson(a: np.ndarray, b: np.ndarray) -> float:
+    a, b = a - a.mean(), b - b.mean()
+    return float((a * b).sum() / math.sqrt((a * a).sum() * (b * b).sum()))
+
+
+def rank_correlation(x: Iterable[float], y: Iterable[float]) -> RankCorrelation:
+    """Spearman's rho of paired ``x``, ``y`` (pairs with a non-finite value dropped).
+
+    rho is the Pearson correlation of the (average) ranks. For n <= EXACT_MAX_N
+    the two-sided p is exact under H0 "every pairing of the ranks is equally
+    likely": the share of the n! permutations of y's ranks whose |rho| >= the
+    observed |rho| (so the smallest p is 2/n! without ties: 1/3 at n = 3,
+    1/12 at n = 4). Above, scipy's t-approximation.
+    """
+    a, b = _as_1d(x), _as_1d(y)
+    if a.shape != b.shape:
+        raise ValueError(f"paired arrays differ in length: {a.shape[0]} vs {b.shape[0]}")
+    ok = np.isfinite(a) & np.isfinite(b)
+    a, b = a[ok], b[ok]
+    n = int(a.size)
+    if n < 3 or np.all(a == a[0]) or np.all(b == b[0]):
+        return RankCorrelation(math.nan, math.nan, n, n <= EXACT_MAX_N)
+    ra, rb = _ranks(a), _ranks(b)
+    rho = _pearson(ra, rb)
+    if n > EXACT_MAX_N:
+        return RankCorrelation(rho, float(_st.spearmanr(a, b).pvalue), n, False)
+    import itertools
+
+    hits = total = 0
+    for perm in itertools.permutations(rb):
+        total += 1
+        # the 1e-12 keeps permutations equal to the observed |rho| despite rounding
+        hits += abs(_pearson(ra, np.asarray(perm))) >= abs(rho) - 1e-12
+    return RankCorrelation(rho, hits / total, n, True)
 
 
 def _isnan(v) -> bool:

@@ -198,6 +198,10 @@ def grid_summary(pairs: pd.DataFrame, *, n_resamples: int = 10_000, level: float
     return out
 
 
+def _isnan_value(v) -> bool:
+    return v is None or (isinstance(v, (float, np.floating)) and math.isnan(v))
+
+
 def _keystr_frame(df: pd.DataFrame, cols: Sequence[str]) -> pd.Series:
     if not cols:
         return pd.Series(["all"] * len(df), index=df.index)
@@ -230,8 +234,21 @@ def seed_table(df: pd.DataFrame) -> pd.DataFrame:
 # --------------------------------------------------------------------------- #
 
 
+def selection_seeds(arm_df: pd.DataFrame) -> list:
+    """The seeds every config of one arm was run with: the best config is chosen on these
+    alone, so that seeds re-run only at a chosen config (the quickstart's `double` size)
+    neither pick the config nor compete with configs run once. Empty: no common seed."""
+    gcols = grid_cols(arm_df)
+    if arm_df.empty:
+        return []
+    per_config = arm_df.groupby(_keystr_frame(arm_df, gcols))["seed"].apply(set)
+    return sorted(set.intersection(*per_config))
+
+
 def best_table(df: pd.DataFrame, reference: str = methods.REFERENCE) -> pd.DataFrame:
-    """Each arm at its best config, chosen on validation perplexity (seed-mean, lowest).
+    """Each arm at its best config, chosen on validation perplexity (seed-mean, lowest)
+    over the arm's ``selection_seeds`` (every seed when no seed is common to all configs);
+    the reported values average every seed of the winning config.
 
     Ties are broken by the grid columns ascending (``stats.select_best``).
     Downstream columns per metric: ``<m>`` (seed-mean), ``<m>_stderr`` (the
@@ -247,9 +264,15 @@ def best_table(df: pd.DataFrame, reference: str = methods.REFERENCE) -> pd.DataF
     rows = []
     for arm in sorted(df["arm"].dropna().unique()):
         sub = df[df["arm"] == arm]
-        key, rows_best = stats.select_best(sub, "valid_ppl", gcols)
+        sel_seeds = selection_seeds(sub)
+        pick = sub[sub["seed"].isin(sel_seeds)] if sel_seeds else sub
+        key, _ = stats.select_best(pick, "valid_ppl", gcols)
+        rows_best = sub[np.logical_and.reduce(
+            [(sub[c].isna() if _isnan_value(v) else sub[c] == v) for c, v in key.items()]
+            + [np.ones(len(sub), dtype=bool)])]
         r = {"arm": arm, "method": sub["method"].iloc[0], **key,
              "n_seeds": int(len(rows_best)),
+             "selection_seeds": ",".join(str(x) for x in sel_seeds),
              "run_ids": ",".join(sorted(rows_best["run_id"].astype(str))),
              "n_configs": int(_keystr_frame(sub, gcols).nunique()),
              "valid_ppl": float(rows_best["valid_ppl"].mean()),
