@@ -38,7 +38,9 @@ import pandas as pd
 
 from hldstudy.analysis import stats
 from hldstudy.analysis.tables import PPL_DELTA, fmt_num, fmt_p, fmt_signed
+from hldstudy.config import Config, config_from_dict
 from hldstudy.distill import methods
+from hldstudy.shapes import count_params
 
 PAPER = "Guigon, Dixon, Sander (arXiv 2605.11513, 2026)"
 # Claim 1: HLDF's mean relative perplexity change vs KD over the shared configs, in %
@@ -323,9 +325,6 @@ def setting_from_configs(configs: dict[str, dict], kept: pd.DataFrame, best: pd.
     """The RunSetting of one budget's finished runs. `configs`: run_id -> its config.json;
     `kept`: the finished runs (``tables.dedupe``); `teacher_config`: the teacher run's
     config.json, None when it cannot be read."""
-    from hldstudy.config import Config, config_from_dict
-    from hldstudy.shapes import count_params
-
     cfgs = {rid: config_from_dict(c, Config) for rid, c in configs.items()}
     any_cfg = next(iter(cfgs.values()))
     student_params = sorted({count_params(c.model)["total"] for c in cfgs.values()})
