@@ -8,9 +8,7 @@ them (in the reference venv, /work/venv-ref, or this interpreter when it has tor
 
 from __future__ import annotations
 
-import dataclasses
 import os
-import shutil
 import subprocess
 import sys
 import textwrap
