@@ -100,7 +100,7 @@ def test_fused_expert_tensors_load_like_per_expert_ones(tmp_path):
             gate = [t.pop(f"{p}{j}.gate_proj.weight") for j in range(4)]
             up = [t.pop(f"{p}{j}.up_proj.weight") for j in range(4)]
             down = [t.pop(f"{p}{j}.down_proj.weight") for j in range(4)]
-            t[p + "gate_up_proj"] = np.stack([np.concatenate([g, u]) for g, u in zip(gate, up, strict=False)])
+            t[p + "gate_up_proj"] = np.stack([np.concatenate([g, u]) for g, u in zip(gate, up, strict=True)])
             t[p + "down_proj"] = np.stack(down)
     _edit_tensors(path, fuse)
     fused, _ = load_pretrained(path)

@@ -39,7 +39,7 @@ def _randomize(module, seed: int) -> None:
     state = nnx.state(module, nnx.Param)
     leaves, treedef = jax.tree_util.tree_flatten(state)
     keys = jax.random.split(jax.random.key(seed), len(leaves))
-    leaves = [x + 0.3 * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys, strict=False)]
+    leaves = [x + 0.3 * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys, strict=True)]
     nnx.update(module, jax.tree_util.tree_unflatten(treedef, leaves))
 
 
@@ -120,7 +120,7 @@ def test_moe_routes_top_k_dropless_and_deterministically():
     want = np.zeros_like(xm)
     for t in range(xm.shape[0]):
         w = probs[t, top[t]] / probs[t, top[t]].sum()
-        for e, we in zip(top[t], w, strict=False):
+        for e, we in zip(top[t], w, strict=True):
             want[t] += we * (silu(xm[t] @ p["gate"][e]) * (xm[t] @ p["up"][e])) @ p["down"][e]
     shared = (silu(xm @ p["shared_gate"]) * (xm @ p["shared_up"])) @ p["shared_down"]
     want += shared / (1 + np.exp(-(xm @ p["shared_expert_gate"])))
