@@ -253,6 +253,11 @@ ATTENTIONS = ("dense", "chunked", "cudnn", "auto")
 LOSS_IMPLS = ("fused", "materialized")
 FUSED_BACKENDS = ("auto", "xla", "pallas")
 WANDB_MODES = ("offline", "online", "disabled")
+FAMILIES = ("gemma3", "qwen3_5")
+# Layer types each family can build, and its default pattern (repeated over n_layers).
+LAYER_TYPES = {"gemma3": ("attention",), "qwen3_5": ("full_attention", "linear_attention")}
+DEFAULT_LAYER_TYPES = {"gemma3": ("attention",),
+                       "qwen3_5": ("linear_attention",) * 3 + ("full_attention",)}
 # Shared domains: a count of at least one, a count that may be zero, a positive float.
 COUNT = Domain(">= 1")
 NONNEG = Domain(">= 0")
@@ -304,6 +309,33 @@ class ModelConfig:
     attention: str = knob("dense", domain=ATTENTIONS)
     # Recompute each block in the backward pass (saves activation memory).
     remat: bool = knob(False, analysis="ignore")
+    # --- Family and block stack (hldstudy/model/families.py owns what these mean) ---
+    # gemma3: pre+post norms, GeGLU, sqrt(d)-scaled embedding. qwen3_5: pre-norm blocks,
+    # SwiGLU (or MoE), unscaled embedding, gated full attention and Gated DeltaNet layers.
+    family: str = knob("gemma3", domain=FAMILIES)
+    # Comma-separated layer types repeated cyclically over n_layers ("" = the family's
+    # default): attention (gemma3); full_attention, linear_attention (qwen3_5).
+    layer_types: str = ""
+    tie_embeddings: bool = True
+    # Share of each attention head's dims that is rotated (Qwen3.5: 0.25).
+    rotary_fraction: float = knob(1.0, domain="(0, 1]")
+    # Gated DeltaNet (linear_attention layers): heads, head dims, conv kernel, and the
+    # chunk length of the parallel (training) form -- any chunk gives the same result.
+    linear_k_heads: int = knob(0, domain=NONNEG)
+    linear_v_heads: int = knob(0, domain=NONNEG)
+    linear_k_head_dim: int = knob(0, domain=NONNEG)
+    linear_v_head_dim: int = knob(0, domain=NONNEG)
+    linear_conv_kernel: int = knob(4, domain=COUNT)
+    deltanet_chunk: int = knob(64, domain=COUNT)
+    # Mixture of experts in every block (0 experts = dense MLP of width d_ff): routed experts
+    # of width d_expert, top experts_per_token (weights renormalised over the chosen), one
+    # sigmoid-gated shared expert of width d_shared_expert (0 = none).
+    n_experts: int = knob(0, domain=NONNEG)
+    experts_per_token: int = knob(0, domain=NONNEG)
+    d_expert: int = knob(0, domain=NONNEG)
+    d_shared_expert: int = knob(0, domain=NONNEG)
+    # Weight of the router's load-balancing loss in a student's objective (0 = off).
+    router_aux_weight: float = knob(0.0, domain=NONNEG)
 
     def is_global_layer(self, i: int) -> bool:
         """0-based layer index i: True where attention sees the whole causal context."""
@@ -314,6 +346,13 @@ class ModelConfig:
 
     def rope_base(self, i: int) -> float:
         return self.rope_base_global if self.is_global_layer(i) else self.rope_base_local
+
+    def layer_type(self, i: int) -> str:
+        """0-based layer i's type: `layer_types` repeated cyclically ("" = every layer
+        "attention" for gemma3, three linear_attention then one full_attention for qwen3_5)."""
+        types = [t.strip() for t in self.layer_types.split(",") if t.strip()] or \
+            list(DEFAULT_LAYER_TYPES[self.family])
+        return types[i % len(types)]
 
 
 @dataclass(frozen=True)
@@ -501,6 +540,38 @@ def validate_model(m: ModelConfig, prefix: str = "model") -> None:
         raise ConfigError(f"{prefix}.d_model",
                           f"d_model={m.d_model} is not divisible by n_heads={m.n_heads}",
                           "pick d_model as a multiple of n_heads")
+    validate_model_family(m, prefix)
+
+
+def validate_model_family(m: ModelConfig, prefix: str = "model") -> None:
+    """The family fields: layer types the family builds, DeltaNet and MoE shapes."""
+    types = {m.layer_type(i) for i in range(m.n_layers)}
+    unknown = sorted(types - set(LAYER_TYPES[m.family]))
+    if unknown:
+        raise ConfigError(f"{prefix}.layer_types", f"{unknown[0]!r} is not a {m.family} layer type",
+                          f"choose from {', '.join(LAYER_TYPES[m.family])}")
+    if m.family == "gemma3":
+        for name in ("n_experts", "linear_k_heads"):
+            if getattr(m, name):
+                raise ConfigError(f"{prefix}.{name}", f"gemma3 blocks have no {name}",
+                                  "set model.family=qwen3_5")
+    rotary = int(m.head_dim * m.rotary_fraction)
+    if rotary < 2 or rotary % 2:
+        raise ConfigError(f"{prefix}.rotary_fraction", f"head_dim * rotary_fraction = {rotary} "
+                          "is not an even number >= 2", "rotate an even number of dims")
+    if "linear_attention" in types:
+        for name in ("linear_k_heads", "linear_v_heads", "linear_k_head_dim", "linear_v_head_dim"):
+            if getattr(m, name) < 1:
+                raise ConfigError(f"{prefix}.{name}", "must be >= 1 for linear_attention layers")
+        if m.linear_v_heads % m.linear_k_heads:
+            raise ConfigError(f"{prefix}.linear_v_heads", f"{m.linear_v_heads} is not a multiple "
+                              f"of linear_k_heads={m.linear_k_heads}")
+    if m.n_experts:
+        if not 1 <= m.experts_per_token <= m.n_experts:
+            raise ConfigError(f"{prefix}.experts_per_token", f"must be in 1..n_experts="
+                              f"{m.n_experts}, got {m.experts_per_token}")
+        if m.d_expert < 1:
+            raise ConfigError(f"{prefix}.d_expert", "must be >= 1 with n_experts > 0")
 
 
 def validate(cfg: Config, *, check_paths: bool = True, need_teacher: bool = True) -> Config:

@@ -6,7 +6,9 @@ FLOP accounting (`hldstudy.flops`) and the memory/network planner
 everywhere. `ModelShape` is a dense Gemma-style decoder (`from_model_config`)
 or, for the planner, a mixture-of-experts one (routed and shared experts,
 untied head); a dense shape's counts equal the model's own (tested against
-`Transformer`'s parameters).
+`Transformer`'s parameters). A Qwen3.5 shape (`family="qwen3_5"`) has gated full
+attention (q and its output gate, QK-norm), `linear_layers` Gated DeltaNet layers, pre-norm
+blocks only, and a sigmoid-gated shared expert of its own width `d_shared_expert`.
 """
 
 from __future__ import annotations
@@ -43,9 +45,30 @@ class ModelShape:
     sliding_window: int | None = None
     global_every: int = 1
     qk_norm: bool = True
+    family: str = "gemma3"
+    linear_layers: int = 0  # Gated DeltaNet layers (qwen3_5); the rest are full attention
+    linear_k_heads: int = 0
+    linear_v_heads: int = 0
+    linear_k_head_dim: int = 0
+    linear_v_head_dim: int = 0
+    linear_conv_kernel: int = 4
+    d_shared_expert: int = 0  # width of a sigmoid-gated shared expert (qwen3_5)
 
     @classmethod
     def from_model_config(cls, m: ModelConfig, name: str = "model") -> ModelShape:
+        if m.family == "qwen3_5":
+            return cls(name=name, vocab_size=m.vocab_size, d_model=m.d_model,
+                       n_layers=m.n_layers, n_heads=m.n_heads, n_kv_heads=m.n_kv_heads,
+                       head_dim=m.head_dim, d_ff=0 if m.n_experts else m.d_ff,
+                       tied_head=m.tie_embeddings, n_experts=m.n_experts,
+                       experts_per_token=m.experts_per_token, d_expert=m.d_expert,
+                       qk_norm=True, family="qwen3_5",
+                       linear_layers=sum(m.layer_type(i) == "linear_attention"
+                                         for i in range(m.n_layers)),
+                       linear_k_heads=m.linear_k_heads, linear_v_heads=m.linear_v_heads,
+                       linear_k_head_dim=m.linear_k_head_dim,
+                       linear_v_head_dim=m.linear_v_head_dim,
+                       linear_conv_kernel=m.linear_conv_kernel, d_shared_expert=m.d_shared_expert)
         return cls(name=name, vocab_size=m.vocab_size, d_model=m.d_model, n_layers=m.n_layers,
                    n_heads=m.n_heads, n_kv_heads=m.n_kv_heads, head_dim=m.head_dim,
                    d_ff=m.d_ff, tied_head=True, sliding_window=m.sliding_window,
@@ -60,8 +83,32 @@ class ModelShape:
 
     @property
     def attn_params(self) -> int:
+        """q, k, v, o (and, gated attention, the output gate's projection)."""
         d, n, k, h = self.d_model, self.n_heads, self.n_kv_heads, self.head_dim
-        return 2 * d * n * h + 2 * d * k * h
+        gate = d * n * h if self.family == "qwen3_5" else 0
+        return 2 * d * n * h + 2 * d * k * h + gate
+
+    @property
+    def linear_conv_dim(self) -> int:
+        return 2 * self.linear_k_heads * self.linear_k_head_dim + \
+            self.linear_v_heads * self.linear_v_head_dim
+
+    @property
+    def linear_matmul_params(self) -> int:
+        """Gated DeltaNet projections: in_qkv, in_z, in_b, in_a, out."""
+        d, hv, dv = self.d_model, self.linear_v_heads, self.linear_v_head_dim
+        return d * self.linear_conv_dim + 2 * d * hv * dv + 2 * d * hv
+
+    @property
+    def linear_other_params(self) -> int:
+        """Gated DeltaNet's conv taps, A_log, dt_bias and gated-norm weight."""
+        return self.linear_conv_dim * self.linear_conv_kernel + 2 * self.linear_v_heads + \
+            self.linear_v_head_dim
+
+    @property
+    def shared_params(self) -> int:
+        """The sigmoid-gated shared expert (qwen3_5): SwiGLU of d_shared_expert + its gate."""
+        return 3 * self.d_model * self.d_shared_expert + (self.d_model if self.d_shared_expert else 0)
 
     @property
     def ffn_width_active(self) -> int:
@@ -88,12 +135,27 @@ class ModelShape:
         """Parameters of the LM head matrix (the embedding itself when tied)."""
         return self.vocab_size * self.d_model
 
+    def _qwen_layers_params(self, active: bool) -> int:
+        """All blocks of a qwen3_5 shape (pre-norm: 2 norms per block)."""
+        d, h = self.d_model, self.head_dim
+        experts = self.experts_per_token if active else self.n_experts
+        ffn = 3 * d * self.d_ff + 3 * d * self.d_expert * experts + self.shared_params + \
+            d * self.n_experts
+        full = self.attn_params + 2 * h
+        linear = self.linear_matmul_params + self.linear_other_params
+        n_full = self.n_layers - self.linear_layers
+        return self.n_layers * (ffn + 2 * d) + n_full * full + self.linear_layers * linear
+
     def total_params(self) -> int:
         extra_head = 0 if self.tied_head else self.head_params
+        if self.family == "qwen3_5":
+            return self._qwen_layers_params(False) + self.d_model + self.embedding_params + extra_head
         return self.n_layers * self.layer_params() + self.d_model + self.embedding_params + extra_head
 
     def active_params(self) -> int:
         extra_head = 0 if self.tied_head else self.head_params
+        if self.family == "qwen3_5":
+            return self._qwen_layers_params(True) + self.d_model + self.embedding_params + extra_head
         per_layer = self.layer_params() - 3 * self.d_model * self.d_expert * (
             self.n_experts - self.experts_per_token)
         return self.n_layers * per_layer + self.d_model + self.embedding_params + extra_head
@@ -110,7 +172,7 @@ class ModelShape:
 def count_params(cfg: ModelConfig) -> dict[str, int]:
     """Total and non-embedding parameter counts from the config (closed form).
 
-    The tied head is counted once (in the embedding).
+    The tied head is counted once (in the embedding); an untied head is non-embedding.
     """
     shape = ModelShape.from_model_config(cfg)
     embedding = shape.embedding_params

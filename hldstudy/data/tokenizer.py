@@ -1,4 +1,4 @@
-"""SentencePiece tokenizer: training and a thin wrapper.
+"""Tokenizers: SentencePiece (training and a thin wrapper) and Hugging Face `tokenizer.json`.
 
 `train_tokenizer` trains a unigram (default) or BPE model with byte fallback
 and fixed special ids — pad=0, eos=1, bos=2, unk=3 (the Gemma layout) — with
@@ -6,6 +6,10 @@ one thread and no input shuffling, so the same texts give the same model
 bytes. `Tokenizer` wraps any `sentencepiece.SentencePieceProcessor` (a model
 file, serialized model-proto bytes, or a processor built elsewhere, e.g. from
 GGUF metadata). `encode` never adds BOS/EOS; packing adds them.
+
+`JsonTokenizer` wraps a Hugging Face `tokenizer.json` (Qwen3.5, Llama 3, ...) read by the
+`tokenizers` library, with the same interface; `Tokenizer.load` picks it for a `.json`
+path, so the data pipeline, the teacher check and evaluation use either kind alike.
 """
 
 from __future__ import annotations
@@ -31,8 +35,11 @@ class Tokenizer:
         self.model_path = None if model_path is None else Path(model_path)
 
     @classmethod
-    def load(cls, path: str | Path) -> Tokenizer:
+    def load(cls, path: str | Path) -> Tokenizer | JsonTokenizer:
+        """A SentencePiece model file, or a Hugging Face tokenizer.json (`JsonTokenizer`)."""
         path = Path(path)
+        if path.suffix == ".json":
+            return JsonTokenizer.load(path)
         if not path.is_file():
             raise InputError(f"data.tokenizer: SentencePiece model {path} does not exist")
         sp = spm.SentencePieceProcessor()
@@ -98,6 +105,105 @@ class Tokenizer:
 
     def __repr__(self) -> str:
         return f"Tokenizer(vocab_size={self.vocab_size}, model_path={self.model_path})"
+
+
+# Special tokens looked up, in order, when tokenizer_config.json does not name them.
+_EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>")
+_BOS_CANDIDATES = ("<s>", "<bos>", "<|begin_of_text|>")
+_PAD_CANDIDATES = ("<pad>", "<|pad|>")
+
+
+class JsonTokenizer:
+    """A Hugging Face `tokenizer.json` behind `Tokenizer`'s interface.
+
+    Special ids come from a `tokenizer_config.json` beside the file (`eos_token`,
+    `bos_token`, `pad_token`), else from the usual token spellings; -1 when absent
+    (SentencePiece's convention; pad falls back to 0, as it is always masked).
+    """
+
+    def __init__(self, tokenizer, model_path: Path, specials: dict[str, str | None]):
+        self.hf = tokenizer
+        self.model_path = model_path
+        self._json = model_path.read_bytes()
+        self._ids = {}
+        for role, candidates in (("eos", _EOS_CANDIDATES), ("bos", _BOS_CANDIDATES),
+                                 ("pad", _PAD_CANDIDATES)):
+            names = [specials[role]] if specials.get(role) else list(candidates)
+            ids = [tokenizer.token_to_id(n) for n in names]
+            self._ids[role] = next((i for i in ids if i is not None), -1)
+
+    @classmethod
+    def load(cls, path: str | Path) -> JsonTokenizer:
+        import json
+
+        try:
+            from tokenizers import Tokenizer as HFTokenizer
+        except ImportError:
+            raise InputError(f"data.tokenizer: {path} needs the `tokenizers` package "
+                             "(pip install tokenizers)") from None
+        path = Path(path)
+        if not path.is_file():
+            raise InputError(f"data.tokenizer: tokenizer file {path} does not exist")
+        try:
+            tok = HFTokenizer.from_file(str(path))
+        except Exception as e:  # noqa: BLE001 - tokenizers raises a bare Exception on bad JSON
+            raise InputError(f"data.tokenizer: {path} is not a Hugging Face tokenizer.json "
+                             f"({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+        specials: dict[str, str | None] = {}
+        side = path.parent / "tokenizer_config.json"
+        if side.is_file():
+            try:
+                raw = json.loads(side.read_text())
+            except ValueError as e:
+                raise InputError(f"{side}: invalid JSON ({e})") from None
+            for role in ("eos", "bos", "pad"):
+                value = raw.get(f"{role}_token")
+                specials[role] = value.get("content") if isinstance(value, dict) else value
+        return cls(tok, path, specials)
+
+    def serialized(self) -> bytes:
+        return self._json
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.hf.get_vocab_size(with_added_tokens=True))
+
+    @property
+    def pad_id(self) -> int:
+        return self._ids["pad"] if self._ids["pad"] >= 0 else 0
+
+    @property
+    def eos_id(self) -> int:
+        return self._ids["eos"]
+
+    @property
+    def bos_id(self) -> int:
+        return self._ids["bos"]
+
+    @property
+    def unk_id(self) -> int:
+        return -1
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.hf.encode(text, add_special_tokens=False).ids)
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [list(e.ids) for e in self.hf.encode_batch(list(texts), add_special_tokens=False)]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self.hf.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def id_to_piece(self, i: int) -> str:
+        return self.hf.id_to_token(int(i))
+
+    def fingerprint(self) -> str:
+        """Hash of the tokenizer.json bytes (cache keys, teacher/student agreement)."""
+        import hashlib
+
+        return hashlib.sha256(self._json).hexdigest()[:16]
+
+    def __repr__(self) -> str:
+        return f"JsonTokenizer(vocab_size={self.vocab_size}, model_path={self.model_path})"
 
 
 def _set_prefix(proto: bytes, prefix: str) -> bytes:

@@ -153,7 +153,16 @@ class Strategy:
 
     def loss(self, stage: Stage, student, aux, batch: Batch,
              teacher: TeacherOutputs | None) -> tuple[jax.Array, dict]:
-        """Scalar loss and a dict of scalar metrics for one batch."""
+        """Scalar loss and a dict of scalar metrics for one batch; an MoE student adds its
+        router's load-balancing loss x model.router_aux_weight (metric `router_aux`)."""
+        loss, metrics, out = self._loss(stage, student, aux, batch, teacher)
+        weight = student.cfg.router_aux_weight
+        if out.router_aux_loss is None or not weight:
+            return loss, metrics
+        return loss + weight * out.router_aux_loss, {**metrics, "router_aux": out.router_aux_loss}
+
+    def _loss(self, stage: Stage, student, aux, batch: Batch, teacher: TeacherOutputs | None):
+        """(loss, metrics, the student's ModelOutput) of the method's own terms."""
         spec = stage.spec
         kwargs = {}
         if spec.aligns:
@@ -171,14 +180,14 @@ class Strategy:
             terms["kd"], kd_metrics = self.kd_loss(student, out.final_hidden, batch, teacher)
             metrics.update(kd_metrics)
         if not spec.aligns:
-            return terms.get("kd", terms.get("nll")), metrics
+            return terms.get("kd", terms.get("nll")), metrics, out
         nmse = self.alignment(out.hidden, aux, batch, teacher)
         metrics["nmse"] = nmse
         if not terms:  # alignment alone (HLDF stage 1): its weight would only rescale it
-            return nmse, metrics
+            return nmse, metrics, out
         name, main = next(iter(terms.items()))
         metrics[name] = main
-        return main + self.cfg.distill.hidden_weight * nmse, metrics
+        return main + self.cfg.distill.hidden_weight * nmse, metrics, out
 
 
 def strategy_class(spec: methods.MethodSpec) -> type[Strategy]:

@@ -1,4 +1,4 @@
-"""Gemma-style decoder (Flax NNX), presets and checkpoint import."""
+"""The decoder (Flax NNX) of every family -- Gemma 3 and Qwen3.5 dense / MoE -- presets and checkpoint import."""
 
 from hldstudy.model.presets import PRESETS, preset
 from hldstudy.model.transformer import ModelOutput, Transformer, count_module_params, count_params

@@ -1,4 +1,5 @@
-"""Real-checkpoint import: Gemma 3 from GGUF (llama.cpp) or Hugging Face safetensors.
+"""Real-checkpoint import: Gemma 3 from GGUF (llama.cpp) or Hugging Face safetensors, and
+Qwen3.5 dense / MoE from Hugging Face safetensors (mapping: hldstudy.model.hf_qwen).
 
 Both formats store projections as `[out, in]` matrices (GGUF's reversed
 dimension order makes its numpy view `[out, in]` too), so both are first
@@ -43,6 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -59,8 +61,9 @@ from safetensors import SafetensorError
 from safetensors.numpy import load_file, save_file
 
 from hldstudy.config import ModelConfig
-from hldstudy.data.tokenizer import Tokenizer
+from hldstudy.data.tokenizer import JsonTokenizer, Tokenizer
 from hldstudy.errors import ConfigError, InputError
+from hldstudy.model import hf_qwen
 from hldstudy.model.gguf_tokenizer import sp_proto_from_gguf, tokenizer_from_proto
 from hldstudy.model.transformer import Transformer
 
@@ -75,7 +78,9 @@ __all__ = [
 ]
 
 _SHAPE_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
-                 "d_ff", "qk_norm")
+                 "d_ff", "qk_norm", "family", "layer_types", "tie_embeddings", "linear_k_heads",
+                 "linear_v_heads", "linear_k_head_dim", "linear_v_head_dim", "linear_conv_kernel",
+                 "n_experts", "d_expert", "d_shared_expert")
 
 # hldstudy block sub-tree <- HF layer prefix (norm weights, HF convention).
 _BLOCK_NORMS = {
@@ -409,7 +414,12 @@ def _read_safetensors(path: Path) -> dict[str, np.ndarray]:
 _HF_PREFIXES = ("model.language_model.", "language_model.model.", "model.")
 
 
+log = logging.getLogger("hldstudy.model")
+
+
 def _hf_config(raw: dict, source: str) -> ModelConfig:
+    if hf_qwen.is_qwen(raw):
+        return hf_qwen.qwen_config(raw, source)
     if raw.get("model_type") == "gemma3" and "text_config" in raw:
         raw = raw["text_config"]  # multimodal Gemma 3: only the text decoder is used
     mtype = raw.get("model_type")
@@ -482,11 +492,12 @@ def _hf_files(path: Path) -> list[Path]:
 
 
 def load_hf(path: str | Path, **overrides) -> tuple[ModelConfig, nnx.State, Any]:
-    """Reads a Hugging Face Gemma 3 directory (config.json + *.safetensors).
+    """Reads a Hugging Face Gemma 3 or Qwen3.5 directory (config.json + *.safetensors,
+    one file or an index of shards; float32 or bfloat16).
 
     Returns (config, `nnx.split(model, nnx.Param)` state, tokenizer or None); the
-    tokenizer (hldstudy `Tokenizer`) comes from `tokenizer.model` (SentencePiece) when
-    the directory has one.
+    tokenizer comes from `tokenizer.model` (SentencePiece) or `tokenizer.json`
+    (`JsonTokenizer`) when the directory has one.
     """
     path = Path(path)
     raw = _read_hf_config(path)
@@ -502,19 +513,47 @@ def load_hf(path: str | Path, **overrides) -> tuple[ModelConfig, nnx.State, Any]
                     name = "model." + name[len(prefix):]
                     break
             tensors[name] = arr
+    if cfg.family == "qwen3_5":
+        state = _qwen_state(cfg, tensors, path)
+    else:
+        state = _gemma_state(cfg, tensors, path)
+    return cfg, state, _hf_tokenizer(path)
+
+
+def _hf_tokenizer(path: Path):
+    """tokenizer.model (SentencePiece) or tokenizer.json (Hugging Face tokenizers), or None."""
+    if (path / "tokenizer.model").is_file():
+        return Tokenizer.load(path / "tokenizer.model")
+    if (path / "tokenizer.json").is_file():
+        return JsonTokenizer.load(path / "tokenizer.json")
+    return None
+
+
+def _qwen_state(cfg: ModelConfig, tensors: dict[str, np.ndarray], path: Path) -> nnx.State:
+    mtp = sorted(k for k in tensors if k.startswith("mtp."))
+    if mtp:
+        log.warning("%s: skipping %d multi-token-prediction tensors (mtp.*): hldstudy runs the "
+                    "next-token head only", path, len(mtp))
+    tensors = {k: v for k, v in tensors.items() if not hf_qwen.skipped(k)}
+    fused = any(k.endswith("mlp.experts.gate_up_proj") for k in tensors)
+    extra = sorted(set(tensors) - set(hf_qwen.expected_shapes(cfg, fused)))
+    if extra:
+        raise InputError(f"{path}: unexpected tensor {extra[0]!r} ({len(extra)} in all) for the "
+                         f"{cfg.n_layers}-layer Qwen3.5 model its config.json describes")
+    pdt = np.dtype(jnp.dtype(cfg.param_dtype))
+    pure = hf_qwen.hf_to_pure(cfg, tensors.get, str(path), fused)
+    return _to_state(cfg, jax.tree_util.tree_map(
+        lambda x: np.ascontiguousarray(x).astype(pdt, copy=False), pure))
+
+
+def _gemma_state(cfg: ModelConfig, tensors: dict[str, np.ndarray], path: Path) -> nnx.State:
     known = set(_expected_hf_shapes(cfg)) | {"lm_head.weight"}
     extra = sorted(k for k in tensors if k not in known and not k.endswith("rotary_emb.inv_freq")
                    and "vision_tower" not in k and "multi_modal_projector" not in k)
     if extra:
         raise InputError(f"{path}: unexpected tensors {extra[:5]} for a {cfg.n_layers}-layer "
                          f"Gemma 3 text model")
-    state = _to_state(cfg, _hf_to_pure(cfg, tensors.get, str(path)))
-
-    tokenizer = None
-    sp_file = path / "tokenizer.model"
-    if sp_file.is_file():
-        tokenizer = Tokenizer.load(sp_file)
-    return cfg, state, tokenizer
+    return _to_state(cfg, _hf_to_pure(cfg, tensors.get, str(path)))
 
 
 def _int_if_integral(x: float) -> int | float:
@@ -529,6 +568,8 @@ def export_hf(model, path: str | Path, *, tokenizer=None, dtype: str = "float32"
     anything with `serialized_model_proto()` / `.sp`; written as tokenizer.model.
     """
     cfg: ModelConfig = model.cfg
+    if cfg.family == "qwen3_5":
+        return _export_qwen(model, Path(path), tokenizer=tokenizer, dtype=dtype)
     if not cfg.qk_norm:
         raise ConfigError("model.qk_norm", "Gemma 3 (HF) always has QK-norm",
                           "export a model with qk_norm=true")
@@ -571,6 +612,28 @@ def export_hf(model, path: str | Path, *, tokenizer=None, dtype: str = "float32"
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     np_dtype = np.dtype(jnp.dtype(dtype))
     weights = {k: v.astype(np_dtype) for k, v in _pure_to_hf(model).items()}
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    return path
+
+
+def _export_qwen(model, path: Path, *, tokenizer, dtype: str) -> Path:
+    """A Qwen3.5 model as `Qwen3_5ForCausalLM` / `Qwen3_5MoeForCausalLM` (per-expert
+    tensors, as transformers saves them); a JsonTokenizer is written as tokenizer.json."""
+    cfg: ModelConfig = model.cfg
+    path.mkdir(parents=True, exist_ok=True)
+    config = hf_qwen.export_config(cfg, dtype)
+    if tokenizer is not None:
+        if not isinstance(tokenizer, JsonTokenizer):
+            raise ConfigError("tokenizer", "a Qwen3.5 export writes tokenizer.json; this "
+                              "tokenizer is SentencePiece", "export without a tokenizer")
+        (path / "tokenizer.json").write_bytes(tokenizer.serialized())
+        for key, tid in (("eos_token_id", tokenizer.eos_id), ("bos_token_id", tokenizer.bos_id)):
+            if tid >= 0:
+                config[key] = tid
+    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    np_dtype = np.dtype(jnp.dtype(dtype))
+    pure = nnx.state(model, nnx.Param).to_pure_dict()
+    weights = {k: v.astype(np_dtype) for k, v in hf_qwen.pure_to_hf(cfg, pure).items()}
     save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
     return path
 

@@ -1,7 +1,8 @@
 """Named model shapes.
 
 Real Gemma 3 shapes (`gemma3-*`), the paper's layouts with a configurable
-vocabulary (`paper-*`, default 32768), and tiny CPU shapes. Presets are
+vocabulary (`paper-*`, default 32768), Qwen3.5 dense and MoE (`qwen3.5-*`: the
+disaggregated experiment's 9B student and 35B-A3B teacher), and tiny CPU shapes. Presets are
 `ModelConfig` values; override any field with `dataclasses.replace` or
 `--set model.field=value`.
 """
@@ -36,6 +37,33 @@ PRESETS: dict[str, ModelConfig] = {
                                 n_kv_heads=2, head_dim=32, d_ff=384, max_seq_len=512,
                                 sliding_window=32, global_every=3, qk_norm=True),
 }
+
+# Qwen3.5 (family qwen3_5): three Gated DeltaNet layers then one gated full-attention
+# layer, head_dim 256 with a quarter rotated, 248k vocabulary, untied head. The shapes
+# are transformers' Qwen3_5TextConfig / Qwen3_5MoeTextConfig defaults, which its docs
+# give as the 9B-style and 35B-A3B configurations (8.95e9 and 34.7e9 parameters; 3.45e9
+# active per token in the MoE, embedding and head included). rope theta 1e7.
+_QWEN35_COMMON = dict(
+    family="qwen3_5", vocab_size=248320, head_dim=256, rotary_fraction=0.25,
+    rope_base_global=10_000_000.0, norm_eps=1e-6, tie_embeddings=False, max_seq_len=32768,
+    linear_k_heads=16, linear_v_heads=32, linear_k_head_dim=128, linear_v_head_dim=128,
+    linear_conv_kernel=4, deltanet_chunk=64,
+)
+PRESETS["qwen3.5-9b"] = ModelConfig(d_model=4096, n_layers=32, n_heads=16, n_kv_heads=4,
+                                    d_ff=12288, **_QWEN35_COMMON)
+PRESETS["qwen3.5-35b-a3b"] = ModelConfig(
+    d_model=2048, n_layers=40, n_heads=16, n_kv_heads=2, d_ff=512, n_experts=256,
+    experts_per_token=8, d_expert=512, d_shared_expert=512, router_aux_weight=0.001,
+    **_QWEN35_COMMON)
+# Tiny CPU Qwen3.5 pair (a student and an MoE teacher sharing a vocabulary).
+_QWEN35_TINY = dict(
+    family="qwen3_5", vocab_size=512, n_heads=4, n_kv_heads=2, head_dim=16, rotary_fraction=0.25,
+    max_seq_len=512, tie_embeddings=False, linear_k_heads=2, linear_v_heads=4,
+    linear_k_head_dim=16, linear_v_head_dim=16, deltanet_chunk=32)
+PRESETS["tiny-qwen"] = ModelConfig(d_model=64, n_layers=4, d_ff=192, **_QWEN35_TINY)
+PRESETS["tiny-qwen-moe"] = ModelConfig(d_model=96, n_layers=4, d_ff=64, n_experts=8,
+                                       experts_per_token=2, d_expert=64, d_shared_expert=96,
+                                       **_QWEN35_TINY)
 
 # The study's shapes: same layouts as Gemma 3 270M / 1B / 4B, ~32k vocabulary.
 PAPER_VOCAB = 32768

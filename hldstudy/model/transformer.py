@@ -1,11 +1,11 @@
-"""The Gemma-style decoder: embeddings, blocks, final norm, tied head.
+"""The decoder of every family (hldstudy.model.families): embeddings, blocks, final norm, head.
 
 Hidden-state numbering used everywhere in hldstudy (distillation pairs,
 teacher streaming): `hidden[0]` is the scaled embedding, `hidden[l]` for
 1 <= l <= n_layers is the residual stream after block l (before the final
 norm), and `final_hidden` is the final-normed state that feeds the LM head.
-The head is tied: `logits = final_hidden @ head_weight()` with
-`head_weight() = embedding.T` laid out `[D, V]`, the layout the KD losses take.
+`logits = final_hidden @ head_weight()`, `head_weight()` laid out `[D, V]` (the layout the
+KD losses take): `embedding.T` when tied (Gemma), the `lm_head` parameter when not (Qwen3.5).
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from flax import nnx, struct
 
 from hldstudy.config import ModelConfig
 from hldstudy.errors import ConfigError
-from hldstudy.model.layers import Block, RMSNorm
+from hldstudy.model.families import build_block, embeds_scaled, returns_aux
+from hldstudy.model.layers import RMSNorm
 from hldstudy.numerics import softcap
 from hldstudy.shapes import count_params  # noqa: F401  (re-exported)
 
@@ -28,6 +29,9 @@ class ModelOutput:
     logits: jax.Array | None  # [B, T, V] float32, soft-capped if configured
     final_hidden: jax.Array | None  # [B, T, D], input of the LM head
     hidden: dict  # {layer: [B, T, D]} for the requested layers
+    # Mean over the run blocks of the MoE router's load-balancing loss (0 without MoE;
+    # None for families without it). A student's objective adds model.router_aux_weight x it.
+    router_aux_loss: jax.Array | None = None
 
 
 class Transformer(nnx.Module):
@@ -39,16 +43,24 @@ class Transformer(nnx.Module):
         self.embedding = nnx.Param(
             (cfg.d_model ** -0.5 * jax.random.normal(rngs.params(), (cfg.vocab_size, cfg.d_model)))
             .astype(pdt))
-        self.blocks = nnx.List([Block(cfg, i, rngs) for i in range(cfg.n_layers)])
+        self.blocks = nnx.List([build_block(cfg, i, rngs) for i in range(cfg.n_layers)])
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, pdt)
+        if not cfg.tie_embeddings:
+            self.lm_head = nnx.Param(
+                (cfg.d_model ** -0.5 * jax.random.normal(rngs.params(), (cfg.d_model, cfg.vocab_size)))
+                .astype(pdt))
 
     def head_weight(self) -> jax.Array:
-        """Tied LM head as `[D, V]`."""
+        """LM head as `[D, V]` (the embedding's transpose when tied)."""
+        if not self.cfg.tie_embeddings:
+            return self.lm_head[...]
         return self.embedding[...].T
 
     def embed(self, tokens_BxT: jax.Array) -> jax.Array:
         dt = jnp.dtype(self.cfg.dtype)
         x = jnp.take(self.embedding[...], tokens_BxT, axis=0).astype(dt)
+        if not embeds_scaled(self.cfg):
+            return x
         # Gemma multiplies by sqrt(d) rounded to the compute dtype.
         return x * jnp.asarray(self.cfg.d_model ** 0.5, dt)
 
@@ -85,6 +97,8 @@ class Transformer(nnx.Module):
 
         x_BxTxD = self.embed(tokens_BxT)
         hidden = {0: x_BxTxD} if 0 in hidden_layers else {}
+        with_aux = returns_aux(cfg)
+        aux = jnp.zeros((), jnp.float32) if with_aux else None
         for i in range(n_run):
             block = self.blocks[i]
             if cfg.remat:
@@ -92,10 +106,13 @@ class Transformer(nnx.Module):
                     block, x_BxTxD, positions_BxT, segment_ids_BxT)
             else:
                 x_BxTxD = block(x_BxTxD, positions_BxT, segment_ids_BxT)
+            if with_aux:
+                x_BxTxD, layer_aux = x_BxTxD
+                aux = aux + layer_aux / max(n_run, 1)
             if i + 1 in hidden_layers:
                 hidden[i + 1] = x_BxTxD
         if max_layer is not None:
-            return ModelOutput(logits=None, final_hidden=None, hidden=hidden)
+            return ModelOutput(logits=None, final_hidden=None, hidden=hidden, router_aux_loss=aux)
 
         final_BxTxD = self.final_norm(x_BxTxD)
         logits = None
@@ -103,7 +120,8 @@ class Transformer(nnx.Module):
             logits = jnp.einsum("btd,dv->btv", final_BxTxD, self.head_weight().astype(final_BxTxD.dtype),
                                 preferred_element_type=jnp.float32)
             logits = softcap(logits, cfg.final_softcap)
-        return ModelOutput(logits=logits, final_hidden=final_BxTxD, hidden=hidden)
+        return ModelOutput(logits=logits, final_hidden=final_BxTxD, hidden=hidden,
+                           router_aux_loss=aux)
 
 
 def count_module_params(model: nnx.Module) -> int:
