@@ -46,7 +46,7 @@ def _train(steps, **kw):
 def teacher_dir(tmp_path_factory):
     work = tmp_path_factory.mktemp("teacher")
     cfg = Config(name="teacher", model=preset("tiny-teacher", vocab_size=VOCAB), data=_data(),
-                 train=_train(30))
+                 train=_train(8))  # a fixed network is all the members need of it
     Trainer(cfg, work, devices=DEV).run()
     return work
 
