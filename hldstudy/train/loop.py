@@ -127,7 +127,9 @@ def check_resume_compatible(cfg: Config, workdir: Path) -> None:
 
 
 class Trainer:
-    """Holds what stages share: mesh, data, strategy, teacher, logger, checkpointer."""
+    """One run: its config, run directory, mesh, data, strategy, teacher, stage plans and
+    checkpoints, and what the loop asks of it (resume point, restore, save, evaluate,
+    finish). `run` trains it alone through `train_members`; a cohort trains several."""
 
     def __init__(self, cfg: Config, workdir: str | Path, *, teacher=None, data=None,
                  devices=None):
