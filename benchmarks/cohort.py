@@ -65,8 +65,8 @@ def bench_pair(k: int, steps: int, work: Path, mode: str = "vmap") -> dict:
     from hldstudy.config import Config, DataConfig, DistillConfig, TrainConfig
     from hldstudy.model import Transformer, preset
     from hldstudy.teacher.colocated import ColocatedTeacher
-    from hldstudy.train.cohort import HPARAMS, make_cohort_step, stack
-    from hldstudy.train.loop import Trainer
+    from hldstudy.train.cohort import HPARAMS, make_cohort_step
+    from hldstudy.train.loop import Trainer, stack
     from hldstudy.train.optim import make_optimizer
     from hldstudy.train.step import make_train_step
 

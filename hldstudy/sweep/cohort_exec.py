@@ -9,12 +9,11 @@ does and is then completed by the sweep's `Worker` (identity fields in
 results.json, evaluation, outcome.json), so the sweep's accounting, `--dry-run`
 statuses and the analysis are unchanged.
 
-Finished members are skipped; a half-finished cohort resumes from the last step
-all its unfinished members committed (its marker lives in
-WORKDIR/.sweep/cohorts/<cohort id>/). Members whose checkpoints stand at
-different steps (trained before in other groupings) are split into sub-cohorts of
-equal steps so no work is dropped. A member that diverges is recorded failed
-(exit 3, error.txt) alone.
+Finished members are skipped; a half-finished cohort resumes, each member from its
+own last checkpoint (members at different steps, e.g. trained before in other
+groupings, are brought forward by `hldstudy.train.loop.train_members` without
+dropping any work). A member that diverges is recorded failed (exit 3, error.txt)
+alone.
 """
 
 from __future__ import annotations
@@ -28,12 +27,10 @@ import time
 from pathlib import Path
 
 from hldstudy.errors import RuntimeFault, exit_code_of
-from hldstudy.rundir import checkpoint_steps, job_owns, read_results
+from hldstudy.rundir import job_owns, read_results
 from hldstudy.sweep.cohorts import group
 from hldstudy.sweep.executors import INTERNAL, Outcome, _Stop, spawned_worker, worker_kwargs
 from hldstudy.sweep.spec import Run, run_status
-
-COHORTS_DIR = "cohorts"
 
 
 def cohort_id(members: list[Run]) -> str:
@@ -70,73 +67,59 @@ def run_cohort(worker, members: list[Run], workdir: Path, report, out: Outcome) 
             out.killed_earlier.append(run.run_id)
             report("killed earlier", run.run_id, "its process is gone; resuming")
         todo.append(run)
-    cid = cohort_id(members)
-    cohort_dir = workdir / INTERNAL / COHORTS_DIR / cid
-    train = [r for r in todo
-             if run_status(r, workdir / r.run_id, worker.eval_tasks) != "trained"
-             and (read_results(workdir / r.run_id) or {}).get("status") != DIVERGED]
-    # Members at different steps without this cohort's marker: sub-cohorts of equal steps.
-    if (cohort_dir / "cohort.json").exists():
-        parts = [train] if train else []
-    else:
-        by_step: dict[int, list[Run]] = {}
+    # Every member's run.lock before anything is written there (training, then the
+    # completion: evaluation and results), released on every exit path.
+    with contextlib.ExitStack() as owned:
+        for r in todo:
+            owned.enter_context(job_owns(workdir / r.run_id, "hldstudy.sweep"))
+        cid = cohort_id(members)
+        train = [r for r in todo
+                 if run_status(r, workdir / r.run_id, worker.eval_tasks) != "trained"
+                 and (read_results(workdir / r.run_id) or {}).get("status") != DIVERGED]
+        t0 = time.time()
+        failed: dict[str, BaseException] = {}
         for r in train:
-            steps = checkpoint_steps(workdir / r.run_id)
-            by_step.setdefault(steps[-1] if steps else 0, []).append(r)
-        parts = list(by_step.values())
-    t0 = time.time()
-    failed: dict[str, BaseException] = {}
-    for part in parts:
-        with contextlib.ExitStack() as owned:
-            for r in part:  # each member's run.lock before anything is written there
-                owned.enter_context(job_owns(workdir / r.run_id, "hldstudy.sweep"))
-            for r in part:
-                (workdir / r.run_id / "error.txt").unlink(missing_ok=True)
-                mark_running(workdir / r.run_id)
-                report("start", r.run_id, f"cohort {cid} ({len(part)} members)")
-            try:
-                cfg = part[0].config
-                data = worker.data_for(cfg)
-                teacher = worker.teacher_for(cfg, data.tokenizer if data else None)
-                trainer = CohortTrainer([r.config for r in part],
-                                        [workdir / r.run_id for r in part],
-                                        teacher=teacher, data=data,
-                                        cohort_dir=cohort_dir if len(parts) == 1 else
-                                        cohort_dir / str(parts.index(part)))
-                trainer.run()
-            except Interrupted as e:
-                for r in part:
-                    record_interrupted(workdir / r.run_id, e)
-                    out.interrupted.append(r.run_id)
-                    out.exit_codes[r.run_id] = 128 + e.signum
-                    report("interrupted", r.run_id, f"checkpoint at step {e.step}")
-                out.signum = e.signum
-                return
-            except Exception as e:  # noqa: BLE001 - a failed cohort fails its members, not the sweep
-                for r in part:
-                    failed[r.run_id] = e
-    for run in todo:
-        run_dir = workdir / run.run_id
+            (workdir / r.run_id / "error.txt").unlink(missing_ok=True)
+            mark_running(workdir / r.run_id)
+            report("start", r.run_id, f"cohort {cid} ({len(train)} members)")
         try:
-            if run.run_id in failed:
-                raise failed[run.run_id]
-            results = json.loads((run_dir / "results.json").read_text())
-            if results.get("status") == DIVERGED:
-                raise RuntimeFault(results.get("error", "diverged"))
-            res = worker.complete(run, run_dir, t0)
-        except EvalUnavailable as e:
-            out.no_eval.append(run.run_id)
+            if train:
+                data = worker.data_for(train[0].config)
+                teacher = worker.teacher_for(train[0].config, data.tokenizer if data else None)
+                CohortTrainer([r.config for r in train], [workdir / r.run_id for r in train],
+                              teacher=teacher, data=data).run()
+        except Interrupted as e:
+            for r in train:
+                record_interrupted(workdir / r.run_id, e)
+                out.interrupted.append(r.run_id)
+                out.exit_codes[r.run_id] = 128 + e.signum
+                report("interrupted", r.run_id, f"checkpoint at step {e.step}")
+            out.signum = e.signum
+            return
+        except Exception as e:  # noqa: BLE001 - a failed cohort fails its members, not the sweep
+            failed = {r.run_id: e for r in train}
+        for run in todo:
+            run_dir = workdir / run.run_id
+            try:
+                if run.run_id in failed:
+                    raise failed[run.run_id]
+                results = json.loads((run_dir / "results.json").read_text())
+                if results.get("status") == DIVERGED:
+                    raise RuntimeFault(results.get("error", "diverged"))
+                res = worker.complete(run, run_dir, t0)
+            except EvalUnavailable as e:
+                out.no_eval.append(run.run_id)
+                out.done.append(run.run_id)
+                report("done", run.run_id, f"trained; not evaluated: {e}")
+                continue
+            except Exception as e:  # noqa: BLE001
+                msg = record_failure(run_dir, e)
+                out.failed[run.run_id] = msg
+                out.exit_codes[run.run_id] = exit_code_of(e)
+                report("failed", run.run_id, f"exit {exit_code_of(e)}: {msg}")
+                continue
             out.done.append(run.run_id)
-            report("done", run.run_id, f"trained; not evaluated: {e}")
-            continue
-        except Exception as e:  # noqa: BLE001
-            msg = record_failure(run_dir, e)
-            out.failed[run.run_id] = msg
-            out.exit_codes[run.run_id] = exit_code_of(e)
-            report("failed", run.run_id, f"exit {exit_code_of(e)}: {msg}")
-            continue
-        out.done.append(run.run_id)
-        report("done", run.run_id, f"valid_nll {res.get('valid_nll', float('nan')):.4f}")
+            report("done", run.run_id, f"valid_nll {res.get('valid_nll', float('nan')):.4f}")
 
 
 def _run_cohorts_here(cohorts, kwargs, report, stop, worker=None) -> Outcome:

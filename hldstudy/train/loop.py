@@ -6,6 +6,10 @@ so a resumed run, a 4-device run and a remote teacher all see the same
 sequence. Checkpoints carry the train state plus the stage, step and FLOPs
 spent; SIGTERM / Ctrl-C saves one and exits.
 
+`train_members` is the one stage loop: a run alone (`Trainer.run`) and the members
+of a cohort (`hldstudy.train.cohort`) both go through it; what differs (the compiled
+step, what a diverging member does) is its `steps` argument.
+
 Nothing lost, nothing hangs:
 
 - every step folds "loss and gradient norm finite" into a device-side record of the
@@ -18,7 +22,7 @@ Nothing lost, nothing hangs:
   is compared with the memory available: a configuration that cannot fit is refused
   (`RuntimeFault`, naming data.batch_size / data.seq_len) instead of being killed;
 - resuming falls back: a latest checkpoint that cannot be restored is reported,
-  moved to `checkpoints.damaged/`, and the previous one is restored.
+  moved to `checkpoints.damaged/` (never deleted), and the previous one is restored.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from hldstudy import sharding as mesh_lib
@@ -61,6 +66,7 @@ from hldstudy.train.step import (
     make_train_step,
     split_params,
     to_master,
+    with_finite_record,
 )
 
 # Config fields a resumed run may change (tagged `resume` in hldstudy.config); a
@@ -89,11 +95,7 @@ class _NoLogger:
 
 
 class _DamagedCheckpoint(Exception):
-    """A checkpoint step whose state cannot be restored (the run falls back)."""
-
-    def __init__(self, step: int, reason: str):
-        self.step, self.reason = step, reason
-        super().__init__(f"step {step}: {reason}")
+    """A checkpoint was found damaged (and marked so): look for the resume points again."""
 
 
 def _one_line(exc: BaseException) -> str:
@@ -125,7 +127,9 @@ def check_resume_compatible(cfg: Config, workdir: Path) -> None:
 
 
 class Trainer:
-    """Holds what stages share: mesh, data, strategy, teacher, logger, checkpointer."""
+    """One run: its config, run directory, mesh, data, strategy, teacher, stage plans and
+    checkpoints, and what the loop asks of it (resume point, restore, save, evaluate,
+    finish). `run` trains it alone through `train_members`; a cohort trains several."""
 
     def __init__(self, cfg: Config, workdir: str | Path, *, teacher=None, data=None,
                  devices=None):
@@ -168,6 +172,7 @@ class Trainer:
         self.total_steps = total_steps(self.plans)
         self._eval_steps: dict = {}
         self.ckpt = Checkpointer(self.workdir / CHECKPOINTS_DIR, cfg.train.keep_checkpoints)
+        self.damaged: dict[int, str] = {}  # step -> why it cannot be restored
 
     # ------------------------------------------------------------------ #
 
@@ -223,197 +228,85 @@ class Trainer:
                 "valid_tokens": int(count)}
 
     def run(self, stop_at_step: int | None = None) -> dict:
-        """Trains to the end, or to `stop_at_step` (behaves exactly as a SIGTERM there).
+        """Trains to the end, or to `stop_at_step` (behaves exactly as a SIGTERM there):
+        `train_members` with this run alone."""
+        return train_members([self], SOLO, stop_at_step=stop_at_step)[0]
 
-        Resumes from the newest checkpoint that restores: a damaged one (unreadable
-        metadata or state) is reported and skipped; once an older one restored, the
-        damaged ones are moved to checkpoints.damaged/. When none restores, nothing is
-        moved and an `InputError` lists them."""
-        damaged: dict[int, str] = {}
-        try:
-            while True:
-                try:
-                    return self._run(stop_at_step, damaged)
-                except _DamagedCheckpoint as e:
-                    damaged[e.step] = e.reason
-                    warn(f"checkpoint {self.ckpt.step_dir(e.step)} cannot be restored "
-                         f"({e.reason}); falling back to the previous one", "hldstudy.train")
-        finally:
-            self.ckpt.close()
-            if self.teacher is not None:
-                self.teacher.close()
+    # -- what the one loop (`train_members`) asks of each run ------------ #
 
-    def _restore_point(self, damaged: dict[int, str]) -> tuple[int | None, dict | None]:
-        """The newest step (not known damaged) whose metadata reads, and that metadata."""
+    def resume_point(self) -> tuple[int, dict | None]:
+        """The newest step (not known damaged) whose metadata reads, and that metadata;
+        (0, None) when nothing was saved. A damaged one (unreadable metadata or state) is
+        reported and skipped; it is moved to checkpoints.damaged/ once an older one
+        restored. When none restores, nothing is moved and an `InputError` lists them."""
         for step in self.ckpt.steps():
-            if step in damaged:
+            if step in self.damaged:
                 continue
             try:
                 meta = self.ckpt.restore_meta(step)
                 if not isinstance(meta, dict) or not {"stage", "flops_spent"} <= set(meta):
                     raise ValueError(f"metadata without stage/flops_spent: {meta!r}"[:200])
             except Exception as e:  # noqa: BLE001 - any unreadable checkpoint is damaged
-                damaged[step] = _one_line(e)
-                warn(f"checkpoint {self.ckpt.step_dir(step)} cannot be restored "
-                     f"({damaged[step]}); falling back to the previous one", "hldstudy.train")
+                self._mark_damaged(step, _one_line(e))
                 continue
+            if step > self.total_steps:
+                raise ConfigError("train.steps",
+                                  f"{self.workdir} already holds step {step} > {self.total_steps}",
+                                  "ask for at least as many steps as the run already has")
             return step, meta
-        if damaged:
-            listed = "; ".join(f"step {s}: {r}" for s, r in sorted(damaged.items(), reverse=True))
+        if self.damaged:
+            listed = "; ".join(f"step {s}: {r}" for s, r in sorted(self.damaged.items(),
+                                                                  reverse=True))
             raise InputError(f"no checkpoint in {self.ckpt.directory} can be restored ({listed}); "
                              f"move {self.ckpt.directory} aside to start the run over")
-        return None, None
+        return 0, None
 
-    def _set_damaged_aside(self, damaged: dict[int, str], resumed: int) -> None:
-        """After a successful restore: the damaged steps leave checkpoints/ (a later save of
-        the same step must not find them, keep-last-k must not count them)."""
-        if not damaged:
-            return
-        if mesh_lib.is_primary():  # process 0 moves them; the others wait, then look again
-            for step in sorted(damaged):
-                if step in self.ckpt.steps():
-                    dest = self.ckpt.quarantine(step)
-                    warn(f"moved the damaged checkpoint of step {step} to {dest}; resumed "
-                         f"from step {resumed}", "hldstudy.train")
-        mesh_lib.sync("hldstudy-damaged-aside")
-        self.ckpt.manager.reload()
-        damaged.clear()
+    def _mark_damaged(self, step: int, reason: str) -> None:
+        self.damaged[step] = reason
+        warn(f"checkpoint {self.ckpt.step_dir(step)} cannot be restored ({reason}); falling "
+             "back to the previous one", "hldstudy.train")
 
-    def _run(self, stop_at_step: int | None, damaged: dict[int, str]) -> dict:
-        cfg = self.cfg
-        latest, meta = self._restore_point(damaged)
-        resume_step = latest or 0
-        if meta is not None and latest > self.total_steps:
-            raise ConfigError("train.steps",
-                              f"{self.workdir} already holds step {latest} > {self.total_steps}",
-                              "ask for at least as many steps as the run already has")
-        logger = (MetricsLogger(self.workdir, cfg, resume_step) if mesh_lib.is_primary()
-                  else _NoLogger())
-        flops_spent = float(meta["flops_spent"]) if meta else 0.0
-        carried = None
-        result = {}
+    def restore(self, step: int, state, shardings):
+        """Checkpoint `step`'s state into `state`'s shapes and `shardings`. One that cannot
+        be restored is marked damaged (`_DamagedCheckpoint`: look for the resume points
+        again); after a restore, the damaged steps leave checkpoints/ (a later save of the
+        same step must not find them, keep-last-k must not count them)."""
         try:
-            with _StopFlag() as stop:
-                stop.stop_at_step = stop_at_step
-                for plan in self.plans:
-                    end = plan.start + plan.steps
-                    if resume_step >= end and not (meta and meta["stage"] == plan.stage.name
-                                                   and resume_step == end):
-                        continue
-                    graphdefs, optimizer, state, shardings = self._init_state(plan, carried)
-                    if meta is not None and plan.start <= resume_step <= end \
-                            and meta["stage"] == plan.stage.name:
-                        try:
-                            state, _ = self.ckpt.restore(resume_step,
-                                                         abstract_like(state, shardings))
-                        except Exception as e:  # noqa: BLE001 - fall back to the previous step
-                            raise _DamagedCheckpoint(resume_step, _one_line(e)) from e
-                        self._set_damaged_aside(damaged, resume_step)
-                    state, flops_spent = self._run_stage(plan, graphdefs, optimizer, state,
-                                                         shardings, logger, stop, flops_spent)
-                    carried = state["params"]["student"]
-                    meta = None
-                if meta is not None:  # no stage of this run holds the checkpoint's step
-                    raise ConfigError("train.steps", f"the checkpoint of step {resume_step} "
-                                      f"(stage {meta['stage']!r}) is outside that stage under "
-                                      f"this run's plan of {self.total_steps} steps",
-                                      "restore the original train.steps / budget.flops")
-                result = self._finish(graphdefs, state, flops_spent, logger)
-        finally:
-            logger.close()
-        return result
+            state, _ = self.ckpt.restore(step, abstract_like(state, shardings))
+        except Exception as e:  # noqa: BLE001 - fall back to the previous step
+            self._mark_damaged(step, _one_line(e))
+            raise _DamagedCheckpoint() from e
+        if self.damaged:
+            if mesh_lib.is_primary():  # process 0 moves them; the others wait, then look again
+                for s in sorted(self.damaged):
+                    if s in self.ckpt.steps():
+                        dest = self.ckpt.quarantine(s)
+                        warn(f"moved the damaged checkpoint of step {s} to {dest}; resumed "
+                             f"from step {step}", "hldstudy.train")
+            mesh_lib.sync("hldstudy-damaged-aside")
+            self.ckpt.manager.reload()
+            self.damaged.clear()
+        return state
 
-    def _compile_step(self, train_step, args, plan: StagePlan):
-        """Compiles the train step for `args` and refuses it, before it runs, when XLA's
-        memory analysis says it cannot fit in the memory available."""
-        compiled = train_step.lower(*args).compile()
-        check_fits(compiled, self.mesh, self.cfg, plan.stage.name)
-        return compiled
+    def open_logger(self, resume_step: int):
+        return (MetricsLogger(self.workdir, self.cfg, resume_step) if mesh_lib.is_primary()
+                else _NoLogger())
 
-    def _check_finite(self, bad_step, plan: StagePlan, step: int, last_saved: int | None,
-                      loss: float | None = None) -> None:
-        """Raises RuntimeFault when a step so far had a non-finite loss or gradient norm
-        (`bad_step`, the device-side record), or when `loss` (on the host) is not finite."""
-        bad = int(jax.device_get(bad_step))
-        if bad == 0 and (loss is None or math.isfinite(loss)):
-            return
-        cfg = self.cfg
+    def save(self, step: int, state, stage: str, flops_spent: float) -> None:
+        self.ckpt.save(step, state, {"stage": stage, "step": step, "flops_spent": flops_spent,
+                                     "data": {"next_batch": step}, "seed": self.cfg.train.seed})
+
+    def nonfinite(self, plan: StagePlan, bad: int, step: int, loss: float | None,
+                  last_saved: int | None) -> str:
+        """The one-line account of a non-finite state first seen at step `bad`."""
         stage = f" (stage {plan.stage.name})" if len(self.plans) > 1 else ""
         seen = f"; the loss was {loss} at step {step}" if loss is not None else ""
         kept = (f"the last checkpoint, step {last_saved}, is intact" if last_saved
                 else "no checkpoint was saved")
-        raise RuntimeFault(f"non-finite training state: the loss or gradient norm first became "
-                           f"non-finite at step {bad or step}{stage}{seen}; it was not saved "
-                           f"({kept}). Lower train.lr (now {cfg.train.lr:g}) or "
-                           f"train.grad_clip (now {cfg.train.grad_clip:g}), or check the data")
-
-    def _run_stage(self, plan, graphdefs, optimizer, state, shardings, logger, stop, flops_spent):
-        cfg = self.cfg
-        end = plan.start + plan.steps
-        step = int(state["step"])
-        feed = self._teacher_feed(plan)
-        feed.begin(step, end, self.workdir)
-        train_step = jax.jit(
-            _with_finite_record(make_train_step(self.strategy, plan.stage, graphdefs, optimizer,
-                                                feed.forward)),
-            out_shardings=(shardings, None, None), donate_argnums=(0,))
-        compiled = None
-        # The first step (global numbering) whose loss or gradient norm was not finite; 0: none.
-        bad_step = jax.device_put(jnp.zeros((), jnp.int32), mesh_lib.replicated(self.mesh))
-        last_saved = self.ckpt.latest_step()
-        tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
-        bar = None
-        if cfg.train.progress and mesh_lib.is_primary():
-            from tqdm.auto import tqdm
-
-            bar = tqdm(total=self.total_steps, initial=step, desc=f"{cfg.name}:{plan.stage.name}",
-                       unit="step", dynamic_ncols=True)
-        t_last, steps_since = time.perf_counter(), 0
-        while step < end:
-            batch = mesh_lib.put_batch(self.data.train.batch_at(step), self.mesh)
-            args = (state, batch, feed.inputs(step, batch), bad_step)
-            if compiled is None:
-                compiled = self._compile_step(train_step, args, plan)
-            state, metrics, bad_step = compiled(*args)
-            del args
-            step += 1
-            steps_since += 1
-            flops_spent += plan.flops_per_step
-            if step % cfg.train.log_every == 0 or step == end:
-                metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
-                dt = time.perf_counter() - t_last
-                record = {"step": step, "stage": plan.stage.name, **metrics,
-                          "tokens_per_s": steps_since * tokens_per_step / max(dt, 1e-9),
-                          "flops_spent": flops_spent,
-                          **feed.metrics()}
-                self._check_finite(bad_step, plan, step, last_saved, metrics["loss"])
-                logger.log(record)
-                if bar is not None:
-                    bar.set_postfix(loss=f"{metrics['loss']:.3f}",
-                                    tok_s=f"{record['tokens_per_s']:.0f}")
-                t_last, steps_since = time.perf_counter(), 0
-            if bar is not None:
-                bar.update(1)
-            if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < end:
-                logger.log({"step": step, **self.evaluate(graphdefs, state["params"],
-                                                          cfg.train.eval_batches)})
-            boundary = (cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0)
-            if stop.stop_at_step is not None and step >= stop.stop_at_step:
-                stop.signum = signal.SIGTERM
-            if boundary or step == end or stop.signum is not None:
-                self._check_finite(bad_step, plan, step, last_saved)  # never save non-finite
-                self.ckpt.save(step, state, {"stage": plan.stage.name, "step": step,
-                                             "flops_spent": flops_spent,
-                                             "data": {"next_batch": step},
-                                             "seed": cfg.train.seed})
-                last_saved = step
-            if stop.signum is not None and step < end:
-                if bar is not None:
-                    bar.close()
-                raise Interrupted(step, stop.signum)
-        if bar is not None:
-            bar.close()
-        return state, flops_spent
+        return (f"non-finite training state: the loss or gradient norm first became "
+                f"non-finite at step {bad}{stage}{seen}; it was not saved ({kept}). Lower "
+                f"train.lr (now {self.cfg.train.lr:g}) or train.grad_clip (now "
+                f"{self.cfg.train.grad_clip:g}), or check the data")
 
     def _finish(self, graphdefs, state, flops_spent, logger) -> dict:
         cfg = self.cfg
@@ -431,18 +324,241 @@ class Trainer:
         return result
 
 
-def _with_finite_record(train_step):
-    """`step(state, batch, teacher_in, bad_step) -> (state, metrics, bad_step)`: the train
-    step, plus the first global step whose loss or gradient norm was not finite (kept on
-    the device, so checking it costs no host sync per step)."""
+class SoloSteps:
+    """What differs for a run trained alone: its own train state through the solo train
+    step, and a non-finite state stops the run (`RuntimeFault`, exit 3). The cohort's
+    counterpart is `hldstudy.train.cohort.CohortSteps`."""
 
-    def step(state, batch, teacher_in, bad_step):
-        state, metrics = train_step(state, batch, teacher_in)
-        finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"])
-        bad_step = jnp.where((bad_step == 0) & ~finite, state["step"], bad_step)
-        return state, metrics, bad_step
+    stacked = False  # the state as it is (a cohort stacks its members' on axis 0)
 
-    return step
+    def build(self, members: list[Trainer], plan: StagePlan, graphdefs, optimizer, feed):
+        """(step, hps): `step(states, batch, teacher_in, hps, bad) -> (states, metrics, bad)`."""
+        lead = members[0]
+        return with_finite_record(make_train_step(lead.strategy, plan.stage, graphdefs,
+                                                   optimizer, feed.forward)), {}
+
+    def fit_hint(self, k: int) -> str:
+        return ""
+
+    def diverged(self, member: Trainer, line: str, bad: int, last_saved: int | None) -> dict:
+        raise RuntimeFault(line)
+
+
+SOLO = SoloSteps()
+
+
+def stack(trees):
+    return jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *trees)
+
+
+def unstack(tree, k: int):
+    return jax.tree_util.tree_map(lambda x: x[k], tree)
+
+
+def train_members(members: list[Trainer], steps, *, stop_at_step: int | None = None,
+                  outcomes: dict[int, dict] | None = None) -> dict[int, dict]:
+    """The training loop, for one run alone (`Trainer.run`) or for a cohort's members that
+    share data, teacher and stage plans (`hldstudy.train.cohort`): trains every member
+    not in `outcomes` to the end, or to `stop_at_step` (as a SIGTERM there: checkpoint,
+    then `Interrupted`); returns {member index: its results.json} with `outcomes`.
+
+    `steps` is what differs between the two (`SoloSteps`, `CohortSteps`): the compiled
+    step, and what a non-finite member does (stops the run; stops alone).
+
+    Each member resumes from its own newest checkpoint that restores; no intact one is
+    deleted. Members at different steps (a crash between their saves, a damaged
+    checkpoint moved aside, a member added to a cohort) are not dropped back to a
+    common step: the ones furthest behind train together, alone, up to the next
+    member's step (saving there), then on together. Chosen over splitting them into
+    sub-cohorts that each train to the end: the teacher still runs once per step from
+    that step on, and no member retrains a step it saved."""
+    outcomes = dict(outcomes or {})
+    try:
+        with _StopFlag() as stop:
+            stop.stop_at_step = stop_at_step
+            while True:
+                todo = [i for i in range(len(members)) if i not in outcomes]
+                if not todo:
+                    return outcomes
+                try:
+                    points = {i: members[i].resume_point() for i in todo}
+                except _DamagedCheckpoint:
+                    continue
+                low = min(s for s, _ in points.values())
+                group = [i for i in todo if points[i][0] == low]
+                until = min((s for s, _ in points.values() if s > low), default=None)
+                if until is not None:
+                    ahead = [members[i].cfg.name for i in todo if i not in group]
+                    warn(f"{', '.join(members[i].cfg.name for i in group)} resume(s) from step "
+                         f"{low}, {', '.join(ahead)} from later steps: step {low} to {until} "
+                         "is trained without the members that hold it", "hldstudy.train")
+                try:
+                    _train_group(members, group, points, steps, stop, until, outcomes)
+                except _DamagedCheckpoint:
+                    continue
+                if until is None:
+                    return outcomes
+    finally:
+        for m in members:
+            m.ckpt.close()
+        for teacher in {id(m.teacher): m.teacher for m in members
+                        if m.teacher is not None}.values():
+            teacher.close()
+
+
+def _train_group(members, group, points, steps, stop, until, outcomes) -> None:
+    """Trains `group` (members resuming from the same step) to the end and finishes them,
+    or, with `until`, up to step `until` (saved there)."""
+    lead = members[group[0]]
+    resume, meta = points[group[0]]
+    flops = {i: float(points[i][1]["flops_spent"]) if points[i][1] else 0.0 for i in group}
+    loggers = {}
+    try:
+        for i in group:
+            loggers[i] = members[i].open_logger(resume)
+        carried, states, graphdefs = {}, {}, None
+        for plan in lead.plans:
+            here = meta is not None and meta["stage"] == plan.stage.name \
+                and plan.start <= resume <= plan.end
+            if resume >= plan.end and not here:
+                continue
+            inits = {i: members[i]._init_state(plan, carried.get(i)) for i in group}
+            graphdefs, optimizer = inits[group[0]][:2]
+            states = {i: members[i].restore(resume, init[2], init[3]) if here else init[2]
+                      for i, init in inits.items()}
+            shardings = {i: init[3] for i, init in inits.items()}
+            del inits
+            states = _run_stage(members, group, plan, graphdefs, optimizer, states, shardings,
+                                loggers, stop, flops, steps, until, outcomes)
+            group = list(states)
+            carried = {i: s["params"]["student"] for i, s in states.items()}
+            meta = None
+            if not group or (until is not None and until < lead.total_steps
+                             and plan.end >= until):
+                return
+        if meta is not None:  # no stage of this run holds the checkpoint's step
+            raise ConfigError("train.steps", f"the checkpoint of step {resume} (stage "
+                              f"{meta['stage']!r}) is outside that stage under this run's plan "
+                              f"of {lead.total_steps} steps",
+                              "restore the original train.steps / budget.flops")
+        for i in group:
+            outcomes[i] = members[i]._finish(graphdefs, states[i], flops[i], loggers[i])
+    finally:
+        for logger in loggers.values():
+            logger.close()
+
+
+def _run_stage(members, group, plan, graphdefs, optimizer, states, shardings, loggers, stop,
+               flops, steps, until, outcomes) -> dict:
+    """Trains `group` through one stage (or to `until`); returns {member: state} of the
+    members still training."""
+    lead = members[group[0]]
+    cfg = lead.cfg
+    end, k = plan.end, len(group)
+    step = int(states[group[0]]["step"])
+    feed = lead._teacher_feed(plan)
+    feed.begin(step, end, lead.workdir)
+    bar = None
+    try:
+        fn, hps = steps.build([members[i] for i in group], plan, graphdefs, optimizer, feed)
+        if steps.stacked:
+            packed = stack([states[i] for i in group])
+            out_shardings = jax.tree_util.tree_map(lambda x: x.sharding, packed)
+        else:
+            packed, out_shardings = states[group[0]], shardings[group[0]]
+        del states
+
+        def lane(tree, j):
+            return unstack(tree, j) if steps.stacked else tree
+
+        # The first step (global numbering) whose loss or gradient norm was not finite,
+        # per member; 0: none.
+        bad = jax.device_put(jnp.zeros((k,) if steps.stacked else (), jnp.int32),
+                             mesh_lib.replicated(lead.mesh))
+        # The step's outputs keep its inputs' placement, so the one compiled program
+        # (checked for memory before it runs) takes them back at every step.
+        train_step = jax.jit(fn, out_shardings=(out_shardings, None, bad.sharding),
+                             donate_argnums=(0,))
+        compiled = None
+        alive = [True] * k
+        last_saved = [members[i].ckpt.latest_step() for i in group]
+        tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
+        if cfg.train.progress and mesh_lib.is_primary():
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=lead.total_steps, initial=step, unit="step", dynamic_ncols=True,
+                       desc=f"{cfg.name}{f'+{k - 1}' if k > 1 else ''}:{plan.stage.name}")
+
+        def check(step, losses=None):
+            """Stops the members found non-finite (never saved, never logged again)."""
+            bad_host = np.reshape(jax.device_get(bad), -1)
+            for j, i in enumerate(group):
+                loss = None if losses is None else float(np.reshape(losses, -1)[j])
+                if alive[j] and (bad_host[j] != 0 or (loss is not None
+                                                      and not math.isfinite(loss))):
+                    alive[j] = False
+                    m = members[i]
+                    line = m.nonfinite(plan, int(bad_host[j]) or step, step, loss,
+                                       last_saved[j])
+                    outcomes[i] = steps.diverged(m, line, int(bad_host[j]) or step,
+                                                 last_saved[j])
+
+        t_last, steps_since = time.perf_counter(), 0
+        while step < end and any(alive):
+            batch = mesh_lib.put_batch(lead.data.train.batch_at(step), lead.mesh)
+            args = (packed, batch, feed.inputs(step, batch), hps, bad)
+            if compiled is None:
+                compiled = train_step.lower(*args).compile()
+                check_fits(compiled, lead.mesh, cfg, plan.stage.name if k == 1 else
+                           f"{plan.stage.name}, cohort of {k}", hint=steps.fit_hint(k))
+            packed, metrics, bad = compiled(*args)
+            del args
+            step += 1
+            steps_since += 1
+            for i in group:
+                flops[i] += plan.flops_per_step
+            if step % cfg.train.log_every == 0 or step == end:
+                host = jax.device_get(metrics)
+                check(step, host["loss"])
+                dt = time.perf_counter() - t_last
+                extra = feed.metrics()
+                for j, i in enumerate(group):
+                    if alive[j]:
+                        loggers[i].log({"step": step, "stage": plan.stage.name,
+                                        **{key: float(lane(v, j)) for key, v in host.items()},
+                                        "tokens_per_s": steps_since * tokens_per_step
+                                        / max(dt, 1e-9),
+                                        "flops_spent": flops[i], **extra})
+                if bar is not None:
+                    bar.set_postfix(loss=f"{float(np.reshape(host['loss'], -1)[0]):.3f}",
+                                    tok_s=f"{steps_since * tokens_per_step / max(dt, 1e-9):.0f}")
+                t_last, steps_since = time.perf_counter(), 0
+            if bar is not None:
+                bar.update(1)
+            if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < end:
+                for j, i in enumerate(group):
+                    if alive[j]:
+                        loggers[i].log({"step": step, **members[i].evaluate(
+                            graphdefs, lane(packed["params"], j), cfg.train.eval_batches)})
+            boundary = cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0
+            if stop.stop_at_step is not None and step >= stop.stop_at_step:
+                stop.signum = signal.SIGTERM
+            pause = until is not None and step >= until
+            if boundary or step == end or stop.signum is not None or pause:
+                check(step)  # never save a non-finite state
+                for j, i in enumerate(group):
+                    if alive[j]:
+                        members[i].save(step, lane(packed, j), plan.stage.name, flops[i])
+                        last_saved[j] = step
+            if stop.signum is not None and step < end:
+                raise Interrupted(step, stop.signum)
+            if pause:
+                break
+        return {i: lane(packed, j) for j, i in enumerate(group) if alive[j]}
+    finally:
+        if bar is not None:
+            bar.close()
+        feed.close()
 
 
 def memory_available(device) -> int | None:
@@ -476,10 +592,11 @@ def _gib(n: float) -> str:
     return f"{n / 2**30:.3g} GiB"
 
 
-def check_fits(compiled, mesh, cfg: Config, stage: str = "") -> None:
+def check_fits(compiled, mesh, cfg: Config, stage: str = "", hint: str = "") -> None:
     """Refuses (RuntimeFault) a compiled train step that cannot fit: what it allocates
     beyond its (already resident) arguments, per XLA's memory analysis (outputs +
-    temporaries - outputs aliased to donated inputs), against `memory_available`."""
+    temporaries - outputs aliased to donated inputs), against `memory_available`.
+    `hint` ends the message (another way to make it fit)."""
     try:
         stats = compiled.memory_analysis()
     except Exception:  # noqa: BLE001 - a backend without memory analysis: nothing to compare
@@ -508,7 +625,7 @@ def check_fits(compiled, mesh, cfg: Config, stage: str = "") -> None:
         f"arguments {_gib(arg)} + outputs {_gib(out)} + temporaries {_gib(temp)} - aliased "
         f"{_gib(alias)}, arguments already resident) but {_gib(avail)} of {where} is "
         f"available; lower data.batch_size (now {d.batch_size}) or data.seq_len "
-        f"(now {d.seq_len})")
+        f"(now {d.seq_len}){hint}")
 
 
 def train(cfg: Config, workdir: str | Path, **kwargs) -> dict:

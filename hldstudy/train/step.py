@@ -90,14 +90,20 @@ def merge_params(graphdefs: GraphDefs, params):
     return student, aux
 
 
+def teacher_outputs(teacher_in, batch, teacher_forward: Callable | None = None):
+    """The loss's teacher outputs from a step's `teacher_in` (None: no teacher), under
+    stop_gradient: the teacher is frozen."""
+    if teacher_in is None:
+        return None
+    teacher = teacher_forward(teacher_in, batch) if teacher_forward else teacher_in
+    return jax.lax.stop_gradient(teacher)
+
+
 def make_loss_fn(strategy: Strategy, stage: Stage, graphdefs: GraphDefs,
                  teacher_forward: Callable | None = None):
     def loss_fn(params, batch, teacher_in):
         student, aux = merge_params(graphdefs, params)
-        teacher = None
-        if teacher_in is not None:
-            teacher = teacher_forward(teacher_in, batch) if teacher_forward else teacher_in
-            teacher = jax.lax.stop_gradient(teacher)
+        teacher = teacher_outputs(teacher_in, batch, teacher_forward)
         return strategy.loss(stage, student, aux, batch, teacher)
 
     return loss_fn
@@ -118,6 +124,21 @@ def make_train_step(strategy: Strategy, stage: Stage, graphdefs: GraphDefs,
         return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
 
     return train_step
+
+
+def with_finite_record(train_step):
+    """`step(state, batch, teacher_in, hps, bad_step) -> (state, metrics, bad_step)`: the
+    train step, plus the first global step whose loss or gradient norm was not finite
+    (kept on the device, so checking it costs no host sync per step). `hps`: a cohort
+    step's per-member hyperparameters; empty for a solo step (it adds no operand)."""
+
+    def step(state, batch, teacher_in, hps, bad_step):
+        state, metrics = train_step(state, batch, teacher_in)
+        finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"])
+        bad_step = jnp.where((bad_step == 0) & ~finite, state["step"], bad_step)
+        return state, metrics, bad_step
+
+    return step
 
 
 def make_eval_step(graphdefs: GraphDefs):
