@@ -140,7 +140,6 @@ FUNCTION_LEVEL_IMPORTS = {
     "hldstudy.sweep.worker -> hldstudy.train.loop":
         "the trainer (~1 s) only when a run still has steps to train",
     "hldstudy.train.__main__ -> hldstudy.train.loop": _CLI.format("trainer (~8.6 s)"),
-    "hldstudy.train.cohort -> hldstudy.checkpoint": _MOVABLE,
     "hldstudy.train.cohort -> hldstudy.distill.base": _MOVABLE,
     "hldstudy.train.cohort -> hldstudy.distill.methods": _MOVABLE,
     "hldstudy.train.cohort -> hldstudy.model.transformer": _MOVABLE,
