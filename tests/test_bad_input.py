@@ -484,7 +484,10 @@ def test_long_sequences_are_warned_about_before_compute(world, capsys):
     from hldstudy.flops.__main__ import main as flops_main
     from hldstudy.plan.__main__ import main as plan_main
 
-    assert plan_main([*PLAN, "--seq-len", "1000000"]) == 0
+    # Long, but a step still holds whole sequences (longer than the step is refused).
+    plan = [*PLAN[:PLAN.index("--tokens-per-step") + 1], "1048576",
+            *PLAN[PLAN.index("--tokens-per-step") + 2:]]
+    assert plan_main([*plan, "--seq-len", "1000000"]) == 0
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "warning" in err[0] and "--seq-len 1000000" in err[0]
     assert flops_main(["--config", str(world / "exp.py"), "--set", "model.max_seq_len=1000000",

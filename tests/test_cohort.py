@@ -249,6 +249,7 @@ def test_cohort_falls_back_from_a_members_damaged_checkpoint(tmp_path, teacher_d
         assert [losses[s] for s in (5, 6)] == [b[s] for s in (5, 6)]  # again, bitwise
 
 
+@pytest.mark.slow  # 26 s; the solo memory refusal is in test_reliability's default tests
 def test_cohort_step_that_cannot_fit_is_refused_before_training(tmp_path, teacher_dir,
                                                               monkeypatch):
     """The Trainer's check: XLA's memory analysis of the compiled cohort step against the
@@ -267,6 +268,7 @@ def test_cohort_step_that_cannot_fit_is_refused_before_training(tmp_path, teache
                    for d in dirs)
 
 
+@pytest.mark.slow  # 33 s; a solo run's non-finite stop is in test_reliability's default tests
 def test_diverging_member_stops_alone(tmp_path, teacher_dir):
     cfgs = _cohort("kd", teacher_dir, steps=8)
     cfgs[1] = dataclasses.replace(cfgs[1], train=dataclasses.replace(cfgs[1].train, lr=1e30))

@@ -381,6 +381,6 @@ def test_checkpoint_of_another_shape_is_one_clear_error(tmp_path):
     cfg = json.loads((run / "config.json").read_text())
     cfg["model"]["d_ff"] = cfg["model"]["d_ff"] * 2
     (run / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(InputError, match=r"checkpoints/1 cannot be restored") as e:
+    with pytest.raises(InputError, match=r"checkpoints cannot be restored into the model its config.json describes \(step 1") as e:
         load_model(run)
     assert "config.json" in str(e.value) and "\n" not in str(e.value)

@@ -217,6 +217,7 @@ def test_distributed_environment_is_checked(monkeypatch):
 
     monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "127.0.0.1:1")
     monkeypatch.setenv("JAX_NUM_PROCESSES", "two")
+    monkeypatch.setenv("JAX_PROCESS_ID", "0")
     monkeypatch.setattr(jax.distributed, "is_initialized", lambda: False)
     from jax._src import xla_bridge
 

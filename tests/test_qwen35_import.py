@@ -56,6 +56,7 @@ def test_config_is_read_as_a_qwen_family_preset():
     assert not cfg.tie_embeddings and cfg.rotary_fraction == 0.25
 
 
+@pytest.mark.slow  # 13 s; the plain import and its parity stay in the default suite
 def test_sharded_bfloat16_multimodal_with_mtp_loads_the_same_model(tmp_path, caplog):
     """bf16 shards behind an index, `model.language_model.*` names, a vision tower and MTP
     weights: the same text model as the plain bf16 export (MTP skipped with a notice)."""

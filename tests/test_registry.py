@@ -179,6 +179,7 @@ def test_new_method_flows_through_a_sweep_dry_run(toy, tmp_path, capsys):
     assert toy_run["flops"] <= toy_run["flops_budget"]
 
 
+@pytest.mark.slow  # 53 s; the registry's dry-run, FLOP and rule tests stay in the default suite
 def test_new_method_trains_and_is_analysed(toy, tmp_path, capsys):
     teacher = tmp_path / "teacher"
     train(Config(name="teacher", model=preset("tiny-teacher", vocab_size=384),

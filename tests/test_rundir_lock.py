@@ -245,3 +245,16 @@ def test_two_trainings_on_one_directory_one_wins(tmp_path):
     assert first.returncode == 0, err[-2000:]
     assert json.loads((run_dir / "results.json").read_text())["status"] == "done"
     assert not (run_dir / rundir.LOCK_FILE).exists()
+
+
+def test_a_sweep_run_refused_by_the_lock_writes_nothing_in_the_owners_directory(tmp_path):
+    from hldstudy.sweep.worker import record_failure
+
+    run_dir = tmp_path / "run"
+    with rundir.owned(run_dir, "the first job"):
+        before = sorted(p.name for p in run_dir.iterdir())
+        with pytest.raises(runlock.LockHeld) as refused, rundir.owned(run_dir, "a second job"):
+            pass
+        line = record_failure(run_dir, refused.value)
+        assert sorted(p.name for p in run_dir.iterdir()) == before  # no error.txt, no outcome
+    assert "in use by another job" in line and exit_code_of(refused.value) == EXIT_INPUT

@@ -128,6 +128,7 @@ def test_sigterm_saves_checkpoint_and_resume_continues(tmp_path, tokenizer_path)
     assert steps and max(steps) >= 3
 
 
+@pytest.mark.slow  # 17 s; exact resume and 4 devices == 1 stay in the default suite
 def test_resume_on_another_device_count_with_a_mesh_change(tmp_path, tokenizer_path):
     """A run stopped on 1 device resumes on 2 with train.mesh_fsdp=2 (restored resharded)
     and continues the uninterrupted run's losses."""
@@ -147,6 +148,7 @@ def test_resume_on_another_device_count_with_a_mesh_change(tmp_path, tokenizer_p
                                [full[s] for s in range(6, 11)], rtol=1e-5)
 
 
+@pytest.mark.slow  # 12 s; the sweep's resume stays in test_sweep_e2e
 def test_sweep_rerun_with_a_mesh_change_resumes(tmp_path, tokenizer_path, capsys):
     """Rerunning a partly finished sweep with an explicit train.mesh_fsdp change (the
     override sweeps/c4_735m.py's launch line uses) resumes the partial run."""

@@ -30,6 +30,7 @@ from hldstudy.distill import methods
 from hldstudy.errors import EXIT_OK, InputError, exit_code_of
 from hldstudy.fileio import write_text_atomic
 from hldstudy.rundir import job_owns, write_json_atomic
+from hldstudy.runlock import LockHeld
 from hldstudy.sweep.spec import Run, run_status
 
 log = logging.getLogger("hldstudy.sweep")
@@ -177,11 +178,14 @@ def _read_json(path: Path) -> dict:
 
 def record_failure(run_dir: Path, exc: BaseException) -> str:
     """Writes run_dir/error.txt (the traceback) and the outcome (failed, with the exit code
-    the train CLI would give); returns a one-line summary."""
+    the train CLI would give); returns a one-line summary. A run refused because another
+    job owns its directory gets nothing written there: the files are that job's."""
+    line = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+    if isinstance(exc, LockHeld):
+        return line
     run_dir.mkdir(parents=True, exist_ok=True)
     text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     write_text_atomic(run_dir / "error.txt", text)
-    line = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
     record_outcome(run_dir, "failed", exit_code_of(exc), error=line)
     return line
 
