@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 # `make upgrade` installs and tests here, so that a failed upgrade leaves $(VENV) as it was.
 UPGRADE_VENV ?= .venv-upgrade
-TEST_DEFAULT := -m pytest -q -m "not slow and not optional"
+TEST_DEFAULT := -m pytest -q -n 2 -m "not slow and not optional"
 
 .PHONY: setup quickstart test test-all lint bench clean constraints upgrade
 
