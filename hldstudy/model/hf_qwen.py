@@ -160,20 +160,27 @@ def expected_shapes(cfg: ModelConfig, fused_experts: bool = False) -> dict[str, 
     return shapes
 
 
-def hf_to_pure(cfg: ModelConfig, get, source: str, fused_experts: bool = False) -> dict:
-    """The hldstudy pure parameter dict from HF-named arrays (`get(name)` -> array | None)."""
-    d, n, k, h = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-    shapes = expected_shapes(cfg, fused_experts)
+def checked_reader(get, shapes: dict[str, tuple], source: str, missing_hint: str):
+    """`fetch(name)`: `get(name)` as float32, checked present and of `shapes[name]`; an
+    InputError naming the tensor otherwise. Every HF importer reads its tensors with it."""
 
     def fetch(name: str) -> np.ndarray:
         arr = get(name)
         if arr is None:
-            raise InputError(f"{source}: missing tensor {name!r} (checkpoint incomplete, or its "
-                             f"config.json describes another model)")
+            raise InputError(f"{source}: missing tensor {name!r} ({missing_hint})")
         if tuple(arr.shape) != shapes[name]:
             raise InputError(f"{source}: tensor {name!r} has shape {tuple(arr.shape)}, expected "
                              f"{shapes[name]} from the checkpoint's config")
         return np.asarray(arr, np.float32)
+
+    return fetch
+
+
+def hf_to_pure(cfg: ModelConfig, get, source: str, fused_experts: bool = False) -> dict:
+    """The hldstudy pure parameter dict from HF-named arrays (`get(name)` -> array | None)."""
+    d, n, k, h = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    fetch = checked_reader(get, expected_shapes(cfg, fused_experts), source,
+                           "checkpoint incomplete, or its config.json describes another model")
 
     def norm(name: str) -> dict:
         return {"scale": fetch(name)}

@@ -149,17 +149,8 @@ def _hf_to_pure(cfg: ModelConfig, get, source: str) -> dict:
     """
     d, n, k, h = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     pdt = np.dtype(jnp.dtype(cfg.param_dtype))
-    shapes = _expected_hf_shapes(cfg)
-
-    def fetch(name: str) -> np.ndarray:
-        arr = get(name)
-        if arr is None:
-            raise InputError(f"{source}: missing tensor {name!r} (checkpoint incomplete or not a "
-                             f"Gemma 3 text model)")
-        if tuple(arr.shape) != shapes[name]:
-            raise InputError(f"{source}: tensor {name!r} has shape {tuple(arr.shape)}, expected "
-                             f"{shapes[name]} from the checkpoint's config")
-        return np.asarray(arr, np.float32)
+    fetch = hf_qwen.checked_reader(get, _expected_hf_shapes(cfg), source,
+                                   "checkpoint incomplete or not a Gemma 3 text model")
 
     def cast(x: np.ndarray) -> np.ndarray:
         return np.ascontiguousarray(x).astype(pdt, copy=False)
