@@ -29,7 +29,7 @@ def _parse(path: Path) -> ast.Module:
 
 FLOORS = (
     ("__root__", "errors", "numerics", "shipped", "signals", "wandb_online"),  # import nothing of ours
-    ("checkpoint", "distributed", "fileio", "losses", "runlock"),  # on errors / numerics only
+    ("checkpoint", "chips", "distributed", "fileio", "losses", "runlock"),  # on errors / numerics only
     ("distill",),  # the method registry: declarations, no config
     ("config",),  # the schema, validated against the registry
     ("cli_common", "data", "rundir", "shapes", "sharding"),  # read a config

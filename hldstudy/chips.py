@@ -1,0 +1,52 @@
+"""Facts about the accelerators the study targets: one table, one owner.
+
+The kernels size their blocks from a chip's on-chip memory, the ahead-of-time
+compiler (`hldstudy.aot`) names its targets and their device memory, and the
+planner checks a step against that memory: all three read these rows instead
+of keeping numbers of their own.
+
+Numbers are per device (a TPU chip's TensorCore as JAX addresses it, one GPU).
+`onchip_bytes` is the memory a kernel's blocks live in (TPU VMEM; GPU shared
+memory per thread block, opt-in maximum); `scoped_default_bytes` is what the
+TPU compiler lets one Mosaic kernel use unless the kernel raises its
+`vmem_limit_bytes` (GPUs have no such limit: 0).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from hldstudy.errors import ConfigError
+
+KiB = 1024
+MiB = 1024 * KiB
+GiB = 1024 * MiB
+
+
+@dataclasses.dataclass(frozen=True)
+class Chip:
+    name: str                  # our name: v5e, h100, ...
+    platform: str              # "tpu" | "cuda"
+    device_memory_bytes: int   # HBM per device
+    onchip_bytes: int          # VMEM (TPU) or shared memory per block (GPU)
+    scoped_default_bytes: int  # TPU scoped-VMEM default per kernel; 0 on GPU
+    fp8_matmul: bool           # native FP8 dot on the matrix units
+
+
+CHIPS: dict[str, Chip] = {c.name: c for c in (
+    Chip("v4", "tpu", 32 * GiB, 32 * MiB, 16 * MiB, False),
+    Chip("v5e", "tpu", 16 * GiB, 128 * MiB, 16 * MiB, False),
+    Chip("v5p", "tpu", 95 * GiB, 64 * MiB, 16 * MiB, False),
+    Chip("v6e", "tpu", 32 * GiB, 128 * MiB, 32 * MiB, False),
+    Chip("a100", "cuda", 40 * GiB, 163 * KiB, 0, False),
+    Chip("h100", "cuda", 80 * GiB, 227 * KiB, 0, True),
+    Chip("h200", "cuda", 141 * 10**9, 227 * KiB, 0, True),
+)}
+
+
+def chip(name: str) -> Chip:
+    """The row for `name` (case-insensitive), or a ConfigError naming the choices."""
+    key = name.lower()
+    if key not in CHIPS:
+        raise ConfigError("target", f"unknown chip {name!r}", f"choose one of {', '.join(CHIPS)}")
+    return CHIPS[key]
