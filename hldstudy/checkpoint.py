@@ -14,6 +14,7 @@ reads a run's student parameters); it knows no model.
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import sys
 import tempfile
@@ -238,11 +239,28 @@ def _is_teardown_noise(unraisable) -> bool:
     return False
 
 
+class _AbandonedReadLogFilter(logging.Filter):
+    """The same abandoned reads reported through the other channel: a failed read task of
+    Orbax's that is garbage-collected with its error never retrieved makes asyncio log
+    "Task exception was never retrieved" with the task's traceback (the logging path,
+    not sys.unraisablehook, so the hook alone lets it through when the task is collected
+    late). Only records naming an Orbax coroutine are dropped."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not (message.startswith("Task exception was never retrieved")
+                    and "orbax" in message)
+
+
 def install_teardown_filter() -> None:
     """Keeps the teardown tracebacks of a failed restore ("RuntimeError: Event loop is
     closed", "Exception ignored in: <coroutine ...>", printed through sys.unraisablehook,
-    tens to hundreds of lines) off the terminal; every other unraisable exception is
-    printed as before. Installed before each restore; idempotent."""
+    and asyncio's logged "Task exception was never retrieved"; tens to hundreds of lines)
+    off the terminal; every other unraisable exception and log record is printed as
+    before. Installed before each restore; idempotent."""
+    asyncio_log = logging.getLogger("asyncio")
+    if not any(isinstance(f, _AbandonedReadLogFilter) for f in asyncio_log.filters):
+        asyncio_log.addFilter(_AbandonedReadLogFilter())
     previous = sys.unraisablehook
     if getattr(previous, "_hldstudy_filter", False):
         return

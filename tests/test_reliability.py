@@ -595,7 +595,6 @@ def _quiet(proc: subprocess.CompletedProcess) -> None:
         assert noise not in proc.stderr, proc.stderr[-3000:]
 
 
-@pytest.mark.slow  # flaky: Orbax's abandoned-read noise leaked past the filter once in 3 full runs (issue 21 note)
 @pytest.mark.timeout(320)
 def test_eval_falls_back_from_a_damaged_checkpoint_quietly(tmp_path, interrupted_run):
     work = tmp_path / "run"
