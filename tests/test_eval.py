@@ -188,3 +188,22 @@ def test_registered_and_imported_gemma_checkpoint(lm, tmp_path):
         assert ctx[0] == lm.tokenizer.bos_id
         want, _ = _direct_logprobs(lm.model, ctx + cont)
         np.testing.assert_allclose(lp, want[-len(cont):].sum(), rtol=1e-5, atol=1e-4)
+
+
+def test_shared_prefixes_are_scored_in_one_row(lm):
+    ctx = lm.encode_context("Mara lives in Oslo and has two cats. Her favourite letter is")
+    cont = lm.encode_context("Mara Tom")[-2:]  # some token ids
+    pairs = [(ctx, [cont[0]]), (ctx, [cont[1]]), (ctx, [cont[0]]),  # one-token choices
+             (ctx, cont), (ctx[:5], ctx[5:7]), (ctx[:-3], [cont[1]])]
+    rows = [lm._row(c, x) for c, x in pairs]
+    groups = lm.scorer.share_prefixes(rows)
+    # Every row's inputs are a prefix of row 3's (ctx + cont[0]): one forward row.
+    assert len(groups) == 1 and groups[0][0] == 3 and sorted(groups[0]) == list(range(6))
+    got = lm.loglikelihood_tokens(pairs)
+    for (c, x), (lp, greedy) in zip(pairs, got, strict=True):
+        want, want_greedy = _direct_logprobs(lm.model, c + x)
+        np.testing.assert_allclose(lp, want[-len(x):].sum(), rtol=1e-5, atol=1e-4)
+        assert greedy == bool(want_greedy[-len(x):].all())
+    assert got[0] == got[2]
+    # Unrelated rows stay apart.
+    assert len(lm.scorer.share_prefixes([lm._row(ctx, [cont[0]]), lm._row(cont, ctx[:3])])) == 2

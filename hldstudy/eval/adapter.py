@@ -221,44 +221,73 @@ class Scorer:
                               jnp.asarray(segment_ids, jnp.int32))
         return np.asarray(logp), np.asarray(greedy)
 
+    def share_prefixes(self, rows: list[tuple[list[int], int]]) -> list[list[int]]:
+        """Groups of row ids scored in one input row: a row whose inputs (all tokens but
+        the last) are a prefix of another's is scored in that one's row, causal
+        attention giving it the same log-probabilities there. One-token continuations
+        of one context (lm-eval's multiple choice over letters) share their context
+        this way, and identical requests are computed once. The host (longest) row
+        comes first; a group scores at most `scored[-1]` positions."""
+        order = sorted(range(len(rows)), key=lambda i: rows[i][0][:-1])
+        host = list(range(len(rows)))
+        load = {i: rows[i][1] for i in range(len(rows))}
+        # Sorted lexicographically, the rows extending a prefix come right after it.
+        for a, b in zip(order[-2::-1], order[:0:-1], strict=True):
+            ia, ib = rows[a][0][:-1], rows[b][0][:-1]
+            h = host[b]
+            if ib[:len(ia)] == ia and load[h] + rows[a][1] <= self.scored[-1]:
+                host[a] = h
+                load[h] += rows[a][1]
+        groups: dict[int, list[int]] = {}
+        for i in range(len(rows)):
+            groups.setdefault(host[i], []).append(i)
+        return [[h] + [i for i in g if i != h] for h, g in groups.items()]
+
     def score_rows(self, rows: list[tuple[list[int], int]], *, progress: bool = False,
                    desc: str = "loglikelihood") -> list[tuple[float, bool]]:
         """rows: (tokens, n) — score the last n tokens of `tokens` given the ones before.
 
-        Returns (sum of log-probs, all greedy) per row, in input order. Rows are
-        sorted longest first and batched within one length bucket; the head runs
-        only at each batch's scored positions (padded to a `scored` bucket).
+        Returns (sum of log-probs, all greedy) per row, in input order. Rows sharing
+        a prefix are grouped (`share_prefixes`); groups are sorted longest first and
+        batched within one length bucket; the head runs only at each batch's scored
+        positions (padded to a `scored` bucket).
         """
         for toks, n in rows:
             if not 1 <= n < len(toks) or len(toks) - 1 > self.max_length:
                 raise ValueError(f"bad row: {len(toks)} tokens, score {n}")
-        order = sorted(range(len(rows)), key=lambda i: -len(rows[i][0]))
+        groups = sorted(self.share_prefixes(rows), key=lambda g: -len(rows[g[0]][0]))
         out: list[tuple[float, bool] | None] = [None] * len(rows)
         B = self.batch_size
         bar = tqdm(total=len(rows), desc=desc, disable=not progress, leave=False)
         i = 0
-        while i < len(order):
-            L = self.bucket(len(rows[order[i]][0]) - 1)
-            # Only rows of this bucket share the batch (rows are sorted by length).
-            batch = [j for j in order[i:i + B] if self.bucket(len(rows[j][0]) - 1) == L]
-            K = _bucket(max(rows[j][1] for j in batch), self.scored)
+        while i < len(groups):
+            L = self.bucket(len(rows[groups[i][0]][0]) - 1)
+            # Only groups of this bucket share the batch (groups are sorted by length).
+            batch = [g for g in groups[i:i + B] if self.bucket(len(rows[g[0]][0]) - 1) == L]
+            K = _bucket(max(sum(rows[j][1] for j in g) for g in batch), self.scored)
             tokens = np.full((B, L), self.pad_id, np.int32)
             index = np.zeros((B, K), np.int32)
             targets = np.zeros((B, K), np.int32)
-            for r, j in enumerate(batch):
-                seq, n = rows[j]
-                end = len(seq) - 1
-                tokens[r, :end] = seq[:-1]
-                index[r, :n] = np.arange(end - n, end)
-                targets[r, :n] = seq[-n:]
+            slots: list[tuple[int, int, int, int]] = []  # (row id, batch row, first, last)
+            for r, g in enumerate(batch):
+                host = rows[g[0]][0]
+                tokens[r, :len(host) - 1] = host[:-1]
+                k = 0
+                for j in g:
+                    seq, n = rows[j]
+                    end = len(seq) - 1
+                    index[r, k:k + n] = np.arange(end - n, end)
+                    targets[r, k:k + n] = seq[-n:]
+                    slots.append((j, r, k, k + n))
+                    k += n
             logp, greedy = _score_at(self._graphdef, self._state, jnp.asarray(tokens),
                                      jnp.asarray(index), jnp.asarray(targets))
             logp, greedy = np.asarray(logp), np.asarray(greedy)
-            for r, j in enumerate(batch):
-                n = rows[j][1]
-                out[j] = (float(logp[r, :n].astype(np.float64).sum()), bool(greedy[r, :n].all()))
+            for j, r, k0, k1 in slots:
+                out[j] = (float(logp[r, k0:k1].astype(np.float64).sum()),
+                          bool(greedy[r, k0:k1].all()))
             i += len(batch)
-            bar.update(len(batch))
+            bar.update(len(slots))
         bar.close()
         return out  # type: ignore[return-value]
 
