@@ -36,3 +36,36 @@ def test_ties_pick_the_first_column_like_argmax():
     assert np.asarray(greedy).tolist() == [True, False]
     np.testing.assert_allclose(np.asarray(logp), np.asarray(jax.nn.log_softmax(h @ w, -1))[:, 3],
                                rtol=1e-6)
+
+
+def _shapes(jaxpr):
+    """Every intermediate's shape in a jaxpr, nested jaxprs (loops, maps, jits) included."""
+    for eqn in jaxpr.eqns:
+        for v in eqn.outvars:
+            yield tuple(getattr(v.aval, "shape", ()))
+        for p in eqn.params.values():
+            for sub in (p if isinstance(p, (tuple, list)) else (p,)):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    yield from _shapes(inner)
+
+
+def test_the_scorer_never_builds_positions_by_vocab():
+    """Only the gathered B x K rows ever meet the vocabulary, never the B x T context."""
+    from flax import nnx
+
+    from hldstudy.eval.adapter import _score_at
+    from hldstudy.eval.testing import init_model, tiny_config
+
+    cfg = tiny_config(vocab_size=384).model
+    graphdef, state = nnx.split(init_model(cfg, 0))
+    b, t, k = 4, 64, 8
+    jaxpr = jax.make_jaxpr(_score_at, static_argnums=0)(
+        graphdef, state, jnp.zeros((b, t), jnp.int32), jnp.zeros((b, k), jnp.int32),
+        jnp.zeros((b, k), jnp.int32)).jaxpr
+    with_vocab = [s for s in _shapes(jaxpr) if cfg.vocab_size in s]
+    assert with_vocab  # the head is in there
+    # The embedding table [V, D] and head weight [D, V] aside, nothing V-wide has more
+    # than the gathered b * k rows.
+    rows = [int(np.prod(s)) // cfg.vocab_size for s in with_vocab]
+    assert max(r for r in rows if r != cfg.d_model) <= b * k, with_vocab
