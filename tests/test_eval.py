@@ -91,8 +91,8 @@ def test_is_greedy_and_token_level(lm):
 
 
 def test_fixed_padded_shapes_no_recompile_per_request(lm):
-    assert length_buckets(64) == [32, 64] and length_buckets(2048)[-1] == 2048
-    assert length_buckets(1000) == [32, 64, 128, 256, 512, 1000]
+    assert length_buckets(64) == [32, 48, 64] and length_buckets(2048)[-3:] == [1024, 1536, 2048]
+    assert length_buckets(1000) == [32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1000]
     words = "a b c d e f g h i j k l m n o p q r s t u v w x y z".split()
     reqs = [_req(" ".join(words[:k]), " " + words[k % 26]) for k in range(1, 26)]
     lengths = {len(lm._row(*lm.encode_pair(*r.args))[0]) for r in reqs}
@@ -100,7 +100,7 @@ def test_fixed_padded_shapes_no_recompile_per_request(lm):
     before = compiled_scorers()
     lm.loglikelihood(reqs)
     lm.loglikelihood(reqs[::-1][:7])
-    assert compiled_scorers() - before <= len(lm.scorer.buckets)
+    assert compiled_scorers() - before <= len(lm.scorer.buckets) * len(lm.scorer.scored)
 
 
 def test_rolling_equals_sum_over_windows(lm):
@@ -188,3 +188,22 @@ def test_registered_and_imported_gemma_checkpoint(lm, tmp_path):
         assert ctx[0] == lm.tokenizer.bos_id
         want, _ = _direct_logprobs(lm.model, ctx + cont)
         np.testing.assert_allclose(lp, want[-len(cont):].sum(), rtol=1e-5, atol=1e-4)
+
+
+def test_shared_prefixes_are_scored_in_one_row(lm):
+    ctx = lm.encode_context("Mara lives in Oslo and has two cats. Her favourite letter is")
+    cont = lm.encode_context("Mara Tom")[-2:]  # some token ids
+    pairs = [(ctx, [cont[0]]), (ctx, [cont[1]]), (ctx, [cont[0]]),  # one-token choices
+             (ctx, cont), (ctx[:5], ctx[5:7]), (ctx[:-3], [cont[1]])]
+    rows = [lm._row(c, x) for c, x in pairs]
+    groups = lm.scorer.share_prefixes(rows)
+    # Every row's inputs are a prefix of row 3's (ctx + cont[0]): one forward row.
+    assert len(groups) == 1 and groups[0][0] == 3 and sorted(groups[0]) == list(range(6))
+    got = lm.loglikelihood_tokens(pairs)
+    for (c, x), (lp, greedy) in zip(pairs, got, strict=True):
+        want, want_greedy = _direct_logprobs(lm.model, c + x)
+        np.testing.assert_allclose(lp, want[-len(x):].sum(), rtol=1e-5, atol=1e-4)
+        assert greedy == bool(want_greedy[-len(x):].all())
+    assert got[0] == got[2]
+    # Unrelated rows stay apart.
+    assert len(lm.scorer.share_prefixes([lm._row(ctx, [cont[0]]), lm._row(cont, ctx[:3])])) == 2

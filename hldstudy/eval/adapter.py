@@ -9,7 +9,7 @@ request types:
   is_greedy). Requests become token rows (context + continuation, the
   context truncated from the left to the model's length); rows are sorted by
   length, padded on the right to a small fixed set of lengths ("buckets":
-  powers of two from 32 up to the model length, plus the model length) and
+  2^k and 3 * 2^(k-1) from 32 up to the model length, plus the model length) and
   to a fixed batch size, so the jitted scorer compiles once per bucket, never
   per request. `is_greedy` is True when every continuation token is the
   argmax of its position.
@@ -42,9 +42,13 @@ capped by `model.max_seq_len` (for imports: `model.max_seq_len` capped at
 2048); `max_length=` overrides it.
 
 Logits are never materialized for a whole batch: the scorer runs the model
-without its head and computes each position's log-softmax at the target,
-and the argmax, in row chunks whose `[rows, vocab]` block stays under ~256 MB
-(Gemma's 262k vocabulary on CPU).
+without its head, gathers the final hidden states at the positions whose
+log-probabilities are needed (a request's continuation; padded to a small set
+of counts, `scored_buckets`) and applies the head there only, fused with the
+log-softmax over vocabulary chunks (`hldstudy.eval.head`); context and padding
+positions never meet the head. Scorers are module-level jits keyed by the
+model's graph definition, so every checkpoint of one architecture reuses the
+compiled functions.
 """
 
 from __future__ import annotations
@@ -66,14 +70,16 @@ from tqdm.auto import tqdm
 
 from hldstudy import rundir
 from hldstudy.errors import InputError
+from hldstudy.eval.head import target_logprobs
 from hldstudy.model.loading import load_model
+from hldstudy.numerics import softcap
 
 MIN_BUCKET = 32
+# Fewest scored positions per row the scorer pads to (lm-eval continuations are short).
+MIN_SCORED = 8
 # Default model length for imported checkpoints (Gemma 3 allows 32k; the study's
 # evaluations and CPU memory for [B, T, T] masks do not need more); max_length= overrides.
 IMPORT_MAX_LENGTH = 2048
-# Largest [rows, vocab] float32 block the scorer builds at once (elements).
-CHUNK_ELEMENTS = 1 << 26
 
 
 # --------------------------------------------------------------------------- #
@@ -109,54 +115,58 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
 
 
 def length_buckets(max_length: int, min_bucket: int = MIN_BUCKET) -> list[int]:
-    """Padded lengths the scorer compiles for: powers of two >= min_bucket below
-    max_length, and max_length itself."""
+    """Padded lengths the scorer compiles for: 2^k and 3 * 2^(k-1) (at most a third of
+    a row is padding) from min_bucket below max_length, and max_length itself."""
     out, b = [], min_bucket
     while b < max_length:
         out.append(b)
+        if b * 3 // 2 < max_length:
+            out.append(b * 3 // 2)
         b *= 2
     out.append(max_length)
     return out
 
 
-def _head_rows(m, h_NxD: jax.Array, fn, *xs: jax.Array):
-    """fn(logits [c, V], *x_chunks) over row chunks of h [N, D] (and per-row xs [N]),
-    never building [N, V]: chunks of c rows keep [c, V] under CHUNK_ELEMENTS."""
-    n, d = h_NxD.shape
-    vocab = m.cfg.vocab_size
-    cap = m.cfg.final_softcap
-    c = max(1, min(n, CHUNK_ELEMENTS // vocab))
-    n_pad = -n % c
-    hh = jnp.pad(h_NxD, ((0, n_pad), (0, 0))).reshape(-1, c, d)
-    xx = [jnp.pad(x, (0, n_pad)).reshape(-1, c) for x in xs]
-    w = m.head_weight()
+def scored_buckets(max_length: int) -> list[int]:
+    """Numbers of scored positions per row the scorer compiles for: powers of two from
+    MIN_SCORED below max_length, and max_length itself."""
+    out, k = [], MIN_SCORED
+    while k < max_length:
+        out.append(k)
+        k *= 2
+    out.append(max_length)
+    return out
 
-    def one(args):
-        hc, *xc = args
-        z = jnp.einsum("nd,dv->nv", hc, w.astype(hc.dtype), preferred_element_type=jnp.float32)
-        if cap is not None:
-            z = jnp.tanh(z / cap) * cap
-        return fn(z, *xc)
 
-    out = jax.lax.map(one, (hh, *xx))
-    return jax.tree_util.tree_map(lambda x: x.reshape(-1, *x.shape[2:])[:n], out)
+def _bucket(length: int, buckets: list[int]) -> int | None:
+    return next((b for b in buckets if length <= b), None)
 
 
 # Module-level jits with the graph definition static: every model of one
-# architecture shares the compiled scorer (one compile per bucket per process).
+# architecture shares the compiled scorers (one compile per padded shape per
+# process, whatever the number of checkpoints).
 @partial(jax.jit, static_argnums=0)
 def _score(graphdef, state, tokens, targets, positions, segment_ids):
-    """(log p(target), target == argmax) per position, [B, T] each."""
+    """(log p(target), target == argmax) at every position, [B, T] each (corpus perplexity)."""
     m = nnx.merge(graphdef, state)
     h = m(tokens, positions, segment_ids, return_logits=False).final_hidden
     b, t, d = h.shape
-
-    def fn(z, tc):
-        zt = jnp.take_along_axis(z, tc[:, None], axis=-1)[:, 0]
-        return zt - jax.nn.logsumexp(z, axis=-1), jnp.argmax(z, axis=-1) == tc
-
-    logp, greedy = _head_rows(m, h.reshape(b * t, d), fn, targets.reshape(-1))
+    logp, greedy = target_logprobs(h.reshape(b * t, d), m.head_weight(), targets.reshape(-1),
+                                   cap=m.cfg.final_softcap)
     return logp.reshape(b, t), greedy.reshape(b, t)
+
+
+@partial(jax.jit, static_argnums=0)
+def _score_at(graphdef, state, tokens_BxT, index_BxK, targets_BxK):
+    """(log p(target), target == argmax) at input positions index [B, K] only: the final
+    hidden states there are gathered first, and the head runs on B x K rows."""
+    m = nnx.merge(graphdef, state)
+    h = m(tokens_BxT, return_logits=False).final_hidden
+    b, k = index_BxK.shape
+    h_BxKxD = jnp.take_along_axis(h, index_BxK[:, :, None], axis=1)
+    logp, greedy = target_logprobs(h_BxKxD.reshape(b * k, -1), m.head_weight(),
+                                   targets_BxK.reshape(-1), cap=m.cfg.final_softcap)
+    return logp.reshape(b, k), greedy.reshape(b, k)
 
 
 @partial(jax.jit, static_argnums=0)
@@ -165,12 +175,14 @@ def _next_token(graphdef, state, tokens, last):
     m = nnx.merge(graphdef, state)
     h = m(tokens, return_logits=False).final_hidden
     h_last = h[jnp.arange(h.shape[0]), last]
-    return _head_rows(m, h_last, lambda z: jnp.argmax(z, axis=-1))
+    z = softcap(jnp.einsum("nd,dv->nv", h_last, m.head_weight().astype(h_last.dtype),
+                           preferred_element_type=jnp.float32), m.cfg.final_softcap)
+    return jnp.argmax(z, axis=-1)
 
 
 def compiled_scorers() -> int:
-    """How many (architecture, padded shape) scorers this process has compiled."""
-    return int(_score._cache_size())
+    """How many (architecture, padded shape) loglikelihood scorers this process has compiled."""
+    return int(_score._cache_size()) + int(_score_at._cache_size())
 
 
 class Scorer:
@@ -184,63 +196,98 @@ class Scorer:
         self.pad_id = int(pad_id)
         self.vocab_size = int(model.cfg.vocab_size)
         self.buckets = length_buckets(self.max_length)
+        self.scored = scored_buckets(self.max_length)
         graphdef, state = nnx.split(model)
         self._graphdef, self._state = graphdef, state
 
     def bucket(self, length: int) -> int:
-        for b in self.buckets:
-            if length <= b:
-                return b
-        raise InputError(f"a sequence of {length} tokens exceeds the model length "
-                         f"{self.max_length}")
+        b = _bucket(length, self.buckets)
+        if b is None:
+            raise InputError(f"a sequence of {length} tokens exceeds the model length "
+                             f"{self.max_length}")
+        return b
 
     def score_batch(self, tokens: np.ndarray, targets: np.ndarray,
                     positions: np.ndarray | None = None,
                     segment_ids: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """(log p(target), greedy) at every position of a [B, T] batch."""
         b, t = tokens.shape
         if positions is None:
             positions = np.broadcast_to(np.arange(t, dtype=np.int32), (b, t))
         if segment_ids is None:
             segment_ids = np.ones((b, t), np.int32)
         logp, greedy = _score(self._graphdef, self._state, jnp.asarray(tokens, jnp.int32),
-                                   jnp.asarray(targets, jnp.int32),
-                                   jnp.asarray(positions, jnp.int32),
-                                   jnp.asarray(segment_ids, jnp.int32))
+                              jnp.asarray(targets, jnp.int32), jnp.asarray(positions, jnp.int32),
+                              jnp.asarray(segment_ids, jnp.int32))
         return np.asarray(logp), np.asarray(greedy)
+
+    def share_prefixes(self, rows: list[tuple[list[int], int]]) -> list[list[int]]:
+        """Groups of row ids scored in one input row: a row whose inputs (all tokens but
+        the last) are a prefix of another's is scored in that one's row, causal
+        attention giving it the same log-probabilities there. One-token continuations
+        of one context (lm-eval's multiple choice over letters) share their context
+        this way, and identical requests are computed once. The host (longest) row
+        comes first; a group scores at most `scored[-1]` positions."""
+        order = sorted(range(len(rows)), key=lambda i: rows[i][0][:-1])
+        host = list(range(len(rows)))
+        load = {i: rows[i][1] for i in range(len(rows))}
+        # Sorted lexicographically, the rows extending a prefix come right after it.
+        for a, b in zip(order[-2::-1], order[:0:-1], strict=True):
+            ia, ib = rows[a][0][:-1], rows[b][0][:-1]
+            h = host[b]
+            if ib[:len(ia)] == ia and load[h] + rows[a][1] <= self.scored[-1]:
+                host[a] = h
+                load[h] += rows[a][1]
+        groups: dict[int, list[int]] = {}
+        for i in range(len(rows)):
+            groups.setdefault(host[i], []).append(i)
+        return [[h] + [i for i in g if i != h] for h, g in groups.items()]
 
     def score_rows(self, rows: list[tuple[list[int], int]], *, progress: bool = False,
                    desc: str = "loglikelihood") -> list[tuple[float, bool]]:
         """rows: (tokens, n) — score the last n tokens of `tokens` given the ones before.
 
-        Returns (sum of log-probs, all greedy) per row, in input order.
+        Returns (sum of log-probs, all greedy) per row, in input order. Rows sharing
+        a prefix are grouped (`share_prefixes`); groups are sorted longest first and
+        batched within one length bucket; the head runs only at each batch's scored
+        positions (padded to a `scored` bucket).
         """
         for toks, n in rows:
             if not 1 <= n < len(toks) or len(toks) - 1 > self.max_length:
                 raise ValueError(f"bad row: {len(toks)} tokens, score {n}")
-        order = sorted(range(len(rows)), key=lambda i: -len(rows[i][0]))
+        groups = sorted(self.share_prefixes(rows), key=lambda g: -len(rows[g[0]][0]))
         out: list[tuple[float, bool] | None] = [None] * len(rows)
         B = self.batch_size
         bar = tqdm(total=len(rows), desc=desc, disable=not progress, leave=False)
         i = 0
-        while i < len(order):
-            L = self.bucket(len(rows[order[i]][0]) - 1)
-            batch = order[i:i + B]
-            # Only rows of this bucket share the batch (rows are sorted by length).
-            batch = [j for j in batch if self.bucket(len(rows[j][0]) - 1) == L]
+        while i < len(groups):
+            L = self.bucket(len(rows[groups[i][0]][0]) - 1)
+            # Only groups of this bucket share the batch (groups are sorted by length).
+            batch = [g for g in groups[i:i + B] if self.bucket(len(rows[g[0]][0]) - 1) == L]
+            K = _bucket(max(sum(rows[j][1] for j in g) for g in batch), self.scored)
             tokens = np.full((B, L), self.pad_id, np.int32)
-            targets = np.zeros((B, L), np.int32)
-            for r, j in enumerate(batch):
-                seq = rows[j][0]
-                tokens[r, :len(seq) - 1] = seq[:-1]
-                targets[r, :len(seq) - 1] = seq[1:]
-            logp, greedy = self.score_batch(tokens, targets)
-            for r, j in enumerate(batch):
-                seq, n = rows[j]
-                end = len(seq) - 1
-                out[j] = (float(logp[r, end - n:end].astype(np.float64).sum()),
-                          bool(greedy[r, end - n:end].all()))
+            index = np.zeros((B, K), np.int32)
+            targets = np.zeros((B, K), np.int32)
+            slots: list[tuple[int, int, int, int]] = []  # (row id, batch row, first, last)
+            for r, g in enumerate(batch):
+                host = rows[g[0]][0]
+                tokens[r, :len(host) - 1] = host[:-1]
+                k = 0
+                for j in g:
+                    seq, n = rows[j]
+                    end = len(seq) - 1
+                    index[r, k:k + n] = np.arange(end - n, end)
+                    targets[r, k:k + n] = seq[-n:]
+                    slots.append((j, r, k, k + n))
+                    k += n
+            logp, greedy = _score_at(self._graphdef, self._state, jnp.asarray(tokens),
+                                     jnp.asarray(index), jnp.asarray(targets))
+            logp, greedy = np.asarray(logp), np.asarray(greedy)
+            for j, r, k0, k1 in slots:
+                out[j] = (float(logp[r, k0:k1].astype(np.float64).sum()),
+                          bool(greedy[r, k0:k1].all()))
             i += len(batch)
-            bar.update(len(batch))
+            bar.update(len(slots))
         bar.close()
         return out  # type: ignore[return-value]
 

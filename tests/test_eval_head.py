@@ -1,0 +1,71 @@
+"""The fused head + log-softmax over vocabulary chunks equals the materialized one."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from hldstudy.eval.head import target_logprobs
+
+
+@pytest.mark.parametrize("cap,vocab_block,row_block", [(None, 64, 1024), (30.0, 96, 7),
+                                                       (None, 1000, 5)])
+def test_matches_materialized_log_softmax(cap, vocab_block, row_block):
+    rng = np.random.default_rng(0)
+    n, d, vocab = 23, 16, 333  # neither a multiple of the blocks: clamped last chunk, row padding
+    h = jnp.asarray(rng.standard_normal((n, d)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((d, vocab)) * 2, jnp.float32)
+    z = h @ w
+    if cap is not None:
+        z = cap * jnp.tanh(z / cap)
+    targets = rng.integers(0, vocab, n)
+    targets[:4] = np.asarray(jnp.argmax(z[:4], -1))  # some rows whose target is the argmax
+    targets[4] = vocab - 1  # the last column (inside the clamped overlap)
+    want = np.asarray(jax.nn.log_softmax(z, -1))[np.arange(n), targets]
+    logp, greedy = target_logprobs(h, w, jnp.asarray(targets), cap=cap, vocab_block=vocab_block,
+                                   row_block=row_block)
+    np.testing.assert_allclose(np.asarray(logp), want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(greedy), np.asarray(jnp.argmax(z, -1)) == targets)
+    assert np.asarray(greedy)[:4].all() and logp.shape == (n,)
+
+
+def test_ties_pick_the_first_column_like_argmax():
+    h = jnp.ones((2, 1), jnp.float32)
+    w = jnp.zeros((1, 10), jnp.float32).at[0, 3].set(1.0).at[0, 8].set(1.0)  # tie in two chunks
+    logp, greedy = target_logprobs(h, w, jnp.asarray([3, 8]), vocab_block=4)
+    assert np.asarray(greedy).tolist() == [True, False]
+    np.testing.assert_allclose(np.asarray(logp), np.asarray(jax.nn.log_softmax(h @ w, -1))[:, 3],
+                               rtol=1e-6)
+
+
+def _shapes(jaxpr):
+    """Every intermediate's shape in a jaxpr, nested jaxprs (loops, maps, jits) included."""
+    for eqn in jaxpr.eqns:
+        for v in eqn.outvars:
+            yield tuple(getattr(v.aval, "shape", ()))
+        for p in eqn.params.values():
+            for sub in (p if isinstance(p, (tuple, list)) else (p,)):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    yield from _shapes(inner)
+
+
+def test_the_scorer_never_builds_positions_by_vocab():
+    """Only the gathered B x K rows ever meet the vocabulary, never the B x T context."""
+    from flax import nnx
+
+    from hldstudy.eval.adapter import _score_at
+    from hldstudy.eval.testing import init_model, tiny_config
+
+    cfg = tiny_config(vocab_size=384).model
+    graphdef, state = nnx.split(init_model(cfg, 0))
+    b, t, k = 4, 64, 8
+    jaxpr = jax.make_jaxpr(_score_at, static_argnums=0)(
+        graphdef, state, jnp.zeros((b, t), jnp.int32), jnp.zeros((b, k), jnp.int32),
+        jnp.zeros((b, k), jnp.int32)).jaxpr
+    with_vocab = [s for s in _shapes(jaxpr) if cfg.vocab_size in s]
+    assert with_vocab  # the head is in there
+    # The embedding table [V, D] and head weight [D, V] aside, nothing V-wide has more
+    # than the gathered b * k rows.
+    rows = [int(np.prod(s)) // cfg.vocab_size for s in with_vocab]
+    assert max(r for r in rows if r != cfg.d_model) <= b * k, with_vocab
