@@ -28,7 +28,7 @@ from hldstudy.config import ModelConfig
 from hldstudy.model.layers import _init_normal
 
 __all__ = ["GatedDeltaNet", "GatedRMSNorm", "causal_depthwise_conv", "delta_rule_chunked",
-           "delta_rule_recurrent", "l2_normalize"]
+           "delta_rule_recurrent", "l2_normalize", "unit_lower_inverse"]
 
 
 def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
@@ -85,12 +85,43 @@ def delta_rule_recurrent(q, k, v, g, beta, segment_ids_BxT=None):
     return jnp.moveaxis(out_TxBxHxV, 0, 1)
 
 
+def unit_lower_inverse(m: jax.Array) -> jax.Array:
+    """Inverse of unit-lower-triangular matrices `m [..., C, C]` from matmuls only.
+
+    Recursive block inversion, bottom up: [[A, 0], [B, D]]^-1 = [[A^-1, 0],
+    [-D^-1 B A^-1, D^-1]], starting from 1 x 1 blocks (= 1) and doubling log2(C) times
+    (C padded to a power of two with identity). Used instead of
+    `lax.linalg.triangular_solve` because jaxlib 0.10's CPU LAPACK kernel for batched
+    solves parks an XLA worker thread until its batch items, queued on the same pool, are
+    done: when as many solves run at once as the pool has threads (two independent ones
+    on a 2-core machine, e.g. a DeltaNet student's backward), the step deadlocks.
+    """
+    c = m.shape[-1]
+    size = 1 << max(0, (c - 1).bit_length())
+    batch = m.shape[:-2]
+    if size != c:  # identity padding: the top-left C x C block of the inverse is unchanged
+        pad = ((0, 0),) * len(batch) + ((0, size - c), (0, size - c))
+        m = jnp.pad(m, pad) + jnp.eye(size, dtype=m.dtype).at[:c, :c].set(0.0)
+    inv = jnp.ones(batch + (size, 1, 1), m.dtype)  # [..., blocks, s, s]: inverses of 1 x 1
+    s = 1
+    while s < size:
+        nb = size // (2 * s)
+        blocks = jnp.moveaxis(jnp.diagonal(m.reshape(batch + (nb, 2 * s, nb, 2 * s)),
+                                           axis1=-4, axis2=-2), -1, -3)  # [..., nb, 2s, 2s]
+        a_inv, d_inv = inv[..., 0::2, :, :], inv[..., 1::2, :, :]
+        lower = -(d_inv @ blocks[..., s:, :s] @ a_inv)
+        inv = jnp.concatenate([jnp.concatenate([a_inv, jnp.zeros_like(a_inv)], axis=-1),
+                               jnp.concatenate([lower, d_inv], axis=-1)], axis=-2)
+        s *= 2
+    return inv[..., 0, :c, :c]
+
+
 def delta_rule_chunked(q, k, v, g, beta, segment_ids_BxT=None, *, chunk: int = 64):
     """Chunked (parallel) gated delta rule; equal to `delta_rule_recurrent`.
 
     Inside a chunk the delta updates form a unit-lower-triangular system
     (I + L) U = beta V with L_ij = beta_i k_i.k_j exp(G_i - G_j) (j < i, G the in-chunk
-    cumulative log decay), solved by one triangular solve; the chunks then pass the state
+    cumulative log decay), solved with its inverse (`unit_lower_inverse`); the chunks then pass the state
     along with a scan (transformers' `torch_chunk_gated_delta_rule`, with document masks).
     """
     b, t, h, dk = q.shape
@@ -124,9 +155,7 @@ def delta_rule_chunked(q, k, v, g, beta, segment_ids_BxT=None, *, chunk: int = 6
     strict = pair_decay * (1.0 - jnp.eye(chunk, dtype=f32))
     system = jnp.einsum("...ik,...jk->...ij", k_beta, k) * strict + jnp.eye(chunk, dtype=f32)
     decayed_k_beta = k_beta * (jnp.exp(cum) * same_state)[..., None]
-    solved = jax.lax.linalg.triangular_solve(
-        system, jnp.concatenate([v_beta, decayed_k_beta], axis=-1),
-        left_side=True, lower=True, unit_diagonal=True)
+    solved = unit_lower_inverse(system) @ jnp.concatenate([v_beta, decayed_k_beta], axis=-1)
     u, w = solved[..., :dv], solved[..., dv:]  # new values, decayed keys reading the state
     intra = jnp.einsum("...ik,...jk->...ij", q, k) * pair_decay
     q_dec = q * (jnp.exp(cum) * same_state)[..., None]

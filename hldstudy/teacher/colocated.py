@@ -91,6 +91,14 @@ class ColocatedTeacher:
     def forward_fn(self, layers: tuple[int, ...], needs_head: bool) -> TeacherForward:
         return teacher_forward_fn(self.graphdef, layers, needs_head)
 
+    def head_vxd(self) -> jax.Array:
+        """The LM head as `[V, D]`, the layout a replica sends (`head_weight().T`): the
+        embedding when tied (Gemma), the transposed `lm_head` when not (Qwen3.5), so a
+        remote student rebuilds the same teacher logits as a colocated one."""
+        if self.model_cfg.tie_embeddings:
+            return self.params["embedding"][...]
+        return self.params["lm_head"][...].T
+
     def stage_feed(self, strategy: Strategy, stage: Stage, mesh) -> StageFeed:
         needs = stage_needs(strategy, stage, self.model_cfg)
         if self._placed is None:

@@ -328,7 +328,7 @@ class TeacherServer:
         return digest, tensors
 
     def head(self) -> np.ndarray:
-        return np.asarray(self.teacher.params["embedding"][...])
+        return np.asarray(self.teacher.head_vxd())
 
     # ------------------------------------------------------------- service
 
