@@ -8,8 +8,8 @@ from hldstudy.config import Config, DataConfig
 from hldstudy.errors import ConfigError
 from hldstudy.model import count_params, preset
 from hldstudy.plan import (
-    PLAN_PRESETS,
     PlanInputs,
+    PlanModel,
     logits_bytes_fused,
     logits_bytes_materialized,
     network_bytes_per_step,
@@ -37,14 +37,54 @@ def test_dense_params_match_the_model_count():
     assert weights_bytes(m, 4, 8) == count_params(preset("gemma3-270m"))["total"] * 4 / 8
 
 
-def test_moe_preset_is_35b_a3b():
-    m = PLAN_PRESETS["moe-35b-a3b"]
-    assert 33e9 < m.total_params() < 36e9
-    assert 2.5e9 < m.active_params() < 4e9
-    inactive = m.n_layers * 3 * m.d_model * m.d_expert * (m.n_experts - m.experts_per_token)
-    assert m.total_params() - m.active_params() == inactive
-    assert m.ffn_width_active == 9 * 512
-    assert 8.5e9 < PLAN_PRESETS["dense-9b"].total_params() < 9.5e9
+def test_qwen35_presets_are_the_real_shapes():
+    """The planner's pair is the model presets: hybrid 3:1 DeltaNet / gated attention,
+    248,320 vocabulary, untied head; 35B-A3B: 34.7B parameters, 3.45B active per token
+    (embedding and head included; transformers' figures for these configs)."""
+    moe, dense = plan_model("qwen3.5-35b-a3b"), plan_model("qwen3.5-9b")
+    assert moe == PlanModel.from_model_config(preset("qwen3.5-35b-a3b"), "qwen3.5-35b-a3b")
+    for m in (moe, dense):
+        assert m.vocab_size == 248320 and not m.tied_head and m.family == "qwen3_5"
+        assert m.linear_layers == 3 * m.n_layers // 4
+        assert m.layer_types[:4] == ("linear_attention",) * 3 + ("full_attention",)
+        assert m.total_params() == count_params(preset(m.name))["total"]
+    assert moe.total_params() == pytest.approx(34.66e9, rel=1e-3)
+    assert moe.active_params() == pytest.approx(3.455e9, rel=1e-3)
+    assert dense.total_params() == pytest.approx(8.954e9, rel=1e-3)
+    inactive = moe.n_layers * 3 * moe.d_model * moe.d_expert * (moe.n_experts - moe.experts_per_token)
+    assert moe.total_params() - moe.active_params() == inactive
+    assert moe.ffn_width_active == 8 * 512 + 512  # routed + shared expert
+    assert sum(moe.block_params(i) for i in range(moe.n_layers)) == \
+        moe.total_params() - moe.embedding_params - moe.head_params - moe.d_model
+
+
+def test_qwen35_terms_count_deltanet_and_experts():
+    """FSDP gathers the largest block with all its experts; a DeltaNet layer's activations
+    hold its conv channels, chunk rows and per-chunk states, not attention scores; the
+    recurrent state of a served sequence is float32 [Hv, K, V] + the conv's last inputs."""
+    from hldstudy.plan.terms import (
+        deltanet_activation_bytes_per_token,
+        deltanet_state_bytes,
+        fsdp_gather_bytes,
+        layer_activation_bytes_per_token,
+    )
+
+    moe = plan_model("qwen3.5-35b-a3b")
+    d, e, f = 2048, 256, 512
+    full_block = (3 * d * f * e + 3 * d * 512 + d + d * e + 2 * d
+                  + 2 * d * 16 * 256 + 2 * d * 2 * 256 + d * 16 * 256 + 2 * 256)
+    assert moe.block_params(3) == full_block
+    assert fsdp_gather_bytes(moe, 2, 8) == 2 * max(moe.block_params(0), full_block) * 2
+    assert fsdp_gather_bytes(moe, 2, 1) == 0
+    linear = layer_activation_bytes_per_token(moe, 4096, 2, "flash", layer=0)
+    full = layer_activation_bytes_per_token(moe, 4096, 2, "flash", layer=3)
+    assert linear - full == pytest.approx(
+        deltanet_activation_bytes_per_token(moe, 2)
+        - 2 * 4 * ((16 + 2 * 2) * 256 + 16 * 256) - 8 * 16)
+    dense_scores = layer_activation_bytes_per_token(moe, 4096, 2, "dense", layer=0)
+    assert dense_scores == linear  # a DeltaNet layer builds no T x T scores
+    state = 30 * (4 * 32 * 128 * 128 + 2 * (2 * 16 * 128 + 32 * 128) * 3)
+    assert deltanet_state_bytes(moe, 1, 2) == state
 
 
 def test_ring_logits_network_by_hand():
@@ -95,13 +135,13 @@ def test_fused_loss_and_remat_shrink_memory():
 
 
 def test_moe_teacher_colocated_ooms_disaggregated_fits():
-    p = inputs(teacher=plan_model("moe-35b-a3b"), student=plan_model("dense-9b"),
+    p = inputs(teacher=plan_model("qwen3.5-35b-a3b"), student=plan_model("qwen3.5-9b"),
                tokens_per_step=131072, devices=4, remat=True, hidden_layers=0)
     r = plan(p)
     assert r["colocated"]["verdict"] == "out of memory"
     assert r["disaggregated"]["verdict"] == "fits"
     assert r["disaggregated"]["teacher_breakdown"]["teacher_weights"] == pytest.approx(
-        PLAN_PRESETS["moe-35b-a3b"].total_params() * 2 / 4)
+        plan_model("qwen3.5-35b-a3b").total_params() * 2 / 4)
 
 
 def test_bad_inputs():
@@ -122,7 +162,7 @@ def test_cli_json(capsys):
     assert "teacher_bytes_per_device" in r["disaggregated"]
     assert set(r["network_bytes_per_step"]) >= {"hidden", "logits"}
     assert r["required_link_gbps"] > 0
-    assert main(["--teacher", "moe-35b-a3b", "--student", "dense-9b", "--tokens-per-step",
+    assert main(["--teacher", "qwen3.5-35b-a3b", "--student", "qwen3.5-9b", "--tokens-per-step",
                  "65536", "--devices", "4", "--hbm", "80", "--link", "100", "--remat"]) == 0
     assert "| verdict |" in capsys.readouterr().out
     with pytest.raises(SystemExit) as e:
@@ -209,13 +249,13 @@ def test_teacher_throughput():
 
 
 def test_teacher_devices_for_memory():
-    r = plan(inputs(teacher=plan_model("moe-35b-a3b"), student=plan_model("dense-9b"),
+    r = plan(inputs(teacher=plan_model("qwen3.5-35b-a3b"), student=plan_model("qwen3.5-9b"),
                     tokens_per_step=131072, devices=4, remat=True))["disaggregated"]
     # 34.5B bf16 weights (69 GB) do not fit one 80 GB device with its activations.
     assert r["teacher_devices_for_memory"] >= 2
     assert r["teacher_devices_needed"] == max(r["teacher_devices_for_memory"],
                                               r["teacher_devices_for_throughput"])
     n = r["teacher_devices_for_memory"]
-    side = plan(inputs(teacher=plan_model("moe-35b-a3b"), student=plan_model("dense-9b"),
+    side = plan(inputs(teacher=plan_model("qwen3.5-35b-a3b"), student=plan_model("qwen3.5-9b"),
                        tokens_per_step=131072, devices=4, remat=True, teacher_devices=n))
     assert side["disaggregated"]["teacher_bytes_per_device"] <= side["hbm_limit_bytes"]

@@ -15,11 +15,13 @@ from hldstudy.model.deltanet import GatedDeltaNet
 from hldstudy.model.moe import MoE
 from hldstudy.model.presets import preset
 from hldstudy.model.qwen_layers import GatedAttention
+from hldstudy.shapes import ModelShape
 from hldstudy.train.probe import cost_analysis
 
 CFG = dataclasses.replace(preset("tiny-qwen-moe"), d_model=128, n_heads=4, head_dim=32,
                           d_expert=128, d_shared_expert=128, linear_k_head_dim=32,
                           linear_v_head_dim=32, deltanet_chunk=32)
+SHAPE = ModelShape.from_model_config(CFG)
 
 
 def _xla_flops(layer, *args) -> float:
@@ -34,14 +36,14 @@ def test_gated_attention_matches_xla():
     x = jax.numpy.ones((1, t, CFG.d_model))
     pos = jax.numpy.arange(t)[None]
     xla = _xla_flops(layer, x, pos, None)
-    assert gated_attention_flops(CFG, t, dense=True) == pytest.approx(xla, rel=0.02)
+    assert gated_attention_flops(SHAPE, t, dense=True) == pytest.approx(xla, rel=0.02)
 
 
 def test_moe_layer_matches_xla_with_grouped_matmuls_dense_over_experts():
     tokens = 64
     layer = MoE(CFG, nnx.Rngs(0))
     xla = _xla_flops(layer, jax.numpy.ones((1, tokens, CFG.d_model)))
-    assert moe_flops(CFG, tokens, grouped_dense=True) == pytest.approx(xla, rel=0.02)
+    assert moe_flops(SHAPE, tokens, grouped_dense=True) == pytest.approx(xla, rel=0.02)
 
 
 def test_deltanet_matmuls_are_a_lower_bound_of_xla_on_one_chunk():
@@ -53,7 +55,7 @@ def test_deltanet_matmuls_are_a_lower_bound_of_xla_on_one_chunk():
     t = CFG.deltanet_chunk
     layer = GatedDeltaNet(CFG, nnx.Rngs(0))
     xla = _xla_flops(layer, jax.numpy.ones((1, t, CFG.d_model)))
-    no_solve = deltanet_flops(CFG, t, solve=False)
+    no_solve = deltanet_flops(SHAPE, t, solve=False)
     hv, dk, dv = CFG.linear_v_heads, CFG.linear_k_head_dim, CFG.linear_v_head_dim
     without_state = no_solve - hv * 6.0 * t * dk * dv
     assert without_state <= xla
