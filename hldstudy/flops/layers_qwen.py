@@ -170,14 +170,12 @@ def qwen_train_mixing_flops(m: ModelShape, seq_len: int, *,
 # --------------------------------------------------------------------------- #
 
 # Per token of one block, by feature: "hidden" per d_model (2 RMSNorms, residuals), "ffn"
-# per MLP width (SwiGLU), gated attention's "q" per n_heads*head_dim (QK-norm, partial
-# rotary, scale, sigmoid gate), "kv" per n_kv_heads*head_dim, "score" per n_heads*T (mask,
-# softmax); the DeltaNet's "conv" per conv channel (taps, document masks, SiLU), "value"
-# per value head x V (gated RMSNorm, delta), "key" per value head x K (L2 norms, decays),
-# "chunk" per value head x C (the in-chunk decay and masks), "head" per value head (gates),
-# "state" per value head x K V / C (the state's decay, once per chunk).
-EW_FEATURES = ("hidden", "ffn", "q", "kv", "score", "conv", "value", "key", "chunk", "head",
-               "state")
+# per MLP width (SwiGLU; an MoE layer's active width), gated attention's "qkv" per
+# (2 n_heads + n_kv_heads) x head_dim (QK-norm, partial rotary, scale, sigmoid gate) and
+# "score" per n_heads x T (mask, softmax); the DeltaNet's "vectors" per conv channel + value
+# head x (K + V) (conv taps and SiLU, L2 norms, decays, gated RMSNorm) and "chunk" per value
+# head x C (the in-chunk decay, masks and system, padded to whole chunks).
+EW_FEATURES = ("hidden", "ffn", "qkv", "score", "vectors", "chunk")
 
 
 def elementwise_features(m: ModelShape, seq_len: int, kind: str) -> list[float]:
@@ -189,13 +187,11 @@ def elementwise_features(m: ModelShape, seq_len: int, kind: str) -> list[float]:
     if kind == "linear_attention":
         c = m.deltanet_chunk
         chunks_per_token = math.ceil(seq_len / c) / seq_len  # padded to whole chunks
-        f.update(conv=float(m.linear_conv_dim), value=float(hv * m.linear_v_head_dim),
-                 key=float(hv * m.linear_k_head_dim), chunk=hv * c * c * chunks_per_token,
-                 head=float(hv),
-                 state=hv * m.linear_k_head_dim * m.linear_v_head_dim * chunks_per_token)
+        f["vectors"] = float(m.linear_conv_dim + hv * (m.linear_k_head_dim + m.linear_v_head_dim))
+        f["chunk"] = hv * c * c * chunks_per_token
     else:
-        f.update(q=float(m.n_heads * m.head_dim), kv=float(m.n_kv_heads * m.head_dim),
-                 score=float(m.n_heads * seq_len))
+        f["qkv"] = float((2 * m.n_heads + m.n_kv_heads) * m.head_dim)
+        f["score"] = float(m.n_heads * seq_len)
     return [f[k] for k in EW_FEATURES]
 
 

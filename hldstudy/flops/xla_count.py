@@ -16,7 +16,14 @@ import re
 
 from hldstudy.flops.layers_qwen import triangular_solve_flops
 
-__all__ = ["completed_flops", "triangular_solves"]
+__all__ = ["KEEP_LOOPS", "completed_flops", "triangular_solves"]
+
+# Compiler options for a count: XLA's while-loop simplifier inlines a loop of one trip and
+# then drops what only the loop's final carry needed (the DeltaNet chunk scan's last state
+# update, and in the backward what that update's zero cotangent feeds), which it cannot do
+# for two or more trips. Keeping the loop makes a one-chunk count the exact body that every
+# chunk of a longer sequence runs (HloCostAnalysis counts a loop body once).
+KEEP_LOOPS = {"xla_disable_hlo_passes": "simplify-while-loops"}
 
 _SOLVE = re.compile(
     r"=\s*(?P<dtype>[a-z0-9]+)\[(?P<dims>[0-9,]*)\][^=]*?custom-call\((?P<operands>[^)]*)\)"

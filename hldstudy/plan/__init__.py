@@ -31,6 +31,7 @@ from hldstudy.plan.step_memory import (
     cohort_memory,
     largest_cohort,
     predict_step_memory,
+    predict_teacher_forward_memory,
     xla_memory,
 )
 from hldstudy.plan.terms import (
@@ -57,6 +58,7 @@ __all__ = [
     "cohort_memory", "dtype_bytes", "fanout_window_bytes", "fsdp_gather_bytes",
     "inference_activation_bytes", "largest_cohort", "layer_activation_bytes_per_token",
     "logits_bytes_fused", "logits_bytes_materialized", "network_bytes_per_step",
-    "optimizer_bytes", "plan", "plan_model", "predict_step_memory", "ring_bytes",
+    "optimizer_bytes", "plan", "plan_model", "predict_step_memory",
+    "predict_teacher_forward_memory", "ring_bytes",
     "score_bytes_per_token_layer", "train_activation_bytes", "weights_bytes", "xla_memory",
 ]

@@ -13,6 +13,11 @@ Memory terms (bytes per device):
   `memory_analysis()` of the compiled baseline step (see
   `hldstudy.plan.step_memory.predict_step_memory`). With `remat`, only each block's input survives
   (`c d` per layer) plus one block's working set during its recompute.
+  Qwen3.5 (qwen3_5): a gated-attention layer adds its output gate; a Gated DeltaNet
+  layer builds no scores but keeps its conv channels, the in-chunk rows (C per value
+  head) and the state entering each chunk (`deltanet_activation_bytes_per_token`); an MoE
+  layer keeps its router probabilities and routed rows. Serving: `deltanet_state_bytes`
+  (float32 recurrent state + conv tail per sequence and linear layer).
 - logits peak: materialized = student logits + their gradient + teacher
   logits, float32 `[tokens, V]` (`3 * tokens * V * 4`); fused =
   `4 * row_block * vocab_block * 4` (student/teacher chunk, probabilities,
@@ -92,8 +97,24 @@ def score_bytes_per_token_layer(m: PlanModel, seq_len: int, compute_bytes: int,
 # decay, system and attention rows), and the state entering each chunk (K x V / C). An MoE
 # layer adds the router's float32 probabilities (`MOE_COPIES["router"]` x E) and the routed
 # rows gathered by expert (`["rows"]` x k x d).
-DELTANET_COPIES = {"conv": 2, "value": 3, "key": 4, "head_v": 4, "chunk": 3}
+DELTANET_COPIES = {"conv": 6, "value": 3, "key": 8, "head_v": 8, "chunk": 8}
 MOE_COPIES = {"router": 2, "rows": 2}
+
+
+def grouped_dense_bytes(m: PlanModel, tokens: float, compute_bytes: int,
+                        n_layers: int | None = None) -> float:
+    """Extra memory of an MoE forward where `ragged_dot` runs dense over all experts (XLA
+    CPU; `hldstudy.flops.layers_qwen.grouped_matmuls_run_dense`): a laid-out copy of every
+    MoE layer's expert weights (3 E d F), and one layer's expanded product [E, M, max(d, F)]
+    with its routed rows and outputs [M, d + F], M = tokens x k (measured on
+    `grouped_swiglu` alone: within 2% over 4 shapes); n_layers: the blocks run. 0 for a
+    dense model."""
+    if not m.n_experts:
+        return 0.0
+    d, e, f = m.d_model, m.n_experts, m.d_expert
+    rows = tokens * m.experts_per_token
+    n = m.n_layers if n_layers is None else n_layers
+    return compute_bytes * (n * 3 * e * d * f + e * rows * max(d, f) + rows * (d + f))
 
 
 def deltanet_activation_bytes_per_token(m: PlanModel, compute_bytes: int) -> float:
