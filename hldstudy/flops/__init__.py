@@ -50,8 +50,16 @@ the trainer's real step of every method, colocated or disaggregated, is
 compiled from abstract shapes (`train_step_probe`) and XLA's `cost_analysis()["flops"]` is compared
 with the hardware figure (tests: within 5%; measured 0.97-1.004). One XLA
 limitation matters: HloCostAnalysis counts a while-loop (scan) body once, so
-the fused KD loss's row-window scan is undercounted above 64 tokens per step
-(`xla_count_is_complete`; the CLI warns).
+the fused KD loss's row-window scan is undercounted above 64 tokens per step, and a
+Gated DeltaNet's chunk scan above one chunk (`xla_count_is_complete`; the CLI warns).
+XLA reports -1 for a triangular solve (the DeltaNet's, a LAPACK call on CPU); the probe
+counts it by its closed form (`hldstudy.flops.xla_count`).
+
+**Families.** `flops_per_token` is the one dispatch on `ModelConfig.family` (and on the
+planner's `ModelShape`s): gemma3 counts with the formulas here, qwen3_5 (Gated DeltaNet,
+gated attention, MoE: active experts + router + shared expert) with
+`hldstudy.flops.layers_qwen`, whose `attention` term is all sequence mixing. Every method
+and stage (student, teacher forward, regressors, HLDF's prefixes) goes through it.
 
 CLI: `python -m hldstudy.flops --config experiments/X.py --method kd
 --teacher-preset tiny-teacher --budget 1e15 --check-xla --json`.
@@ -399,8 +407,16 @@ def step_flops(cfg: Config, method: str | None = None, stage: str | None = None,
 FUSED_XLA_ROW_BLOCK = 64
 
 
-def xla_count_is_complete(cfg: Config, method: str, stage: str) -> bool:
-    """False where XLA would count the fused loss's row-window scan body only once."""
+def xla_count_is_complete(cfg: Config, method: str, stage: str,
+                          teacher_model: ModelConfig | None = None) -> bool:
+    """False where XLA would count a loop body only once: the fused loss's row-window
+    scan over more than one window, or a Gated DeltaNet's chunk scan (student, or a
+    teacher run inside the step) over more than one chunk."""
     kd = methods.get(method).stage(cfg, stage).spec.kd
     tokens = cfg.data.batch_size * cfg.data.seq_len
-    return not (kd and cfg.distill.loss_impl == "fused" and tokens > FUSED_XLA_ROW_BLOCK)
+    models = (cfg.model,) + ((teacher_model,) if teacher_model is not None else ())
+    chunked = any(m.family == "qwen3_5" and cfg.data.seq_len > m.deltanet_chunk
+                  and any(m.layer_type(i) == "linear_attention" for i in range(m.n_layers))
+                  for m in models)
+    return not (kd and cfg.distill.loss_impl == "fused" and tokens > FUSED_XLA_ROW_BLOCK) \
+        and not chunked
