@@ -261,11 +261,12 @@ def test_teacher_devices_for_memory():
     assert side["disaggregated"]["teacher_bytes_per_device"] <= side["hbm_limit_bytes"]
 
 
-# Achieved on these shapes (XLA CPU, jax 0.10.2): see the report; the DeltaNet copy counts
+# Temporaries predicted within 4% on these shapes (XLA CPU, jax 0.10.2: students 0.961,
+# 1.039, 0.981; teachers 0.985, 0.970, 0.993). The DeltaNet copy counts
 # (plan.terms.DELTANET_COPIES) were fitted on the first two student shapes plus one more,
-# the forward's live share and the grouped-expert workspace on the first two teacher shapes
-# and grouped_swiglu alone; the last shape of each list is a check they were not fitted on.
-QWEN_TEMP_TOLERANCE = 0.10
+# the forward's live share on the first two teacher shapes and the grouped-expert workspace
+# on grouped_swiglu alone; the last shape of each list is a check none was fitted on.
+QWEN_TEMP_TOLERANCE = 0.05
 
 # Qwen3.5: a DeltaNet student's train step (chunks of 32 and 16 over 128 / 64 tokens: the
 # chunk scan keeps a state per chunk) and the MoE teacher's forward alone (as a replica
