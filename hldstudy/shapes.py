@@ -53,6 +53,8 @@ class ModelShape:
     linear_v_head_dim: int = 0
     linear_conv_kernel: int = 4
     d_shared_expert: int = 0  # width of a sigmoid-gated shared expert (qwen3_5)
+    deltanet_chunk: int = 64  # tokens per chunk of the chunked delta rule (qwen3_5)
+    layer_types: tuple = ()  # qwen3_5: each layer's type, in order (full/linear_attention)
 
     @classmethod
     def from_model_config(cls, m: ModelConfig, name: str = "model") -> ModelShape:
@@ -68,7 +70,9 @@ class ModelShape:
                        linear_k_heads=m.linear_k_heads, linear_v_heads=m.linear_v_heads,
                        linear_k_head_dim=m.linear_k_head_dim,
                        linear_v_head_dim=m.linear_v_head_dim,
-                       linear_conv_kernel=m.linear_conv_kernel, d_shared_expert=m.d_shared_expert)
+                       linear_conv_kernel=m.linear_conv_kernel, d_shared_expert=m.d_shared_expert,
+                       deltanet_chunk=m.deltanet_chunk,
+                       layer_types=tuple(m.layer_type(i) for i in range(m.n_layers)))
         return cls(name=name, vocab_size=m.vocab_size, d_model=m.d_model, n_layers=m.n_layers,
                    n_heads=m.n_heads, n_kv_heads=m.n_kv_heads, head_dim=m.head_dim,
                    d_ff=m.d_ff, tied_head=True, sliding_window=m.sliding_window,
@@ -113,7 +117,8 @@ class ModelShape:
     @property
     def ffn_width_active(self) -> int:
         """FFN width a token passes through (dense d_ff + routed and shared experts)."""
-        return self.d_ff + (self.experts_per_token + self.shared_experts) * self.d_expert
+        return self.d_ff + (self.experts_per_token + self.shared_experts) * self.d_expert + \
+            self.d_shared_expert
 
     def layer_params(self) -> int:
         d = self.d_model
@@ -146,6 +151,21 @@ class ModelShape:
         n_full = self.n_layers - self.linear_layers
         return self.n_layers * (ffn + 2 * d) + n_full * full + self.linear_layers * linear
 
+    def is_linear(self, i: int) -> bool:
+        """Whether 0-based layer i is a Gated DeltaNet layer (qwen3_5)."""
+        return self.layer_types[i] == "linear_attention" if self.layer_types else False
+
+    def block_params(self, i: int) -> int:
+        """All parameters of 0-based block i (every expert; norms included)."""
+        if self.family != "qwen3_5":
+            return self.layer_params()
+        d = self.d_model
+        ffn = 3 * d * self.d_ff + 3 * d * self.d_expert * self.n_experts + self.shared_params + \
+            d * self.n_experts
+        mixer = (self.linear_matmul_params + self.linear_other_params if self.is_linear(i)
+                 else self.attn_params + 2 * self.head_dim)
+        return ffn + 2 * d + mixer
+
     def total_params(self) -> int:
         extra_head = 0 if self.tied_head else self.head_params
         if self.family == "qwen3_5":
@@ -159,14 +179,6 @@ class ModelShape:
         per_layer = self.layer_params() - 3 * self.d_model * self.d_expert * (
             self.n_experts - self.experts_per_token)
         return self.n_layers * per_layer + self.d_model + self.embedding_params + extra_head
-
-    def forward_flops_per_token(self, seq_len: int, *, head: bool = True,
-                                n_layers: int | None = None) -> float:
-        n = self.n_layers if n_layers is None else n_layers
-        attn = 4.0 * self.n_heads * self.head_dim * sum(
-            causal_context(seq_len, self.window(i)) for i in range(n))
-        return 2.0 * n * self.layer_matmul_params_active() + attn + (
-            2.0 * self.d_model * self.vocab_size if head else 0.0)
 
 
 def count_params(cfg: ModelConfig) -> dict[str, int]:

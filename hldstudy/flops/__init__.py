@@ -50,8 +50,16 @@ the trainer's real step of every method, colocated or disaggregated, is
 compiled from abstract shapes (`train_step_probe`) and XLA's `cost_analysis()["flops"]` is compared
 with the hardware figure (tests: within 5%; measured 0.97-1.004). One XLA
 limitation matters: HloCostAnalysis counts a while-loop (scan) body once, so
-the fused KD loss's row-window scan is undercounted above 64 tokens per step
-(`xla_count_is_complete`; the CLI warns).
+the fused KD loss's row-window scan is undercounted above 64 tokens per step, and a
+Gated DeltaNet's chunk scan above one chunk (`xla_count_is_complete`; the CLI warns).
+XLA reports -1 for a triangular solve (the DeltaNet's, a LAPACK call on CPU); the probe
+counts it by its closed form (`hldstudy.flops.xla_count`).
+
+**Families.** `flops_per_token` is the one dispatch on `ModelConfig.family` (and on the
+planner's `ModelShape`s): gemma3 counts with the formulas here, qwen3_5 (Gated DeltaNet,
+gated attention, MoE: active experts + router + shared expert) with
+`hldstudy.flops.layers_qwen`, whose `attention` term is all sequence mixing. Every method
+and stage (student, teacher forward, regressors, HLDF's prefixes) goes through it.
 
 CLI: `python -m hldstudy.flops --config experiments/X.py --method kd
 --teacher-preset tiny-teacher --budget 1e15 --check-xla --json`.
@@ -66,52 +74,91 @@ from hldstudy.config import Config, ModelConfig
 from hldstudy.distill import methods
 from hldstudy.distill.pairs import resolve_layer_pairs
 from hldstudy.errors import ConfigError
-from hldstudy.shapes import ModelShape, causal_context, count_params
+from hldstudy.flops.layers_qwen import (
+    grouped_matmuls_run_dense,
+    qwen_elementwise_per_token,
+    qwen_flops_per_token,
+    qwen_train_mixing_flops,
+)
+from hldstudy.shapes import ModelShape, causal_context
 
 # --------------------------------------------------------------------------- #
 # Per-token forward counts
 # --------------------------------------------------------------------------- #
 
 
-def matmul_params_per_layer(m: ModelConfig) -> int:
-    """Weights of q, k, v, o, gate, up, down in one block (norm scales excluded)."""
-    return ModelShape.from_model_config(m).layer_matmul_params_active()
+def _shape(m: ModelConfig | ModelShape) -> ModelShape:
+    return m if isinstance(m, ModelShape) else ModelShape.from_model_config(m)
 
 
-def layer_contexts(m: ModelConfig, seq_len: int, attention: str = "causal",
+def matmul_params_per_layer(m: ModelConfig | ModelShape) -> int:
+    """Weights of q, k, v, o, gate, up, down in one block (norm scales excluded; gemma3)."""
+    return _shape(m).layer_matmul_params_active()
+
+
+def layer_contexts(m: ModelConfig | ModelShape, seq_len: int, attention: str = "causal",
                    n_layers: int | None = None) -> list[float]:
     """Per layer context length: causal average (model FLOPs) or T (dense implementation)."""
-    if attention not in ("causal", "dense"):
-        raise ConfigError("attention", f"{attention!r} is not one of causal, dense")
+    _check_attention(attention)
     n = m.n_layers if n_layers is None else n_layers
     if attention == "dense":
         return [float(seq_len)] * n
     return [causal_context(seq_len, m.window(i)) for i in range(n)]
 
 
-def flops_per_token(model_cfg: ModelConfig, seq_len: int, *, attention: str = "causal",
-                    n_layers: int | None = None, head: bool = True,
-                    elementwise: bool = False) -> dict[str, float]:
+def _check_attention(attention: str) -> None:
+    if attention not in ("causal", "dense"):
+        raise ConfigError("attention", f"{attention!r} is not one of causal, dense")
+
+
+def flops_per_token(model_cfg: ModelConfig | ModelShape, seq_len: int, *,
+                    attention: str = "causal", n_layers: int | None = None, head: bool = True,
+                    elementwise: bool = False,
+                    grouped_dense: bool = False) -> dict[str, float]:
     """Forward FLOPs per token: {"nonemb", "deembed", "attention", ["elementwise"], "total"}.
 
+    The one dispatch on the model family: gemma3 counts with the formulas above, qwen3_5
+    with `hldstudy.flops.layers_qwen` (its "attention" is all sequence mixing: gated
+    attention scores and the DeltaNet's conv and chunked delta rule).
     n_layers: run only the first n blocks (HLDF stage 1); head: include the LM head.
     attention: "causal" (model FLOPs, the budget figure) or "dense" (what the
     masked implementation executes). elementwise: add the calibrated forward
-    elementwise estimate (hardware figure only).
+    elementwise estimate (hardware figure only; needs a ModelConfig).
+    grouped_dense: MoE experts as XLA CPU runs `ragged_dot` (hardware figure only).
     """
-    m = model_cfg
+    m = _shape(model_cfg)
+    _check_attention(attention)
     n = m.n_layers if n_layers is None else n_layers
     if not 0 <= n <= m.n_layers:
         raise ConfigError("n_layers", f"{n} is out of range 0..{m.n_layers}")
-    out = {
-        "nonemb": 2.0 * n * matmul_params_per_layer(m),
-        "deembed": 2.0 * m.d_model * m.vocab_size if head else 0.0,
-        "attention": 4.0 * sum(layer_contexts(m, seq_len, attention, n)) * m.n_heads * m.head_dim,
-    }
+    if m.family == "qwen3_5":
+        out = qwen_flops_per_token(m, seq_len, attention=attention, n_layers=n, head=head,
+                                   grouped_dense=grouped_dense)
+        out.pop("total")
+    else:
+        out = {
+            "nonemb": 2.0 * n * m.layer_matmul_params_active(),
+            "deembed": 2.0 * m.d_model * m.vocab_size if head else 0.0,
+            "attention": 4.0 * sum(layer_contexts(m, seq_len, attention, n)) * m.n_heads
+            * m.head_dim,
+        }
     if elementwise:
-        out["elementwise"] = elementwise_per_token(m, seq_len, n_layers=n, head=head, train=False)
+        out["elementwise"] = elementwise_per_token(model_cfg, seq_len, n_layers=n, head=head,
+                                                   train=False)
     out["total"] = sum(out.values())
     return out
+
+
+def train_mixing_flops_per_token(m: ModelConfig | ModelShape, seq_len: int, *,
+                                 n_layers: int | None = None) -> float:
+    """Sequence mixing of a training step per token as executed (dense attention),
+    forward + backward: 3x the forward's matmuls, and for the DeltaNet the triangular
+    solve's backward (`layers_qwen.deltanet_mixing_flops`)."""
+    shape = _shape(m)
+    if shape.family != "qwen3_5":
+        return 3.0 * flops_per_token(shape, seq_len, attention="dense",
+                                     n_layers=n_layers, head=False)["attention"]
+    return qwen_train_mixing_flops(shape, seq_len, n_layers=n_layers) / seq_len
 
 
 # Elementwise FLOPs per element, (forward, forward + backward), fitted to
@@ -137,20 +184,29 @@ OPTIMIZER_FLOPS_PER_PARAM = 19.0  # AdamW + decoupled weight decay + clipping (X
 
 def elementwise_per_token(m: ModelConfig, seq_len: int, *, n_layers: int | None = None,
                           head: bool = True, train: bool = False,
-                          loss: str = "nll") -> float:
+                          loss: str = "nll", embedding: bool = True) -> float:
     """Calibrated elementwise FLOPs per token (hardware figure only).
 
     loss: "nll" or a KD divergence ("forward_kl", "reverse_kl", "jsd") for the
     logit-level terms (materialized-loss constants; the fused loss is similar).
+    embedding: include the embedding's own work (Gemma's scale; Qwen's lookup has none).
+    qwen3_5 blocks count with `layers_qwen.qwen_elementwise_per_token`; the head and the
+    losses are shared code, counted with the same constants for both families.
     """
     i = 1 if train else 0
     n = m.n_layers if n_layers is None else n_layers
-    ew = n * m.n_heads * seq_len * (_EW["score"][i]
-                                    + (_EW["score_softcap"][i] if m.attn_softcap else 0.0))
-    ew += n * (_EW["hidden"][i] * m.d_model + _EW["ffn"][i] * m.d_ff
-               + _EW["q"][i] * m.n_heads * m.head_dim + _EW["kv"][i] * m.n_kv_heads * m.head_dim
-               + (_EW["qk_norm"][i] * (m.n_heads + m.n_kv_heads) * m.head_dim if m.qk_norm else 0))
-    ew += _EW["embed"][i] * m.d_model
+    if m.family == "qwen3_5":
+        ew = qwen_elementwise_per_token(ModelShape.from_model_config(m), seq_len, n_layers=n,
+                                        train=train)
+    else:
+        ew = n * m.n_heads * seq_len * (_EW["score"][i]
+                                        + (_EW["score_softcap"][i] if m.attn_softcap else 0.0))
+        ew += n * (_EW["hidden"][i] * m.d_model + _EW["ffn"][i] * m.d_ff
+                   + _EW["q"][i] * m.n_heads * m.head_dim
+                   + _EW["kv"][i] * m.n_kv_heads * m.head_dim
+                   + (_EW["qk_norm"][i] * (m.n_heads + m.n_kv_heads) * m.head_dim
+                      if m.qk_norm else 0))
+        ew += _EW["embed"][i] * m.d_model if embedding else 0.0
     if head:
         if loss == "nll":
             ew += m.vocab_size * (_EW["logit_nll"][i]
@@ -161,14 +217,14 @@ def elementwise_per_token(m: ModelConfig, seq_len: int, *, n_layers: int | None 
     return ew
 
 
-def trainable_params(m: ModelConfig, n_layers: int | None = None) -> int:
+def trainable_params(m: ModelConfig | ModelShape, n_layers: int | None = None) -> int:
     """Parameters the optimizer updates: all of them, or (HLDF stage 1) the
-    embedding and the first `n_layers` blocks (the rest and the final norm are frozen)."""
-    c = count_params(m)
+    embedding and the first `n_layers` blocks (the rest, the final norm and an untied
+    head are frozen)."""
+    shape = _shape(m)
     if n_layers is None:
-        return c["total"]
-    per_layer = (c["non_embedding"] - m.d_model) // m.n_layers
-    return c["embedding"] + n_layers * per_layer
+        return shape.total_params()
+    return shape.embedding_params + sum(shape.block_params(i) for i in range(n_layers))
 
 
 # --------------------------------------------------------------------------- #
@@ -294,10 +350,13 @@ def step_flops(cfg: Config, method: str | None = None, stage: str | None = None,
 
     # Hardware (executed) estimate.
     loss_kind = cfg.distill.divergence if kd_loss else "nll"
-    fs_dense = flops_per_token(s, seq, n_layers=s_layers, head=s_head, attention="dense")
+    grouped_dense = grouped_matmuls_run_dense()
+    fs_dense = flops_per_token(s, seq, n_layers=s_layers, head=s_head, attention="dense",
+                               grouped_dense=grouped_dense)
     hw = {
         "student_matmul": 3.0 * tokens * (fs_dense["nonemb"] + fs_dense["deembed"]),
-        "student_attention_dense": 3.0 * tokens * fs_dense["attention"],
+        "student_attention_dense": tokens * train_mixing_flops_per_token(s, seq,
+                                                                         n_layers=s_layers),
         "regressor": regressor,
         "elementwise": tokens * (elementwise_per_token(s, seq, n_layers=s_layers, head=s_head,
                                                        train=True, loss=loss_kind)
@@ -313,15 +372,15 @@ def step_flops(cfg: Config, method: str | None = None, stage: str | None = None,
     if s.remat:  # every block's forward runs again in the backward pass
         hw["recompute_remat"] = tokens * (
             fs_dense["nonemb"] + fs_dense["attention"]
-            + elementwise_per_token(s, seq, n_layers=s_layers, head=False, train=False)
-            - _EW["embed"][0] * s.d_model)
+            + elementwise_per_token(s, seq, n_layers=s_layers, head=False, train=False,
+                                    embedding=False))
     if kd_loss and (fused_recompute if fused_recompute is not None
                     else fused_loss_recomputes(cfg)):
         # Backward rebuilds each chunk's student and teacher logits.
         hw["recompute_fused"] = tokens * 2.0 * (s.d_model + t.d_model) * s.vocab_size
     if t is not None and (t_layers > 0 or t_head):
         ftd = flops_per_token(t, seq, n_layers=t_layers, head=t_head, attention="dense",
-                              elementwise=True)
+                              elementwise=True, grouped_dense=grouped_dense)
         hw["teacher"] = tokens * ftd["total"]
         hw["teacher_head"] = teacher_head_flops
     hardware_total = sum(v for k, v in hw.items() if k != "teacher_head")
@@ -348,8 +407,16 @@ def step_flops(cfg: Config, method: str | None = None, stage: str | None = None,
 FUSED_XLA_ROW_BLOCK = 64
 
 
-def xla_count_is_complete(cfg: Config, method: str, stage: str) -> bool:
-    """False where XLA would count the fused loss's row-window scan body only once."""
+def xla_count_is_complete(cfg: Config, method: str, stage: str,
+                          teacher_model: ModelConfig | None = None) -> bool:
+    """False where XLA would count a loop body only once: the fused loss's row-window
+    scan over more than one window, or a Gated DeltaNet's chunk scan (student, or a
+    teacher run inside the step) over more than one chunk."""
     kd = methods.get(method).stage(cfg, stage).spec.kd
     tokens = cfg.data.batch_size * cfg.data.seq_len
-    return not (kd and cfg.distill.loss_impl == "fused" and tokens > FUSED_XLA_ROW_BLOCK)
+    models = (cfg.model,) + ((teacher_model,) if teacher_model is not None else ())
+    chunked = any(m.family == "qwen3_5" and cfg.data.seq_len > m.deltanet_chunk
+                  and any(m.layer_type(i) == "linear_attention" for i in range(m.n_layers))
+                  for m in models)
+    return not (kd and cfg.distill.loss_impl == "fused" and tokens > FUSED_XLA_ROW_BLOCK) \
+        and not chunked

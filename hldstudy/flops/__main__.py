@@ -39,10 +39,11 @@ def _stage_report(cfg, method, stage, share, teacher_model, steps, check_xla,
         rep["xla_flops_per_step"] = x
         rep["xla_over_hardware"] = x / b.hardware_flops(layout)
         rep["xla_over_analytic"] = x / b.total
-        if not xla_count_is_complete(cfg, method, stage):
-            rep["xla_warning"] = (f"XLA counts the fused loss's row-window loop body once; "
-                                  f"its figure is low for more than {FUSED_XLA_ROW_BLOCK} "
-                                  f"tokens per step (use --set distill.loss_impl=materialized)")
+        if not xla_count_is_complete(cfg, method, stage, teacher_model):
+            rep["xla_warning"] = (f"XLA counts a loop body once: the fused loss's row windows "
+                                  f"(low for more than {FUSED_XLA_ROW_BLOCK} tokens per step; "
+                                  f"--set distill.loss_impl=materialized) or a DeltaNet's "
+                                  f"chunks (low for data.seq_len above model.deltanet_chunk)")
     return rep
 
 

@@ -7,7 +7,7 @@ teacher runtime or the sweep:
 
 - `terms`: memory terms (weights, optimizer, activations, logits peak, ring,
   fan-out window) and network bytes per step;
-- `presets`: the planner's model shapes (its MoE presets and every model preset);
+- `presets`: the planner's model shapes (every model preset, Qwen3.5 MoE included);
 - `layouts`: the per-device plan of one run, colocated vs disaggregated, with
   step times, the link it needs and verdicts;
 - `step_memory`: XLA's `memory_analysis()` of one compiled step (solo or a
@@ -25,12 +25,13 @@ counts and presets it reads), beside teacher/, below sweep/ (tests/test_structur
 """
 
 from hldstudy.plan.layouts import PlanInputs, plan
-from hldstudy.plan.presets import PLAN_PRESETS, plan_model
+from hldstudy.plan.presets import plan_model
 from hldstudy.plan.step_memory import (
     VMAP_ACT_EXTRA,
     cohort_memory,
     largest_cohort,
     predict_step_memory,
+    predict_teacher_forward_memory,
     xla_memory,
 )
 from hldstudy.plan.terms import (
@@ -53,10 +54,11 @@ from hldstudy.plan.terms import (
 )
 
 __all__ = [
-    "DTYPE_BYTES", "GB", "PLAN_PRESETS", "VMAP_ACT_EXTRA", "PlanInputs", "PlanModel",
+    "DTYPE_BYTES", "GB", "VMAP_ACT_EXTRA", "PlanInputs", "PlanModel",
     "cohort_memory", "dtype_bytes", "fanout_window_bytes", "fsdp_gather_bytes",
     "inference_activation_bytes", "largest_cohort", "layer_activation_bytes_per_token",
     "logits_bytes_fused", "logits_bytes_materialized", "network_bytes_per_step",
-    "optimizer_bytes", "plan", "plan_model", "predict_step_memory", "ring_bytes",
+    "optimizer_bytes", "plan", "plan_model", "predict_step_memory",
+    "predict_teacher_forward_memory", "ring_bytes",
     "score_bytes_per_token_layer", "train_activation_bytes", "weights_bytes", "xla_memory",
 ]

@@ -48,6 +48,7 @@ import math
 from dataclasses import dataclass
 
 from hldstudy.errors import ConfigError
+from hldstudy.flops import flops_per_token
 from hldstudy.plan.terms import (
     GB,
     TEACHER_LIVE_COPIES,
@@ -211,14 +212,14 @@ def plan(p: PlanInputs) -> dict:
 
     # FLOPs and step times.
     T, tok = p.seq_len, p.tokens_per_step
-    student_train = 3.0 * tok * s.forward_flops_per_token(T)
+    student_train = 3.0 * tok * flops_per_token(s, T)["total"]
     head_rebuild = 2.0 * tok * t.d_model * vocab
     recompute = 2.0 * tok * (s.d_model + t.d_model) * vocab if (
         p.loss == "fused" and p.fused_recompute) else 0.0
     regressors = 6.0 * tok * p.hidden_layers * s.d_model * t.d_model
-    remat_recompute = tok * (s.forward_flops_per_token(T, head=False)) if p.remat else 0.0
+    remat_recompute = tok * flops_per_token(s, T, head=False)["total"] if p.remat else 0.0
     recompute += remat_recompute
-    teacher_fwd = tok * t.forward_flops_per_token(T)
+    teacher_fwd = tok * flops_per_token(t, T)["total"]
     eff = p.tflops * 1e12 * p.mfu
     flops = {"student_train": student_train, "teacher_head_rebuild": head_rebuild,
              "recompute": recompute, "regressors": regressors,

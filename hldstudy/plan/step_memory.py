@@ -1,9 +1,11 @@
-"""What XLA reports for one compiled train step (solo or cohort), predicted in closed form.
+"""What XLA reports for one compiled train step (solo or cohort) or teacher forward, predicted
+in closed form.
 
 `predict_step_memory` maps the planner's terms (`hldstudy.plan.terms`) onto the
 four numbers of `compiled.memory_analysis()` for hldstudy's own step (small
 configs, one device); `cohort_memory` does the same for the cohort step of K
-students sharing one teacher (`hldstudy.train.cohort`); `xla_memory` reads
+students sharing one teacher (`hldstudy.train.cohort`), `predict_teacher_forward_memory`
+for the teacher's forward alone (a replica, the disaggregated teacher side); `xla_memory` reads
 XLA's report in the same keys, so tests compare the two.
 """
 
@@ -13,9 +15,11 @@ from hldstudy.config import Config, ModelConfig
 from hldstudy.distill import methods
 from hldstudy.errors import ConfigError
 from hldstudy.flops import step_flops, trainable_params
+from hldstudy.flops.layers_qwen import grouped_matmuls_run_dense
 from hldstudy.plan.terms import (
     TEACHER_LIVE_COPIES,
     dtype_bytes,
+    grouped_dense_bytes,
     layer_activation_bytes_per_token,
     logits_bytes_fused,
     logits_bytes_materialized,
@@ -184,3 +188,42 @@ def xla_memory(compiled) -> dict[str, float]:
                           + out["temp_bytes"])
     return {k: float(v) for k, v in out.items()}
 
+
+
+# Measured, not derived: a forward keeps ~a quarter of what a block keeps for its backward
+# live at once (XLA CPU, fitted on the tiny MoE teacher of tests/test_plan.py).
+FORWARD_LIVE_SHARE = 0.15
+
+
+def predict_teacher_forward_memory(teacher_model: ModelConfig, batch_size: int, seq_len: int,
+                                   *, layers: tuple[int, ...] = (), head: bool = True,
+                                   dtype: str = "float32", attention: str = "dense",
+                                   grouped_dense: bool | None = None) -> dict:
+    """Predicted `compiled.memory_analysis()` of the teacher's forward alone (what a
+    replica or the disaggregated teacher side runs: `teacher_forward_fn`), one device.
+
+      argument_bytes: the teacher's params in `dtype` (every expert; without the head only
+        the embedding and the blocks run), the batch (tokens, positions, segment ids, int32).
+      output_bytes: the streamed `TeacherOutputs`: each requested layer's hidden states,
+        the final hidden states and the head weight when the head is needed.
+      temp_bytes: the forward's working set: `FORWARD_LIVE_SHARE` of the largest block's
+        training activations plus the kept hidden states, and where `ragged_dot` runs
+        dense over all experts (grouped_dense; None: the running backend's way) the
+        expanded experts (`grouped_dense_bytes`).
+    """
+    t = PlanModel.from_model_config(teacher_model, "teacher")
+    c = dtype_bytes(dtype)
+    tok = batch_size * seq_len
+    # Without the head only the blocks up to the deepest requested layer run, and jit drops
+    # the unused parameters.
+    n_run = t.n_layers if head else max(layers)
+    argument = trainable_params(t, None if head else n_run) * c + 3 * tok * 4
+    n_out = len(layers) + int(head)
+    output = n_out * tok * t.d_model * c + (t.head_params * c if head else 0.0)
+    block = max(layer_activation_bytes_per_token(t, seq_len, c, attention, i)
+                for i in range(n_run))
+    temp = tok * (FORWARD_LIVE_SHARE * block + (1 + n_out) * t.d_model * c)
+    if grouped_matmuls_run_dense() if grouped_dense is None else grouped_dense:
+        temp += grouped_dense_bytes(t, tok, c, n_run)
+    return {"argument_bytes": float(argument), "output_bytes": float(output),
+            "alias_bytes": 0.0, "temp_bytes": temp, "total_bytes": argument + output + temp}

@@ -13,6 +13,11 @@ Memory terms (bytes per device):
   `memory_analysis()` of the compiled baseline step (see
   `hldstudy.plan.step_memory.predict_step_memory`). With `remat`, only each block's input survives
   (`c d` per layer) plus one block's working set during its recompute.
+  Qwen3.5 (qwen3_5): a gated-attention layer adds its output gate; a Gated DeltaNet
+  layer builds no scores but keeps its conv channels, the in-chunk rows (C per value
+  head) and the state entering each chunk (`deltanet_activation_bytes_per_token`); an MoE
+  layer keeps its router probabilities and routed rows. Serving: `deltanet_state_bytes`
+  (float32 recurrent state + conv tail per sequence and linear layer).
 - logits peak: materialized = student logits + their gradient + teacher
   logits, float32 `[tokens, V]` (`3 * tokens * V * 4`); fused =
   `4 * row_block * vocab_block * 4` (student/teacher chunk, probabilities,
@@ -69,7 +74,9 @@ def optimizer_bytes(m: PlanModel, nbytes: int, devices: int = 1, states: int = 2
 
 
 def fsdp_gather_bytes(m: PlanModel, nbytes: int, devices: int, buffers: int = 2) -> float:
-    return 0.0 if devices <= 1 else float(buffers * m.layer_params() * nbytes)
+    """`buffers` copies of the largest block's full weights (every expert)."""
+    largest = max(m.block_params(i) for i in range(m.n_layers))
+    return 0.0 if devices <= 1 else float(buffers * largest * nbytes)
 
 
 def score_bytes_per_token_layer(m: PlanModel, seq_len: int, compute_bytes: int,
@@ -81,13 +88,71 @@ def score_bytes_per_token_layer(m: PlanModel, seq_len: int, compute_bytes: int,
     raise ConfigError("attention", f"{attention!r} is not one of dense, flash")
 
 
+# Qwen3.5 (qwen3_5) blocks, per token, from what the layers build (hldstudy.model.deltanet,
+# moe, qwen_layers). A gated-attention layer adds its output gate (n_heads x head_dim) to the
+# q, k, v copies. A Gated DeltaNet layer keeps, in the compute dtype, `DELTANET_COPIES["conv"]`
+# copies of the conv channels (projection, conv + SiLU) and `["value"]` of the value width
+# (z, gated-norm in/out); in float32 per value head `["key"]` x K (normalised q, k, decayed
+# keys, solve) and `["head_v"]` x V (values, new values, output), `["chunk"]` x C (the in-chunk
+# decay, system and attention rows), and the state entering each chunk (K x V / C). An MoE
+# layer adds the router's float32 probabilities (`MOE_COPIES["router"]` x E) and the routed
+# rows gathered by expert (`["rows"]` x k x d).
+DELTANET_COPIES = {"conv": 6, "value": 3, "key": 8, "head_v": 8, "chunk": 8}
+MOE_COPIES = {"router": 2, "rows": 2}
+
+
+def grouped_dense_bytes(m: PlanModel, tokens: float, compute_bytes: int,
+                        n_layers: int | None = None) -> float:
+    """Extra memory of an MoE forward where `ragged_dot` runs dense over all experts (XLA
+    CPU; `hldstudy.flops.layers_qwen.grouped_matmuls_run_dense`): a laid-out copy of every
+    MoE layer's expert weights (3 E d F), and one layer's expanded product [E, M, max(d, F)]
+    with its routed rows and outputs [M, d + F], M = tokens x k (measured on
+    `grouped_swiglu` alone: within 2% over 4 shapes); n_layers: the blocks run. 0 for a
+    dense model."""
+    if not m.n_experts:
+        return 0.0
+    d, e, f = m.d_model, m.n_experts, m.d_expert
+    rows = tokens * m.experts_per_token
+    n = m.n_layers if n_layers is None else n_layers
+    return compute_bytes * (n * 3 * e * d * f + e * rows * max(d, f) + rows * (d + f))
+
+
+def deltanet_activation_bytes_per_token(m: PlanModel, compute_bytes: int) -> float:
+    """What a Gated DeltaNet mixer keeps per token for its backward (no remat)."""
+    hv, dk, dv, ch = m.linear_v_heads, m.linear_k_head_dim, m.linear_v_head_dim, m.deltanet_chunk
+    k = DELTANET_COPIES
+    return (compute_bytes * (k["conv"] * m.linear_conv_dim + k["value"] * hv * dv)
+            + 4.0 * hv * (k["key"] * dk + k["head_v"] * dv + k["chunk"] * ch + dk * dv / ch))
+
+
+def deltanet_state_bytes(m: PlanModel, sequences: float, compute_bytes: int) -> float:
+    """The recurrent state of every linear-attention layer for `sequences` sequences
+    (decoding / serving): float32 [Hv, K, V] plus the conv's last kernel-1 inputs."""
+    per_layer = 4.0 * m.linear_v_heads * m.linear_k_head_dim * m.linear_v_head_dim + \
+        compute_bytes * m.linear_conv_dim * (m.linear_conv_kernel - 1)
+    return sequences * m.linear_layers * per_layer
+
+
+def _mlp_bytes_per_token(m: PlanModel, compute_bytes: int) -> float:
+    out = compute_bytes * ACT_COPIES["ffn"] * m.ffn_width_active
+    if m.family == "qwen3_5" and m.n_experts:
+        out += 4.0 * MOE_COPIES["router"] * m.n_experts + \
+            compute_bytes * MOE_COPIES["rows"] * m.experts_per_token * m.d_model
+    return out
+
+
 def layer_activation_bytes_per_token(m: PlanModel, seq_len: int, compute_bytes: int,
-                                     attention: str = "dense") -> float:
-    """What one block keeps per token for its backward (no remat)."""
+                                     attention: str = "dense", layer: int | None = None) -> float:
+    """What block `layer` keeps per token for its backward (no remat); layer None: the
+    largest block (a full-attention one)."""
     c = compute_bytes
+    base = c * ACT_COPIES["d"] * m.d_model + _mlp_bytes_per_token(m, c)
+    if layer is not None and m.is_linear(layer):
+        return base + deltanet_activation_bytes_per_token(m, c)
     qkv = (m.n_heads + 2 * m.n_kv_heads) * m.head_dim
-    return c * (ACT_COPIES["d"] * m.d_model + ACT_COPIES["ffn"] * m.ffn_width_active
-                + ACT_COPIES["qkv"] * qkv) + score_bytes_per_token_layer(m, seq_len, c, attention)
+    gate = m.n_heads * m.head_dim if m.family == "qwen3_5" else 0
+    return base + c * ACT_COPIES["qkv"] * (qkv + gate) + \
+        score_bytes_per_token_layer(m, seq_len, c, attention)
 
 
 def train_activation_bytes(m: PlanModel, tokens: float, seq_len: int, compute_bytes: int, *,
@@ -95,18 +160,21 @@ def train_activation_bytes(m: PlanModel, tokens: float, seq_len: int, compute_by
                            n_layers: int | None = None) -> float:
     """Saved activations of a training forward over `tokens` tokens (logits excluded)."""
     n = m.n_layers if n_layers is None else n_layers
-    per_layer = layer_activation_bytes_per_token(m, seq_len, compute_bytes, attention)
+    per_layer = [layer_activation_bytes_per_token(m, seq_len, compute_bytes, attention, i)
+                 for i in range(n)]
     head = 2 * m.d_model * compute_bytes  # final norm in / out
     if remat:
-        return tokens * (n * m.d_model * compute_bytes + per_layer + head)
-    return tokens * (n * per_layer + head)
+        return tokens * (n * m.d_model * compute_bytes + max(per_layer, default=0.0) + head)
+    return tokens * (sum(per_layer) + head)
 
 
 def inference_activation_bytes(m: PlanModel, tokens: float, seq_len: int, compute_bytes: int,
                                *, attention: str = "dense", kept_layers: int = 1) -> float:
-    """A forward without backward: one block's working set + the kept hidden states."""
-    return tokens * (layer_activation_bytes_per_token(m, seq_len, compute_bytes, attention)
-                     + (1 + kept_layers) * m.d_model * compute_bytes)
+    """A forward without backward: the largest block's working set + the kept hidden
+    states."""
+    working = max(layer_activation_bytes_per_token(m, seq_len, compute_bytes, attention, i)
+                  for i in range(m.n_layers))
+    return tokens * (working + (1 + kept_layers) * m.d_model * compute_bytes)
 
 
 def logits_bytes_materialized(tokens: float, vocab: int, with_teacher: bool = True) -> float:

@@ -19,6 +19,7 @@ from hldstudy.config import Config, ModelConfig
 from hldstudy.distill import methods
 from hldstudy.distill.base import TeacherOutputs, make_strategy
 from hldstudy.errors import ConfigError
+from hldstudy.flops.xla_count import KEEP_LOOPS, completed_flops
 from hldstudy.model.transformer import Transformer
 from hldstudy.teacher.colocated import teacher_forward_fn
 from hldstudy.train.optim import make_optimizer
@@ -34,8 +35,11 @@ def cost_analysis(compiled) -> dict:
 
 
 def xla_step_flops(fn, *args, **kwargs) -> float:
-    """FLOPs XLA counts for `jit(fn)(*args)`; args may be `jax.ShapeDtypeStruct`s."""
-    return float(cost_analysis(jax.jit(fn).lower(*args, **kwargs).compile()).get("flops", 0.0))
+    """FLOPs XLA counts for `jit(fn)(*args)`; args may be `jax.ShapeDtypeStruct`s. Triangular
+    solves (which XLA reports as -1) are counted by their closed form (`completed_flops`);
+    one-trip loops stay loops (`KEEP_LOOPS`)."""
+    compiled = jax.jit(fn).lower(*args, **kwargs).compile(compiler_options=KEEP_LOOPS)
+    return completed_flops(cost_analysis(compiled).get("flops", 0.0), compiled.as_text())
 
 
 def _abstract_batch(cfg: Config):

@@ -1,0 +1,50 @@
+"""The disaggregated-teacher experiment at its real shapes: Qwen3.5-35B-A3B (hybrid
+Gated DeltaNet / gated attention, 256 experts with 8 routed + 1 shared per token, 248,320
+vocabulary) served by teacher replicas, distilled with logit KD into a Qwen3.5-9B student
+(32 layers, d 4096, untied head) on a cluster. The student is trained from its random
+initialisation here; the teacher is an imported HF checkpoint (Qwen3_5MoeForCausalLM or the
+multimodal checkpoint's language model) whose tokenizer.json the student's data uses.
+
+    python -m hldstudy.train --config experiments/disaggkd_qwen35.py --set data.path=/data/tensorflow_datasets --set data.tokenizer=/ckpt/Qwen3.5-35B-A3B/tokenizer.json --set teacher.checkpoint=remote://teacher-0:7000,teacher-1:7000 --set train.mesh_fsdp=64
+
+The teacher replicas serve the imported checkpoint (python -m hldstudy.teacher, one per
+host). Without weights or data (nothing reads data.path, data.tokenizer or the teacher
+here; the teacher's shape comes from its preset):
+
+    python -m hldstudy.sweep experiments/disaggkd_qwen35.py --dry-run
+    python -m hldstudy.flops --config experiments/disaggkd_qwen35.py --set data.path=/data/tensorflow_datasets --teacher-preset qwen3.5-35b-a3b --layout disaggregated
+    python -m hldstudy.plan --teacher qwen3.5-35b-a3b --student qwen3.5-9b --tokens-per-step 1048576 --seq-len 4096 --devices 64 --hbm 141 --link 400 --remat
+    python -m hldstudy.plan --sweep experiments/disaggkd_qwen35.py --devices 64 --hbm 141
+"""
+
+from hldstudy.config import BudgetConfig, Config, DataConfig, DistillConfig, TrainConfig
+from hldstudy.model.presets import preset
+from hldstudy.sweep import Sweep
+
+TEACHER_PRESET = "qwen3.5-35b-a3b"
+STUDENT_PRESET = "qwen3.5-9b"
+SEQ_LEN = 4096
+BATCH_SIZE = 256  # sequences per step: 1,048,576 tokens
+STEPS = 10_000  # ~10.5B tokens
+
+
+def get_config() -> Config:
+    return Config(
+        name="disaggkd-qwen3.5-35b-a3b-to-9b",
+        model=preset(STUDENT_PRESET, dtype="bfloat16", remat=True),
+        data=DataConfig(source="tfds", tfds_name="c4/en", seq_len=SEQ_LEN,
+                        batch_size=BATCH_SIZE, add_bos=False),
+        train=TrainConfig(steps=STEPS, lr=3e-4, warmup_steps=500, schedule="cosine",
+                          min_lr_ratio=0.1, weight_decay=0.1, log_every=50, eval_every=1000,
+                          eval_batches=32, checkpoint_every=500, keep_checkpoints=2),
+        distill=DistillConfig(method="kd", alpha=0.5, temperature=1.0, loss_impl="fused",
+                              fused_backend="auto"),
+        budget=BudgetConfig(count_teacher=False),
+    )
+
+
+def get_sweep() -> Sweep:
+    """The run as a one-point sweep, so `python -m hldstudy.sweep ... --dry-run` lists its
+    steps and FLOPs before anything is rented (the teacher counted from its preset)."""
+    return Sweep(name="disaggkd-qwen3.5", base=get_config(), methods=("kd",),
+                 budget_baseline_steps=STEPS, teacher_preset=TEACHER_PRESET)
