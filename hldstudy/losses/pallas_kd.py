@@ -346,7 +346,7 @@ def _mosaic_stats(cfg, h_s, w_s, h_t, w_t, labels_Tx1):
     return kd_chunks.finalize_stats(cfg, tuple(stats))
 
 
-def _mosaic_grads(cfg, h_s, w_s, h_t, w_t, labels_Tx1, row_stats, coef_nll, coef_kl):
+def _mosaic_grads(cfg, h_s, w_s, h_t, w_t, labels_Tx1, row_stats, coef_nll, coef_kl, only):
     d_s, vocab = w_s.shape
     cfg_in, extra = _traced_temperature(cfg)
     w_s, w_t = _pad_to(w_s, 1, cfg.vocab_block), _pad_to(w_t, 1, cfg.vocab_block)
@@ -361,17 +361,21 @@ def _mosaic_grads(cfg, h_s, w_s, h_t, w_t, labels_Tx1, row_stats, coef_nll, coef
                 + [col_spec(w_s.shape[0]), col_spec(w_t.shape[0])]
                 + [pl.BlockSpec((1, 1), lambda *g: (0, 0)) for _ in extra])
 
-    dh = pl.pallas_call(
-        _kernel(_mosaic_dh_kernel, cfg_in, extra, len(operands)),
-        grid=(n_row_blocks, n_chunks),
-        in_specs=specs(lambda i, j: (i, j)),
-        out_specs=pl.BlockSpec((rows, h_s.shape[1]), lambda i, j: (i, 0)),
-        out_shape=jax.ShapeDtypeStruct(h_s.shape, jnp.float32),
-        interpret=cfg.interpret,
-        compiler_params=_mosaic_compiler_params(cfg, ("parallel", "arbitrary")),
-        cost_estimate=_cost(cfg, "dh", "mosaic", h_s, h_t, w_s),
-        name="fused_kd_dh_mosaic",
-    )(*operands)
+    dh = None
+    if only != "dw":
+        dh = pl.pallas_call(
+            _kernel(_mosaic_dh_kernel, cfg_in, extra, len(operands)),
+            grid=(n_row_blocks, n_chunks),
+            in_specs=specs(lambda i, j: (i, j)),
+            out_specs=pl.BlockSpec((rows, h_s.shape[1]), lambda i, j: (i, 0)),
+            out_shape=jax.ShapeDtypeStruct(h_s.shape, jnp.float32),
+            interpret=cfg.interpret,
+            compiler_params=_mosaic_compiler_params(cfg, ("parallel", "arbitrary")),
+            cost_estimate=_cost(cfg, "dh", "mosaic", h_s, h_t, w_s),
+            name="fused_kd_dh_mosaic",
+        )(*operands)
+    if only == "dh":
+        return dh, None
     # The dW kernel's grid is (chunk, row block): its output block stays resident over rows.
     dw = pl.pallas_call(
         _kernel(_mosaic_dw_kernel, cfg_in, extra, len(operands)),
@@ -399,9 +403,14 @@ def stats(cfg, h_s, w_s, h_t, w_t, labels):
     return _triton_stats(cfg, h_s, w_s, h_t, w_t, labels_Tx1)
 
 
-def grads(cfg, h_s, w_s, h_t, w_t, labels, row_stats, coef_nll, coef_kl):
-    """(dh_s [T, d_s], dW_s [d_s, V]) in float32 for per-row coefficient columns."""
+def grads(cfg, h_s, w_s, h_t, w_t, labels, row_stats, coef_nll, coef_kl, only=None):
+    """(dh_s [T, d_s], dW_s [d_s, V]) in float32 for per-row coefficient columns.
+
+    only: "dh" / "dw" runs just that Mosaic kernel (the other is None), so the compile
+    tier can compile and measure each kernel alone; the Triton kernel forms both.
+    """
     labels_Tx1 = labels.reshape(-1, 1).astype(jnp.int32)
     if kernel_family(cfg.backend) == "mosaic":
-        return _mosaic_grads(cfg, h_s, w_s, h_t, w_t, labels_Tx1, row_stats, coef_nll, coef_kl)
+        return _mosaic_grads(cfg, h_s, w_s, h_t, w_t, labels_Tx1, row_stats, coef_nll, coef_kl,
+                             only)
     return _triton_grads(cfg, h_s, w_s, h_t, w_t, labels_Tx1, row_stats, coef_nll, coef_kl)
