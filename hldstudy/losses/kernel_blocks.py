@@ -40,7 +40,7 @@ TPU_TILE_ROWS, TPU_LANES = 8, 128  # a 32-bit VMEM tile; narrower dtypes pack mo
 MOSAIC_BUDGET = 0.75
 # [R, C] float32 values live at once per kernel (logits, exponentials, masks,
 # the gradient tile), fitted to libtpu's reports (module doc).
-MOSAIC_LIVE_TILES = {"stats": 10, "dh": 16, "dw": 16}
+MOSAIC_LIVE_TILES = {"stats": 8, "dh": 12, "dw": 12}
 # (rows, cols) tried in order: larger first, more rows first.
 MOSAIC_CANDIDATES = ((256, 512), (256, 256), (128, 512), (128, 256), (128, 128), (64, 128),
                      (32, 128), (16, 128))
