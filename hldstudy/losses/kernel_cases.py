@@ -7,6 +7,9 @@ with the blocks and compiler limits of a `kernel_blocks.KernelBlocks`, nothing e
 
 from __future__ import annotations
 
+import re
+import time
+
 import jax
 import jax.numpy as jnp
 
@@ -68,3 +71,28 @@ def loss_case(family: str, *, d_s: int, d_t: int, vocab: int, dtype, n_rows: int
 
     return jax.value_and_grad(loss, argnums=(0, 1)), _head_specs(n_rows, d_s, d_t, vocab, dtype,
                                                                  sharding)
+
+
+def compile_case(fn, specs) -> tuple[bool, str, float]:
+    """(compiled, the compiler's first line of refusal or "", seconds): `fn` lowered
+    and compiled for the device its specs are placed on (a target's compile-only
+    device: the target's own compiler, on-chip memory limits included)."""
+    start = time.perf_counter()
+    try:
+        jax.jit(fn).trace(*specs).lower().compile()
+    except Exception as e:  # noqa: BLE001 - the compilers refuse with their own error types
+        return False, refusal(e), time.perf_counter() - start
+    return True, "", time.perf_counter() - start
+
+
+def refusal(exc: BaseException) -> str:
+    """The line of a compiler error that says why: libtpu's scoped-VMEM verdict, Triton's
+    shared-memory one, else the first non-empty line."""
+    text = str(exc)
+    for pattern in (r"Scoped allocation with size \S+ and limit \S+",
+                    r"Used \S+ of \S+ vmem", r"[^\n]*[Ss]hared memory[^\n]*"):
+        m = re.search(pattern, text)
+        if m:
+            return m.group(0).strip()[:300]
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    return (lines[0] if lines else type(exc).__name__)[:300]
