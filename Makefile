@@ -1,17 +1,14 @@
 # Shortcuts: `make setup` (the venv, at the versions in constraints.txt), `make quickstart`,
 # `make test` (the README's test command), `make test-all`, `make lint`, `make bench`,
-# `make upgrade` (newest versions, tests, then a new constraints.txt if they pass),
-# `make test-aot` (the compile tier: compiles for TPU/GPU targets, in $(AOT_VENV) with the aot extra).
+# `make upgrade` (newest versions, tests, then a new constraints.txt if they pass).
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 # `make upgrade` installs and tests here, so that a failed upgrade leaves $(VENV) as it was.
 UPGRADE_VENV ?= .venv-upgrade
 TEST_DEFAULT := -m pytest -q -n 2 -m "not slow and not optional"
-# The compile tier's venv: the project with the aot extra (libtpu, the JAX CUDA plugin).
-AOT_VENV ?= .venv-aot
 
-.PHONY: setup quickstart test test-all test-aot lint bench clean constraints upgrade
+.PHONY: setup quickstart test test-all lint bench clean constraints upgrade
 
 # Reinstalls when the project's requirements or the tested versions change.
 $(BIN)/hldstudy: pyproject.toml constraints.txt
@@ -29,15 +26,6 @@ test: setup
 
 test-all: setup
 	$(BIN)/python -m pytest -q
-
-$(AOT_VENV)/bin/hldstudy: pyproject.toml constraints.txt
-	$(PYTHON) -m venv $(AOT_VENV)
-	$(AOT_VENV)/bin/pip install --quiet -c constraints.txt -e '.[dev,aot]'
-	touch $(AOT_VENV)/bin/hldstudy
-
-# Long (tens of compiles of 5-60 s): not in CI. The compile-only plugins need JAX_PLATFORMS=cpu.
-test-aot: $(AOT_VENV)/bin/hldstudy
-	JAX_PLATFORMS=cpu $(AOT_VENV)/bin/python -m pytest -q -m aot tests --durations=10
 
 lint: setup
 	$(BIN)/ruff check hldstudy tests benchmarks experiments sweeps

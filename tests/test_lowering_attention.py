@@ -75,10 +75,17 @@ def test_auto_is_splash_on_a_tpu_and_chunked_with_a_notice_where_splash_cannot(c
     assert attention.resolve_implementation("auto", seq_len=4096, backend="cpu", **kw) == "chunked"
 
 
-def test_splash_off_a_tpu_is_a_config_error():
+def test_splash_off_a_tpu_is_a_config_error_when_traced():
     with pytest.raises(ConfigError, match="splash needs a TPU"):
         attention.check_implementation("splash", dtype="bfloat16", softcap=None, head_dim=H,
                                        backend="cpu")
+    # Built on this CPU host (as hldstudy.aot builds a TPU target's model): allowed ...
+    attention.check_implementation("splash", dtype="bfloat16", softcap=None, head_dim=H)
+    # ... but traced for this host's CPU: refused, naming the field.
+    x = jnp.zeros((1, 128, 2, 128), jnp.float32)
+    with pytest.raises(ConfigError, match="splash needs a TPU") as e:
+        attention.attend(x, x, x, implementation="splash")
+    assert e.value.field == "model.attention"
 
 
 @pytest.mark.slow

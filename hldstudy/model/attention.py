@@ -484,15 +484,20 @@ def _cudnn_unfit(dtype: str, softcap: float | None, head_dim: int) -> str | None
 
 def check_implementation(name: str, *, dtype: str, softcap: float | None, head_dim: int,
                          backend: str | None = None) -> None:
-    """Raises ConfigError if `model.attention=name` cannot run on this backend."""
+    """Raises ConfigError if `model.attention=name` cannot run on this backend.
+
+    backend None: the backend being traced for (`chips.traced_target`). `splash` is
+    checked only against a given backend (`resolve_implementation`, at trace time): a
+    model built on a CPU host may be traced for a TPU target (`hldstudy.aot`).
+    """
     if name not in IMPLEMENTATIONS:
         raise ConfigError("model.attention", f"{name!r} is not one of {', '.join(IMPLEMENTATIONS)}")
-    backend = backend or traced_target()[0]
-    if name == "splash" and backend != "tpu":
+    if name == "splash" and backend is not None and backend != "tpu":
         raise ConfigError("model.attention", f"splash needs a TPU, this backend is {backend}",
                           "use model.attention=chunked (any backend) or auto")
     if name != "cudnn":
         return
+    backend = backend or traced_target()[0]
     if backend != "gpu":
         raise ConfigError("model.attention", f"cudnn needs an NVIDIA GPU, this backend is {backend}",
                           "use model.attention=chunked (any backend) or auto")
