@@ -19,6 +19,7 @@ import pytest
 from jax import export
 
 from hldstudy import chips
+from hldstudy.errors import ConfigError
 from hldstudy.losses import fused, kernel_blocks, kernel_cases
 from hldstudy.losses.kernel_blocks import KernelBlocks
 
@@ -144,3 +145,19 @@ def test_auto_backend_resolves_against_a_named_platform():
     with _abstract_mesh("NVIDIA H100 80GB HBM3", "gpu"):
         assert chips.traced_target() == ("gpu", chips.chip("h100"))
         assert fused.resolve_backend("auto") == "pallas_triton"
+
+
+def test_auto_takes_the_xla_path_where_no_mosaic_block_fits_and_pallas_mosaic_refuses():
+    # float32 Gemma 2 heads (d 2304) on v4's 16 MiB of VMEM.
+    specs = dict(d_s=2304, d_t=2304, vocab=4096, dtype=jnp.float32, n_rows=256)
+
+    def loss(backend):
+        return lambda h_s, w_s, h_t, w_t, y: fused.fused_kd_loss(h_s, w_s, h_t, w_t, y,
+                                                                 backend=backend)[0]
+
+    _, args = kernel_cases.loss_case("mosaic", **specs)
+    with _abstract_mesh("TPU v4", "tpu"):
+        text = _lower(loss("auto"), args, "tpu").as_text()
+        assert "tpu_custom_call" not in text
+        with pytest.raises(ConfigError, match="do not fit v4"):
+            _lower(loss("pallas_mosaic"), args, "tpu")

@@ -43,12 +43,14 @@ Metrics (`nll`, `kl`) are returned under `stop_gradient`: differentiate `loss`.
 from __future__ import annotations
 
 import functools
+import logging
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from hldstudy import chips
+from hldstudy.errors import ConfigError
 from hldstudy.losses import kernel_blocks, pallas_kd
 from hldstudy.losses.kd import flatten_tokens, validate_kd_args
 from hldstudy.losses.kd_chunks import (
@@ -66,6 +68,8 @@ from hldstudy.losses.kd_chunks import (
     update_stats,
 )
 from hldstudy.numerics import softcap
+
+log = logging.getLogger("hldstudy.losses")
 
 FUSED_DIVERGENCES = ("forward_kl", "reverse_kl")
 # "pallas" picks the kernel family by platform; the explicit ones are for tests.
@@ -297,6 +301,11 @@ def _fused_bwd(cfg, res, cotangents):
 _fused.defvjp(_fused_fwd, _fused_bwd)
 
 
+@functools.lru_cache(maxsize=16)
+def _notice_once(message: str) -> None:
+    log.warning(message)
+
+
 def resolve_backend(backend: str, platform: str | None = None) -> str:
     """The concrete backend for `backend` on `platform` ("tpu", "gpu", "cpu"; default:
     the backend being traced for, `chips.traced_target`): "auto" is Pallas on a GPU or
@@ -357,6 +366,7 @@ def fused_kd_loss(
     if unused:
         raise TypeError(f"fused_kd_loss: unexpected keyword arguments {sorted(unused)}")
     validate_kd_args(temperature, alpha, divergence, FUSED_DIVERGENCES)
+    chosen_here = backend in ("auto", "pallas")
     backend = resolve_backend(backend)
     h_s, h_t, labels, mask = flatten_tokens(h_s, h_t, labels, mask)
     vocab = w_s.shape[-1]
@@ -366,9 +376,16 @@ def fused_kd_loss(
     kernel = None
     if backend.startswith("pallas"):
         # Blocks and compiler limits for the chip this is traced for (kernel_blocks).
-        kernel = kernel_blocks.for_target(chips.traced_target()[1], h_s.shape[-1], vocab,
-                                          w_s.dtype, d_teacher=h_t.shape[-1],
-                                          family=pallas_kd.kernel_family(backend))
+        try:
+            kernel = kernel_blocks.for_target(chips.traced_target()[1], h_s.shape[-1], vocab,
+                                              w_s.dtype, d_teacher=h_t.shape[-1],
+                                              family=pallas_kd.kernel_family(backend))
+        except kernel_blocks.BlocksDoNotFit as e:
+            if not chosen_here:
+                raise ConfigError("distill.fused_backend", str(e)) from None
+            _notice_once(f"fused KD: {e}; auto takes the XLA path")
+            backend = "xla"
+    if kernel is not None:
         default_rows, default_vocab = kernel.row_block, kernel.vocab_block
     else:
         default_rows, default_vocab = CPU_ROW_BLOCK, CPU_VOCAB_BLOCK

@@ -41,6 +41,10 @@ MOSAIC_BUDGET = 0.75
 # [R, C] float32 values live at once per kernel (logits, exponentials, masks,
 # the gradient tile), fitted to libtpu's reports (module doc).
 MOSAIC_LIVE_TILES = {"stats": 8, "dh": 12, "dw": 12}
+# float32 gradient kernels: libtpu 0.0.42 on v4 asks for a further ~0.5-1.3 KiB per unit
+# of d_s + d_t whatever the blocks (the HIGHEST-precision dots' operand splits, we
+# believe): 13.11M for dh at (128, 256), d 1152, 14.42M at (64, 128), d 2304.
+MOSAIC_F32_GRAD_BYTES_PER_D = 1536
 # (rows, cols) tried in order: larger first, more rows first.
 MOSAIC_CANDIDATES = ((256, 512), (256, 256), (128, 512), (128, 256), (128, 128), (64, 128),
                      (32, 128), (16, 128))
@@ -96,7 +100,8 @@ def mosaic_vmem_bytes(kernel: str, rows: int, cols: int, d_s: int, d_t: int, dty
         blocks += 9 * column + _vmem_tile_bytes(d_s, cols, 4)  # ...; dW out
     else:
         raise ValueError(f"kernel: expected stats, dh or dw, got {kernel!r}")
-    return 2 * blocks + MOSAIC_LIVE_TILES[kernel] * rows * cols * 4
+    f32_split = MOSAIC_F32_GRAD_BYTES_PER_D * (d_s + d_t) if es == 4 and kernel != "stats" else 0
+    return 2 * blocks + MOSAIC_LIVE_TILES[kernel] * rows * cols * 4 + f32_split
 
 
 def mosaic_peak_bytes(rows: int, cols: int, d_s: int, d_t: int, dtype) -> int:
@@ -123,6 +128,10 @@ def mosaic_budget(chip: Chip) -> int:
     return int(chip.onchip_bytes * MOSAIC_BUDGET) // (1 << 20) * (1 << 20)
 
 
+class BlocksDoNotFit(ValueError):
+    """No Mosaic block of MOSAIC_CANDIDATES fits the chip's VMEM at this head shape."""
+
+
 def for_target(chip: Chip | None, d: int, vocab: int, dtype, *, d_teacher: int | None = None,
                family: str | None = None) -> KernelBlocks:
     """Blocks and compiler limits for the fused KD kernels on `chip`.
@@ -132,6 +141,8 @@ def for_target(chip: Chip | None, d: int, vocab: int, dtype, *, d_teacher: int |
     dtype: the heads' dtype. family: "mosaic" / "triton" (default: the chip's
     platform's). chip None (no known accelerator: interpret mode, an unknown
     device kind) gives the family's smallest-VMEM sizing (16 MiB) with no limit set.
+    Raises BlocksDoNotFit when even the smallest Mosaic block does not fit (float32
+    Gemma heads on v4's 16 MiB): the fused loss then takes its XLA path under `auto`.
     """
     d_t = d if d_teacher is None else d_teacher
     if family is None:
@@ -145,6 +156,12 @@ def for_target(chip: Chip | None, d: int, vocab: int, dtype, *, d_teacher: int |
             cols = min(cols, col_cap)
             if mosaic_peak_bytes(rows, cols, d, d_t, dtype) <= budget:
                 break
+        else:
+            raise BlocksDoNotFit(
+                f"the fused-KD Mosaic kernels do not fit {chip.name if chip else 'a 16 MiB'} "
+                f"VMEM at d={d}/{d_t} {jnp.dtype(dtype).name} (smallest block {rows}x{cols} "
+                f"needs {mosaic_peak_bytes(rows, cols, d, d_t, dtype) / 2**20:.1f} MiB of "
+                f"{budget / 2**20:.0f}): use bfloat16 heads or distill.fused_backend=xla")
         limit = budget if chip is not None and chip.platform == "tpu" else 0
         return KernelBlocks("mosaic", rows, cols, vmem_limit_bytes=limit,
                             chip=chip.name if chip else "")
