@@ -2,8 +2,10 @@
 on this CPU: splash, chunked and dense for `tpu`, chunked and dense for `cuda`; and
 splash's numerics against dense in Pallas interpret mode.
 
-cuDNN's fused attention is not lowered here: JAX asks the installed cuDNN for its
-version while lowering, and no cuDNN is installed (that path is left to a lent GPU).
+cuDNN's fused attention is not lowered here: its lowering asks the installed cuDNN
+for its version and stops with "RuntimeError: cuDNN is not detected" on a host
+without it. We leave that path to a lent GPU rather than install nvidia-cudnn-cu12
+into the compile tier.
 """
 
 from __future__ import annotations
