@@ -10,11 +10,21 @@ Numbers are per device (a TPU chip's TensorCore as JAX addresses it, one GPU).
 memory per thread block, opt-in maximum); `scoped_default_bytes` is what the
 TPU compiler lets one Mosaic kernel use unless the kernel raises its
 `vmem_limit_bytes` (GPUs have no such limit: 0).
+
+On-chip figures as the compilers report them (libtpu 0.0.42, compile-only
+topologies; JAX's `pltpu.get_tpu_info()` agrees): v4 has 16 MiB of VMEM per
+device ("Used 28.32M of 16.00M vmem. Exceeded vmem capacity"; JAX addresses each
+v4 TensorCore as a device); the scoped default is 16 MiB on v4, v5e and v5p
+("Scoped allocation with size 22.50M and limit 16.00M") and 32 MiB on v6e (a
+24.4 MiB kernel compiles without a limit). GPU shared memory per block is the
+opt-in maximum (sm_80: 163 KiB, sm_90: 227 KiB).
 """
 
 from __future__ import annotations
 
 import dataclasses
+
+import jax
 
 from hldstudy.errors import ConfigError
 
@@ -34,7 +44,7 @@ class Chip:
 
 
 CHIPS: dict[str, Chip] = {c.name: c for c in (
-    Chip("v4", "tpu", 32 * GiB, 32 * MiB, 16 * MiB, False),
+    Chip("v4", "tpu", 32 * GiB, 16 * MiB, 16 * MiB, False),
     Chip("v5e", "tpu", 16 * GiB, 128 * MiB, 16 * MiB, False),
     Chip("v5p", "tpu", 95 * GiB, 64 * MiB, 16 * MiB, False),
     Chip("v6e", "tpu", 32 * GiB, 128 * MiB, 32 * MiB, False),
@@ -50,3 +60,34 @@ def chip(name: str) -> Chip:
     if key not in CHIPS:
         raise ConfigError("target", f"unknown chip {name!r}", f"choose one of {', '.join(CHIPS)}")
     return CHIPS[key]
+
+
+# What JAX reports as `device.device_kind` (libtpu, the CUDA plugin) -> our chip name.
+# TPUs by exact name; GPUs by model number inside the name ("NVIDIA H100 80GB HBM3").
+TPU_DEVICE_KINDS = {"TPU v4": "v4", "TPU v5 lite": "v5e", "TPU v5e": "v5e", "TPU v5": "v5p",
+                    "TPU v5p": "v5p", "TPU v6 lite": "v6e", "TPU v6e": "v6e"}
+GPU_MODELS = ("h200", "h100", "a100")
+
+
+def for_device_kind(device_kind: str) -> Chip | None:
+    """Our row for a JAX device kind, or None (a CPU, a chip not in the table)."""
+    if device_kind in TPU_DEVICE_KINDS:
+        return CHIPS[TPU_DEVICE_KINDS[device_kind]]
+    kind = device_kind.lower()
+    return next((CHIPS[m] for m in GPU_MODELS if m in kind), None)
+
+
+def traced_target() -> tuple[str, Chip | None]:
+    """(backend, chip) that the code being traced now will run on.
+
+    backend is jax.default_backend()'s spelling ("tpu", "gpu", "cpu"). The device is
+    the current abstract mesh's (`jax.set_mesh(mesh)` over a target's compile-only
+    devices, or `jax.sharding.use_abstract_mesh` with an AbstractDevice: how
+    `hldstudy.aot` traces for a chip it does not have), else the default device's.
+    Every `auto` choice (fused-KD kernel family and blocks, attention path) reads this.
+    """
+    device = jax.sharding.get_abstract_mesh().abstract_device
+    if device is None:
+        device = jax.devices()[0]
+    backend = "gpu" if device.platform in ("gpu", "cuda", "rocm") else device.platform
+    return backend, for_device_kind(device.device_kind)

@@ -38,25 +38,40 @@ N query heads of dim H, forward (2 matmuls, QK^T and PV, = 4 B N H per
   in as a `[B, 1, T, T]` boolean mask that JAX turns into an additive bias
   (2 bytes per entry, plus its cotangent in the backward): O(B T^2) memory,
   one bf16 T x T per row against dense's several float32 T x T per head.
-- `auto`: on a GPU, `cudnn` when the layer fits it (dtype bfloat16/float16,
-  no soft-cap, head_dim fits), else `chunked`; on CPU (and TPU, until a
-  splash-attention path exists) `chunked` when T >= AUTO_CHUNKED_MIN_T (512),
-  else `dense` (a short row is one or two blocks: nothing to skip, and its
-  T x T is small). benchmarks/attention.py measures the crossover.
+- `splash`: TPU only, `jax.experimental.pallas.ops.tpu.splash_attention`
+  (Mosaic kernels, forward and backward): causal or local (`LocalMask` of
+  window W) masks, packed documents as segment ids, GQA natively (N query
+  heads over K KV heads), the logit soft-cap. It skips the blocks the mask
+  leaves empty (FLOPs like `chunked`), memory O(B N T H). It needs T to be a
+  multiple of SPLASH_MIN_BLOCK (128): other lengths are what it cannot express.
+- `auto`: on a TPU, `splash` when T fits it, else `chunked` (with a one-line
+  notice on the `hldstudy.model` logger); on a GPU, `cudnn` when the layer fits
+  it (dtype bfloat16/float16, no soft-cap, head_dim fits), else `chunked`; on a
+  CPU `chunked` when T >= AUTO_CHUNKED_MIN_T (512), else `dense` (a short row is
+  one or two blocks: nothing to skip, and its T x T is small).
+  benchmarks/attention.py measures the crossover. The backend is the one being
+  traced for (`chips.traced_target`: the abstract mesh's device when
+  `hldstudy.aot` compiles for a named target), or the one given to
+  `resolve_implementation`.
 
-A request that cannot run here (`cudnn` on CPU, or with float32 / a soft-cap)
-raises ConfigError naming `model.attention` with the fix.
+A request that cannot run here (`cudnn` off a GPU, or with float32 / a
+soft-cap; `splash` off a TPU or at a length it cannot take) raises ConfigError
+naming `model.attention` with the fix.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
 
+from hldstudy.chips import traced_target
 from hldstudy.config import ATTENTIONS
 from hldstudy.errors import ConfigError
 from hldstudy.numerics import softcap as softcap_fn
@@ -82,6 +97,12 @@ DEFAULT_BLOCK_K = 256
 # skip, and dense's T x T is small.
 AUTO_CHUNKED_MIN_T = 512
 _CUDNN_DTYPES = ("bfloat16", "float16")
+# Splash attention's blocks: a multiple of 128 lanes; the largest of SPLASH_BLOCKS that
+# divides T is used for the forward and both backward kernels.
+SPLASH_MIN_BLOCK = 128
+SPLASH_BLOCKS = (512, 256, 128)
+
+log = logging.getLogger("hldstudy.model")
 
 
 # --------------------------------------------------------------------------- #
@@ -391,8 +412,63 @@ def cudnn_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, segment_ids_BxT=None, *,
 
 
 # --------------------------------------------------------------------------- #
+# Splash (TPU)
+# --------------------------------------------------------------------------- #
+
+
+@functools.lru_cache(maxsize=64)
+def _splash_kernel(seq_len: int, n_heads: int, window: int | None, softcap: float | None,
+                   interpret: bool):
+    """The splash kernel for one layer shape (mask metadata is built once, in numpy)."""
+    shape = (seq_len, seq_len)
+    if window is None:
+        mask = splash_mask.CausalMask(shape)
+    else:  # query t sees t - W < s <= t: W - 1 keys to the left, none to the right
+        mask = splash_mask.LocalMask(shape, window_size=(window - 1, 0), offset=0)
+    block = next(b for b in SPLASH_BLOCKS if seq_len % b == 0)
+    sizes = splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block,
+                              block_q_dkv=block, block_kv_dkv=block, block_kv_dkv_compute=block,
+                              block_q_dq=block, block_kv_dq=block)
+    return splash.make_splash_mha_single_device(
+        splash_mask.MultiHeadMask([mask] * n_heads), block_sizes=sizes,
+        attn_logits_soft_cap=softcap, interpret=interpret)
+
+
+def splash_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, segment_ids_BxT=None, *,
+                     window: int | None = None, softcap: float | None = None,
+                     interpret: bool = False):
+    """Splash attention (TPU Mosaic kernels); equals `dense_attention`.
+
+    interpret: run the kernels in Pallas interpret mode (CPU tests).
+    """
+    t, n = q_BxTxNxH.shape[1], q_BxTxNxH.shape[2]
+    why = _splash_unfit(t)
+    if why:
+        raise ConfigError("model.attention", why, "use model.attention=chunked or auto")
+    kernel = _splash_kernel(t, n, window, softcap, interpret)
+    q = q_BxTxNxH.transpose(0, 2, 1, 3)  # [B, N, T, H]: heads major, as splash takes them
+    k = k_BxSxKxH.transpose(0, 2, 1, 3)
+    v = v_BxSxKxH.transpose(0, 2, 1, 3)
+    if segment_ids_BxT is None:
+        out = jax.vmap(kernel)(q, k, v)
+    else:
+        seg = segment_ids_BxT.astype(jnp.int32)
+        out = jax.vmap(lambda q, k, v, s: kernel(q, k, v, splash.SegmentIds(q=s, kv=s)))(
+            q, k, v, seg)
+    return out.transpose(0, 2, 1, 3).astype(q_BxTxNxH.dtype)
+
+
+# --------------------------------------------------------------------------- #
 # Choosing a path
 # --------------------------------------------------------------------------- #
+
+
+def _splash_unfit(seq_len: int) -> str | None:
+    """Why splash cannot take this layer (None: it can), backend aside."""
+    if seq_len % SPLASH_MIN_BLOCK:
+        return f"splash needs T a multiple of {SPLASH_MIN_BLOCK}, got {seq_len}"
+    return None
+
 
 
 def _cudnn_unfit(dtype: str, softcap: float | None, head_dim: int) -> str | None:
@@ -408,12 +484,20 @@ def _cudnn_unfit(dtype: str, softcap: float | None, head_dim: int) -> str | None
 
 def check_implementation(name: str, *, dtype: str, softcap: float | None, head_dim: int,
                          backend: str | None = None) -> None:
-    """Raises ConfigError if `model.attention=name` cannot run on this backend."""
+    """Raises ConfigError if `model.attention=name` cannot run on this backend.
+
+    backend None: the backend being traced for (`chips.traced_target`). `splash` is
+    checked only against a given backend (`resolve_implementation`, at trace time): a
+    model built on a CPU host may be traced for a TPU target (`hldstudy.aot`).
+    """
     if name not in IMPLEMENTATIONS:
         raise ConfigError("model.attention", f"{name!r} is not one of {', '.join(IMPLEMENTATIONS)}")
+    if name == "splash" and backend is not None and backend != "tpu":
+        raise ConfigError("model.attention", f"splash needs a TPU, this backend is {backend}",
+                          "use model.attention=chunked (any backend) or auto")
     if name != "cudnn":
         return
-    backend = backend or jax.default_backend()
+    backend = backend or traced_target()[0]
     if backend != "gpu":
         raise ConfigError("model.attention", f"cudnn needs an NVIDIA GPU, this backend is {backend}",
                           "use model.attention=chunked (any backend) or auto")
@@ -425,14 +509,29 @@ def check_implementation(name: str, *, dtype: str, softcap: float | None, head_d
 
 def resolve_implementation(name: str, *, dtype: str, softcap: float | None, head_dim: int,
                            seq_len: int, backend: str | None = None) -> str:
-    """The concrete path (`dense`, `chunked` or `cudnn`) for one attention call."""
-    backend = backend or jax.default_backend()
+    """The concrete path (`dense`, `chunked`, `cudnn` or `splash`) for one attention call.
+
+    backend: "tpu", "gpu", "cpu" (what jax.default_backend() says on such a machine);
+    None: the backend being traced for (`chips.traced_target`).
+    """
+    backend = backend or traced_target()[0]
     check_implementation(name, dtype=dtype, softcap=softcap, head_dim=head_dim, backend=backend)
     if name != "auto":
         return name
+    if backend == "tpu":
+        why = _splash_unfit(seq_len)
+        if why is None:
+            return "splash"
+        _notice_once(f"model.attention=auto: {why}; using chunked")
+        return "chunked"
     if backend == "gpu":
         return "chunked" if _cudnn_unfit(dtype, softcap, head_dim) else "cudnn"
     return "chunked" if seq_len >= AUTO_CHUNKED_MIN_T else "dense"
+
+
+@functools.lru_cache(maxsize=32)
+def _notice_once(message: str) -> None:
+    log.warning(message)
 
 
 def attend(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, segment_ids_BxT=None, *, implementation: str,
@@ -453,5 +552,7 @@ def attend(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, segment_ids_BxT=None, *, implementat
         return dense_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, segment_ids_BxT, **kw)
     if impl == "cudnn":
         return cudnn_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, segment_ids_BxT, **kw)
+    if impl == "splash":
+        return splash_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, segment_ids_BxT, **kw)
     return chunked_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, segment_ids_BxT,
                              block_q=block_q, block_k=block_k, **kw)
