@@ -99,8 +99,9 @@ def hf_layer_weights(cfg, seed: int = 0) -> tuple:
 PREFIX = "model.layers.0.linear_attn."
 
 
-def ours_worker(cfg, seq_len: int) -> tuple[dict, dict]:
-    """({case: one forward+backward}, {quantity: array} for the agreement check)."""
+def ours_worker(cfg, seq_len: int) -> tuple[dict, dict, dict]:
+    """({case: one forward+backward}, {quantity: array} for the agreement check, the
+    layer's weights in transformers' names for the torch worker)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -109,7 +110,7 @@ def ours_worker(cfg, seq_len: int) -> tuple[dict, dict]:
     from hldstudy.model.deltanet import delta_rule_chunked, l2_normalize
     from hldstudy.model.hf_qwen import pure_to_hf
 
-    model, _ = hf_layer_weights(cfg)
+    model, weights = hf_layer_weights(cfg)
     graphdef, params = nnx.split(model.blocks[0].mixer, nnx.Param)
     ins = {k: jnp.asarray(v) for k, v in inputs(cfg, seq_len).items()}
     hk, hv, dk = cfg.linear_k_heads, cfg.linear_v_heads, cfg.linear_k_head_dim
@@ -142,13 +143,13 @@ def ours_worker(cfg, seq_len: int) -> tuple[dict, dict]:
     result.update({f"rule d/d{n}": g for n, g in zip(RULE_ARGS, g_rule, strict=True)})
     calls = {"layer": lambda: jax.block_until_ready(layer_step(params, ins["x"])),
              "rule": lambda: jax.block_until_ready(rule_step(rule_args))}
-    return calls, {k: np.asarray(v) for k, v in result.items()}
+    return calls, {k: np.asarray(v) for k, v in result.items()}, weights
 
 
 RULE_ARGS = ("q", "k", "v", "g", "beta")
 
 
-def torch_worker(cfg, seq_len: int) -> tuple[dict, dict]:
+def torch_worker(cfg, seq_len: int, weights: dict) -> tuple[dict, dict]:
     """transformers' `Qwen3_5GatedDeltaNet` and `torch_chunk_gated_delta_rule` (eager
     PyTorch; the `fla` / `causal_conv1d` kernels are not installed, so the reference path
     runs -- transformers says so on stderr)."""
@@ -158,7 +159,6 @@ def torch_worker(cfg, seq_len: int) -> tuple[dict, dict]:
 
     from hldstudy.model.hf_qwen import export_config
 
-    _, weights = hf_layer_weights(cfg)  # built before torch runs anything
     config = {k: v for k, v in export_config(cfg, "float32").items()
               if k not in ("architectures", "model_type", "dtype")}
     layer = hf.Qwen3_5GatedDeltaNet(transformers.Qwen3_5TextConfig(**config), layer_idx=0)
@@ -193,9 +193,10 @@ def torch_worker(cfg, seq_len: int) -> tuple[dict, dict]:
 
 
 def worker_main(kind: str, cfg, seq_len: int, check_path: str) -> None:
-    """One implementation in its own process (with torch loaded, XLA's CPU programs here
-    hung, every thread waiting, on 2 cores; the JAX worker never imports torch): writes its outputs and gradients to `check_path` (npz), then answers
-    "CASE" with the seconds of one timed call of that case, until "quit"."""
+    """One implementation in its own process (JAX and torch running in one process hung,
+    every thread waiting, on 2 cores: the JAX worker never imports torch, the torch worker
+    runs no JAX and reads our weights from the file the JAX worker wrote). Writes its
+    outputs and gradients to `check_path` (npz), then answers "CASE" with the seconds of one timed call of that case, until "quit"."""
     import numpy as np
 
     out = sys.stdout
@@ -203,13 +204,15 @@ def worker_main(kind: str, cfg, seq_len: int, check_path: str) -> None:
     if kind == "torch":
         import torch
 
-        calls, result = torch_worker(cfg, seq_len)
+        weights = dict(np.load(Path(check_path).with_name("weights.npz")))
+        calls, result = torch_worker(cfg, seq_len, weights)
         info = {"torch": torch.__version__, "threads": torch.get_num_threads()}
     else:
         import jax
 
         t0 = time.perf_counter()
-        calls, result = ours_worker(cfg, seq_len)
+        calls, result, weights = ours_worker(cfg, seq_len)
+        np.savez(Path(check_path).with_name("weights.npz"), **weights)
         info = {"jax": jax.__version__, "first_call_s": time.perf_counter() - t0}
     np.savez(check_path, **result)
     for fn in calls.values():
