@@ -333,6 +333,8 @@ def main() -> int:
             "chunk": CHUNK, "dtype": "float32", "rounds": args.rounds,
             "checks_max_rel_err": checks, "ours": info["ours"], "torch": info["torch"],
             "transformers": transformers.__version__, "cpu_count": os.cpu_count(),
+            "xla_flags": os.environ.get("XLA_FLAGS", ""),
+            "omp_num_threads": os.environ.get("OMP_NUM_THREADS", ""),
             "machine": platform.processor() or platform.machine()}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
