@@ -412,9 +412,12 @@ class TrainConfig:
     # At least 2: the latest checkpoint and one to fall back on when it is damaged.
     keep_checkpoints: int = knob(2, operational=True, domain=Domain(
         ">= 2", note="the latest checkpoint and one to fall back on if it is damaged"))
-    # Mesh: data-parallel x FSDP. -1 on one axis takes the remaining devices.
+    # Mesh: data-parallel x FSDP x expert. -1 on data or fsdp takes the remaining devices.
+    # The expert axis splits MoE expert weights along their experts (hldstudy.sharding)
+    # and, like the others, the batch; it must divide model.n_experts.
     mesh_data: int = knob(-1, operational=True, domain=_MESH)
     mesh_fsdp: int = knob(1, operational=True, domain=_MESH)
+    mesh_expert: int = knob(1, operational=True, domain=COUNT)
     progress: bool = knob(True, operational=True)
 
 
@@ -574,6 +577,15 @@ def validate_model_family(m: ModelConfig, prefix: str = "model") -> None:
             raise ConfigError(f"{prefix}.d_expert", "must be >= 1 with n_experts > 0")
 
 
+def check_expert_axis(n_experts: int, expert_axis: int, what: str) -> None:
+    """The mesh's expert axis must divide a MoE's experts (each device holds whole experts);
+    `what` names the experts' owner (a field, or a weight's shape) in the error."""
+    if n_experts % expert_axis:
+        raise ConfigError("train.mesh_expert",
+                          f"{expert_axis} does not divide {what} ({n_experts} experts)",
+                          f"use a divisor of {n_experts}, or 1 (no expert sharding)")
+
+
 def validate(cfg: Config, *, check_paths: bool = True, need_teacher: bool = True) -> Config:
     """Raises ConfigError naming the first bad field; returns cfg unchanged.
 
@@ -605,6 +617,8 @@ def validate(cfg: Config, *, check_paths: bool = True, need_teacher: bool = True
                           f"{d.tokenizer_vocab_size} exceeds model.vocab_size={cfg.model.vocab_size}")
     if t.mesh_data < 0 and t.mesh_fsdp < 0:
         raise ConfigError("train.mesh_data", "mesh axes must be positive, or -1 on one axis")
+    if cfg.model.n_experts:
+        check_expert_axis(cfg.model.n_experts, t.mesh_expert, "model.n_experts")
     spec = methods.get(k.method)
     if k.layer_pairs:
         parse_layer_pairs(k.layer_pairs)

@@ -1,9 +1,14 @@
-"""Device mesh and shardings: a (data, fsdp) mesh over all devices (below the trainer and
-the teacher, which both place arrays on it).
+"""Device mesh and shardings: a (data, fsdp, expert) mesh over all devices (below the
+trainer and the teacher, which both place arrays on it).
 
 Parameters are sharded FSDP-style: each array's largest dimension that
 divides the fsdp axis size is split over "fsdp"; the rest is replicated.
-Batches are split along their first axis over both axes together. On one
+A mixture-of-experts weight (a Variable carrying `EXPERT_DIM` metadata, set by
+model/moe.py) is first split along its expert dimension over "expert", then FSDP over
+"fsdp" on its largest other dimension; every other weight is replicated over "expert".
+Batches are split along their first axis over all three axes together: the expert axis
+holds distinct tokens too (expert parallelism inside data parallelism), and XLA's
+sharding propagation moves the routed rows to their experts' devices. On one
 device every spec degenerates to replication, so the same code runs
 everywhere.
 
@@ -24,14 +29,25 @@ from __future__ import annotations
 
 import jax
 import numpy as np
+from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from hldstudy import distributed
-from hldstudy.config import TrainConfig
+from hldstudy.config import TrainConfig, check_expert_axis
 from hldstudy.errors import ConfigError
 
-BATCH_AXES = ("data", "fsdp")
+MESH_AXES = ("data", "fsdp", "expert")
+BATCH_AXES = MESH_AXES
+# Variable metadata naming the dimension of a parameter that indexes experts.
+EXPERT_DIM = "expert_dim"
+
+
+def expert_dim_metadata(dim: int) -> dict:
+    """`nnx.Param(value, **expert_dim_metadata(0))`: `value`'s dimension `dim` indexes
+    experts, so it is split over the mesh's expert axis (and so are its optimizer moments,
+    which carry the same metadata)."""
+    return {EXPERT_DIM: dim}
 
 
 def distributed_requested() -> bool:
@@ -60,36 +76,58 @@ def sync(name: str) -> None:
 
 
 def make_mesh(cfg: TrainConfig, devices=None) -> Mesh:
+    """data x fsdp x expert over `devices` (all of them by default); the expert axis is the
+    innermost, so an expert group is a run of neighbouring devices."""
     devices = list(devices if devices is not None else jax.devices())
     n = len(devices)
-    data, fsdp = cfg.mesh_data, cfg.mesh_fsdp
+    data, fsdp, expert = cfg.mesh_data, cfg.mesh_fsdp, cfg.mesh_expert
     if data < 0:
-        data = n // fsdp
+        data = n // (fsdp * expert)
     if fsdp < 0:
-        fsdp = n // data
-    if data * fsdp != n:
+        fsdp = n // (data * expert)
+    if data * fsdp * expert != n:
         raise ConfigError("train.mesh_data",
-                          f"mesh {data}x{fsdp} does not cover the {n} available devices",
-                          "set train.mesh_data/train.mesh_fsdp so their product is the device count")
-    return Mesh(np.array(devices).reshape(data, fsdp), BATCH_AXES)
+                          f"mesh {data}x{fsdp}x{expert} does not cover the {n} available devices",
+                          "set train.mesh_data/mesh_fsdp/mesh_expert so their product is the "
+                          "device count")
+    return Mesh(np.array(devices).reshape(data, fsdp, expert), MESH_AXES)
 
 
-def param_spec(shape: tuple[int, ...], fsdp_size: int) -> P:
-    if fsdp_size <= 1 or len(shape) < 2:
-        return P()
-    for axis in sorted(range(len(shape)), key=lambda a: -shape[a]):
-        if shape[axis] % fsdp_size == 0:
-            spec = [None] * len(shape)
-            spec[axis] = "fsdp"
-            return P(*spec)
-    return P()
+def param_spec(shape: tuple[int, ...], fsdp_size: int, expert_size: int = 1,
+               expert_dim: int | None = None) -> P:
+    """FSDP: the largest dimension divisible by `fsdp_size` over "fsdp" (vectors and scalars
+    replicated). With `expert_dim` (an expert weight) that dimension goes over "expert"
+    first (`expert_size` must divide it: ConfigError naming train.mesh_expert) and FSDP
+    picks among the others."""
+    spec: list[str | None] = [None] * len(shape)
+    if expert_dim is not None and expert_size > 1:
+        check_expert_axis(shape[expert_dim], expert_size, f"an expert weight of shape {shape}")
+        spec[expert_dim] = "expert"
+    if fsdp_size > 1 and len(shape) >= 2:
+        free = [a for a in range(len(shape)) if spec[a] is None]
+        for axis in sorted(free, key=lambda a: -shape[a]):
+            if shape[axis] % fsdp_size == 0:
+                spec[axis] = "fsdp"
+                break
+    return P(*spec) if any(spec) else P()
 
 
 def tree_shardings(mesh: Mesh, tree):
-    """NamedShardings for a pytree of arrays (params, optimizer state)."""
-    fsdp = mesh.shape["fsdp"]
-    return jax.tree_util.tree_map(
-        lambda x: NamedSharding(mesh, param_spec(tuple(getattr(x, "shape", ())), fsdp)), tree)
+    """NamedShardings for a pytree of arrays (params, optimizer state); a leaf inside a
+    Variable carrying `EXPERT_DIM` metadata is an expert weight (see `param_spec`)."""
+    fsdp, expert = mesh.shape["fsdp"], mesh.shape["expert"]
+
+    def leaf(x, expert_dim=None):
+        return NamedSharding(mesh, param_spec(tuple(getattr(x, "shape", ())), fsdp, expert,
+                                              expert_dim))
+
+    def node(x):
+        if isinstance(x, nnx.Variable):
+            dim = x.get_metadata().get(EXPERT_DIM)
+            return jax.tree_util.tree_map(lambda a: leaf(a, dim), x)
+        return leaf(x)
+
+    return jax.tree_util.tree_map(node, tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:

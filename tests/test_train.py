@@ -139,7 +139,7 @@ def test_resume_on_another_device_count_with_a_mesh_change(tmp_path, tokenizer_p
     fsdp = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, mesh_data=1,
                                                               mesh_fsdp=2))
     trainer = Trainer(fsdp, tmp_path / "moved", devices=jax.devices()[:2])
-    assert trainer.mesh.shape == {"data": 1, "fsdp": 2}
+    assert trainer.mesh.shape == {"data": 1, "fsdp": 2, "expert": 1}
     trainer.run()
     full, moved = _losses(tmp_path / "full"), _losses(tmp_path / "moved")
     assert sorted(full) == sorted(moved) == list(range(1, 11))

@@ -24,6 +24,7 @@ from flax import nnx
 
 from hldstudy.config import ModelConfig
 from hldstudy.model.layers import _init_normal
+from hldstudy.sharding import expert_dim_metadata
 
 __all__ = ["MoE", "load_balancing_loss", "route"]
 
@@ -67,9 +68,11 @@ class MoE(nnx.Module):
         d, e, f, fs = cfg.d_model, cfg.n_experts, cfg.d_expert, cfg.d_shared_expert
         pdt = jnp.dtype(cfg.param_dtype)
         self.router = nnx.Param(_init_normal(rngs, (d, e), d, pdt))
-        self.gate = nnx.Param(_init_normal(rngs, (e, d, f), d, pdt))
-        self.up = nnx.Param(_init_normal(rngs, (e, d, f), d, pdt))
-        self.down = nnx.Param(_init_normal(rngs, (e, f, d), f, pdt))
+        # Dimension 0 indexes experts: split over the mesh's expert axis (hldstudy.sharding).
+        experts = expert_dim_metadata(0)
+        self.gate = nnx.Param(_init_normal(rngs, (e, d, f), d, pdt), **experts)
+        self.up = nnx.Param(_init_normal(rngs, (e, d, f), d, pdt), **experts)
+        self.down = nnx.Param(_init_normal(rngs, (e, f, d), f, pdt), **experts)
         if fs:
             self.shared_gate = nnx.Param(_init_normal(rngs, (d, fs), d, pdt))
             self.shared_up = nnx.Param(_init_normal(rngs, (d, fs), d, pdt))
