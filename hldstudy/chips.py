@@ -10,6 +10,13 @@ Numbers are per device (a TPU chip's TensorCore as JAX addresses it, one GPU).
 memory per thread block, opt-in maximum); `scoped_default_bytes` is what the
 TPU compiler lets one Mosaic kernel use unless the kernel raises its
 `vmem_limit_bytes` (GPUs have no such limit: 0).
+
+`device_memory_bytes` is the memory one device has for a program's buffers, what the
+ahead-of-time compiler's `memory_analysis()` total is held against: a TPU chip's HBM
+(v4 32 GiB, v5e 16 GiB, v5p 95 GiB, v6e 32 GiB per chip), a GPU's memory as its
+driver reports it (nvidia-smi's total: H100 80GB HBM3 81559 MiB, H200 143771 MiB,
+A100-SXM4-40GB 40960 MiB). The GPU target configs that `hldstudy.aot` ships carry
+the same figure (`device_memory_size`; tests/test_aot.py holds them equal).
 """
 
 from __future__ import annotations
@@ -38,9 +45,9 @@ CHIPS: dict[str, Chip] = {c.name: c for c in (
     Chip("v5e", "tpu", 16 * GiB, 128 * MiB, 16 * MiB, False),
     Chip("v5p", "tpu", 95 * GiB, 64 * MiB, 16 * MiB, False),
     Chip("v6e", "tpu", 32 * GiB, 128 * MiB, 32 * MiB, False),
-    Chip("a100", "cuda", 40 * GiB, 163 * KiB, 0, False),
-    Chip("h100", "cuda", 80 * GiB, 227 * KiB, 0, True),
-    Chip("h200", "cuda", 141 * 10**9, 227 * KiB, 0, True),
+    Chip("a100", "cuda", 40960 * MiB, 163 * KiB, 0, False),
+    Chip("h100", "cuda", 81559 * MiB, 227 * KiB, 0, True),
+    Chip("h200", "cuda", 143771 * MiB, 227 * KiB, 0, True),
 )}
 
 

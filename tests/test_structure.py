@@ -36,7 +36,7 @@ FLOORS = (
     ("flops", "model"),  # FLOP counting and stage budgets; the model
     ("analysis", "eval", "plan", "teacher"),  # read results; use a model or its shapes
     ("train",),  # the trainer: teacher, model, data, stage budgets
-    ("compress", "sweep"),  # drive the trainer
+    ("aot", "compress", "sweep"),  # drive the trainer (aot: compiles its steps for a target)
     ("quickstart",),  # the whole pipeline
 )
 
