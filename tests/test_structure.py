@@ -36,7 +36,8 @@ FLOORS = (
     ("flops", "model"),  # FLOP counting and stage budgets; the model
     ("analysis", "eval", "plan", "teacher"),  # read results; use a model or its shapes
     ("train",),  # the trainer: teacher, model, data, stage budgets
-    ("aot", "compress", "sweep"),  # drive the trainer (aot: compiles its steps for a target)
+    ("compress", "sweep"),  # drive the trainer
+    ("aot",),  # compiles a run's (or a grid's) steps for a target: trainer, planner, sweep
     ("quickstart",),  # the whole pipeline
 )
 

@@ -16,6 +16,7 @@ the cohort mode (vmap on accelerators), never against this host's CPU backend.
 from __future__ import annotations
 
 import dataclasses
+import re
 import time
 
 import jax
@@ -62,9 +63,13 @@ class CompiledStep:
     kind: str               # "train" | "teacher" | "eval"
     method: str
     stage: str | None
-    memory: dict[str, float]  # hldstudy.plan.xla_memory keys, per device
+    memory: dict[str, float]  # hldstudy.plan.xla_memory keys, per device ({} if refused)
     flops: float | None     # cost_analysis() per device (TPU); None where not reported
     seconds: float          # lowering + compiling
+    # The compiler's line when it refused the step for want of memory (the TPU compiler
+    # does: "Ran out of memory on HBM ..."), and the bytes it said the step needs.
+    refused: str | None = None
+    needs_bytes: float | None = None
 
 
 def _attention_for(model: ModelConfig, seq_len: int, target: Target) -> tuple[str, str | None]:
@@ -125,9 +130,14 @@ def _stacked_shardings(mesh, tree):
         tree)
 
 
+# libtpu's refusal: "... HLO temporaries (22.60G) exceeds available HBM (15.75G)".
+_NEEDS = re.compile(r"(?:required for HLO temporaries|memory required[^(]*)\(([\d.]+)G\)")
+
+
 def _compile(name, kind, method, stage, jitted, args) -> CompiledStep:
     """Lowers and compiles `jitted` for the devices its arguments are placed on. A step
-    the target's compiler refuses (out of memory, a kernel it cannot partition or
+    the compiler refuses for want of memory comes back `refused` (with the bytes it
+    said it needs, where it says); any other refusal (a kernel it cannot partition or
     lower) is a RuntimeFault naming the step and the compiler's first line."""
     t0 = time.perf_counter()
     try:
@@ -136,8 +146,10 @@ def _compile(name, kind, method, stage, jitted, args) -> CompiledStep:
         text = str(e)
         first = next((ln.strip() for ln in text.splitlines() if ln.strip()), type(e).__name__)
         if "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower():
-            raise RuntimeFault(f"the {name} step does not fit the target: its compiler says "
-                               f"{first[:600]}") from None
+            m = _NEEDS.search(text)
+            return CompiledStep(name, kind, method, stage, {}, None,
+                                time.perf_counter() - t0, refused=first[:600],
+                                needs_bytes=float(m.group(1)) * 2**30 if m else None)
         raise RuntimeFault(f"the {name} step does not compile for the target: "
                            f"{type(e).__name__}: {first[:400]}") from e
     flops = cost_analysis(compiled).get("flops") if _reports_flops(compiled) else None

@@ -105,13 +105,26 @@ def step_rows(cfg: Config, teacher_model, target: Target, choices: Choices, step
     for s in steps:
         row = {"step": s.name, "kind": s.kind, "method": s.method, "stage": s.stage,
                "compile_s": round(s.seconds, 2), "device_memory_bytes": limit,
-               "compiled": dict(s.memory), "fits": s.memory["total_bytes"] <= limit}
+               "compiled": dict(s.memory)}
+        if s.refused:
+            # The compiler refused it: the total is at least what it said the temporaries
+            # need (TPU), and it does not fit.
+            row.update(refused=s.refused, fits=False)
+            if s.needs_bytes is not None:
+                row["compiled"] = {"temp_bytes": s.needs_bytes}
+        else:
+            row["fits"] = s.memory["total_bytes"] <= limit
         if s.kind == "train":
             pred = predicted_train_memory(cfg, teacher_model, s.method, s.stage, n_devices,
                                           fsdp, choices, cohort)
             row["planner"] = pred
             row["planner_fits"] = pred["total_bytes"] <= limit
-            row["planner_over_compiled"] = pred["total_bytes"] / max(s.memory["total_bytes"], 1)
+            if "total_bytes" in row["compiled"]:
+                row["planner_over_compiled"] = (pred["total_bytes"]
+                                                / max(row["compiled"]["total_bytes"], 1))
+            elif "temp_bytes" in row["compiled"]:  # refused: the temporaries it named
+                row["planner_temp_over_compiled_temp"] = (pred["temp_bytes"]
+                                                          / row["compiled"]["temp_bytes"])
         if s.flops is not None:
             model = flop_model(cfg, teacher_model, s, n_devices, cohort if s.kind == "train"
                                else None)
@@ -127,7 +140,8 @@ def _g(x: float) -> str:
     return f"{x / GiB:.2f}"
 
 
-def format_table(head: str, rows: list[dict], choices: Choices, note: str) -> str:
+def format_table(head: str, rows: list[dict], choices: Choices, note: str,
+                 platform: str) -> str:
     lines = [head, "",
              "| step | arguments | outputs | temporaries | aliased | **total** | device memory "
              "| fits | planner total | planner / compiled | planner fits | XLA FLOPs | "
@@ -136,11 +150,19 @@ def format_table(head: str, rows: list[dict], choices: Choices, note: str) -> st
     for r in rows:
         c = r["compiled"]
         p = r.get("planner")
-        cells = [r["step"], _g(c["argument_bytes"]), _g(c["output_bytes"]),
-                 _g(c["temp_bytes"]), _g(c["alias_bytes"]), f"**{_g(c['total_bytes'])}**",
+
+        def cell(key, c=c):
+            return _g(c[key]) if key in c else "-"
+
+        ratio = ("-" if not p else f"{r['planner_over_compiled']:.3f}"
+                 if "planner_over_compiled" in r else
+                 f"{r['planner_temp_over_compiled_temp']:.3f} (temporaries)"
+                 if "planner_temp_over_compiled_temp" in r else "-")
+        temp = cell("temp_bytes") + (" (refused)" if r.get("refused") else "")
+        cells = [r["step"], cell("argument_bytes"), cell("output_bytes"), temp,
+                 cell("alias_bytes"), f"**{cell('total_bytes')}**",
                  _g(r["device_memory_bytes"]), "yes" if r["fits"] else "**no**",
-                 _g(p["total_bytes"]) if p else "-",
-                 f"{r['planner_over_compiled']:.3f}" if p else "-",
+                 _g(p["total_bytes"]) if p else "-", ratio,
                  ("yes" if r["planner_fits"] else "no") if p else "-",
                  f"{r['xla_flops']:.4g}" if "xla_flops" in r else "-",
                  f"{r['model_flops']:.4g}" if "model_flops" in r else "-",
@@ -152,10 +174,13 @@ def format_table(head: str, rows: list[dict], choices: Choices, note: str) -> st
                  f"{choices.fused_backend}, cohort mode {choices.cohort_mode}.")
     for n in choices.notes:
         lines.append(f"Note: {n}.")
+    for r in rows:
+        if r.get("refused"):
+            lines.append(f"The compiler refused {r['step']}: {r['refused']}")
     if any("xla_flops" in r for r in rows) and note:
         lines.append(f"FLOPs: {note}.")
-    if not any("xla_flops" in r for r in rows):
-        lines.append("FLOPs: this target's compiler gives no cost analysis (memory only).")
+    if platform == "cuda":
+        lines.append("FLOPs: the GPU compiler gives no cost analysis (memory only).")
     return "\n".join(lines)
 
 
