@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
+
 from hldstudy.errors import ConfigError
 
 KiB = 1024
@@ -60,3 +62,34 @@ def chip(name: str) -> Chip:
     if key not in CHIPS:
         raise ConfigError("target", f"unknown chip {name!r}", f"choose one of {', '.join(CHIPS)}")
     return CHIPS[key]
+
+
+# What JAX reports as `device.device_kind` (libtpu, the CUDA plugin) -> our chip name.
+# TPUs by exact name; GPUs by model number inside the name ("NVIDIA H100 80GB HBM3").
+TPU_DEVICE_KINDS = {"TPU v4": "v4", "TPU v5 lite": "v5e", "TPU v5e": "v5e", "TPU v5": "v5p",
+                    "TPU v5p": "v5p", "TPU v6 lite": "v6e", "TPU v6e": "v6e"}
+GPU_MODELS = ("h200", "h100", "a100")
+
+
+def for_device_kind(device_kind: str) -> Chip | None:
+    """Our row for a JAX device kind, or None (a CPU, a chip not in the table)."""
+    if device_kind in TPU_DEVICE_KINDS:
+        return CHIPS[TPU_DEVICE_KINDS[device_kind]]
+    kind = device_kind.lower()
+    return next((CHIPS[m] for m in GPU_MODELS if m in kind), None)
+
+
+def traced_target() -> tuple[str, Chip | None]:
+    """(backend, chip) that the code being traced now will run on.
+
+    backend is jax.default_backend()'s spelling ("tpu", "gpu", "cpu"). The device is
+    the current abstract mesh's (`jax.set_mesh(mesh)` over a target's compile-only
+    devices, or `jax.sharding.use_abstract_mesh` with an AbstractDevice: how
+    `hldstudy.aot` traces for a chip it does not have), else the default device's.
+    Every `auto` choice (fused-KD kernel family and blocks, attention path) reads this.
+    """
+    device = jax.sharding.get_abstract_mesh().abstract_device
+    if device is None:
+        device = jax.devices()[0]
+    backend = "gpu" if device.platform in ("gpu", "cuda", "rocm") else device.platform
+    return backend, for_device_kind(device.device_kind)

@@ -48,7 +48,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from hldstudy.losses import pallas_kd
+from hldstudy import chips
+from hldstudy.losses import kernel_blocks, pallas_kd
 from hldstudy.losses.kd import flatten_tokens, validate_kd_args
 from hldstudy.losses.kd_chunks import (
     KDConfig,
@@ -296,12 +297,18 @@ def _fused_bwd(cfg, res, cotangents):
 _fused.defvjp(_fused_fwd, _fused_bwd)
 
 
-def resolve_backend(backend: str) -> str:
-    if backend == "auto":
-        return "pallas" if jax.default_backend() in ("gpu", "tpu", "cuda", "rocm") else "xla"
-    if backend not in BACKENDS:
+def resolve_backend(backend: str, platform: str | None = None) -> str:
+    """The concrete backend for `backend` on `platform` ("tpu", "gpu", "cpu"; default:
+    the backend being traced for, `chips.traced_target`): "auto" is Pallas on a GPU or
+    TPU (Triton / Mosaic), XLA elsewhere; "pallas" picks its family the same way."""
+    if backend not in BACKENDS + ("auto",):
         raise ValueError(f"backend: expected 'auto' or one of {BACKENDS}, got {backend!r}")
-    return backend
+    if backend not in ("auto", "pallas"):
+        return backend
+    platform = platform or chips.traced_target()[0]
+    if backend == "auto" and platform not in ("gpu", "tpu", "cuda", "rocm"):
+        return "xla"
+    return "pallas_mosaic" if pallas_kd.kernel_family("pallas", platform) == "mosaic" else "pallas_triton"
 
 
 def fused_kd_loss(
@@ -329,9 +336,12 @@ def fused_kd_loss(
 
     Args:
       row_block, vocab_block: window sizes; None picks the backend's default
-        (CPU/XLA: 128 rows x whole vocabulary; Pallas: see `pallas_kd`).
+        (CPU/XLA: 128 rows x whole vocabulary; Pallas: sized for the chip being
+        traced for by `kernel_blocks.for_target`, which also sets the kernels'
+        compiler limits).
       backend: "auto" (Pallas on GPU/TPU, XLA elsewhere), "xla", "pallas" (Triton
-        kernels on GPU, Mosaic on TPU), or "pallas_triton" / "pallas_mosaic".
+        kernels on GPU, Mosaic on TPU), or "pallas_triton" / "pallas_mosaic"; the
+        platform is the one being traced for (`chips.traced_target`).
       interpret: run Pallas kernels in interpret mode (for CPU tests).
       temperature, alpha: Python numbers (static: folded into the program) or scalar
         arrays (traced, never differentiated: a cohort's students each pass their own
@@ -353,8 +363,13 @@ def fused_kd_loss(
     if w_t.shape[-1] != vocab:
         raise ValueError(f"w_t: vocabulary {w_t.shape[-1]} differs from w_s's {vocab}")
 
+    kernel = None
     if backend.startswith("pallas"):
-        default_rows, default_vocab = pallas_kd.default_blocks(h_s.shape[-1], vocab, backend)
+        # Blocks and compiler limits for the chip this is traced for (kernel_blocks).
+        kernel = kernel_blocks.for_target(chips.traced_target()[1], h_s.shape[-1], vocab,
+                                          w_s.dtype, d_teacher=h_t.shape[-1],
+                                          family=pallas_kd.kernel_family(backend))
+        default_rows, default_vocab = kernel.row_block, kernel.vocab_block
     else:
         default_rows, default_vocab = CPU_ROW_BLOCK, CPU_VOCAB_BLOCK
     n_tokens = h_s.shape[0]
@@ -378,6 +393,7 @@ def fused_kd_loss(
         vocab=vocab,
         backend=backend,
         interpret=interpret,
+        kernel=kernel,
     )
 
     # Pad tokens to whole windows; padded rows are masked (h = 0 keeps them finite).

@@ -33,6 +33,8 @@ class KDConfig:
     vocab: int
     backend: str  # one of BACKENDS
     interpret: bool = False  # Pallas interpret mode (CPU testing)
+    # kernel_blocks.KernelBlocks: the Pallas kernels' compiler limits (None: defaults)
+    kernel: object = None
 
 
 def bind(cfg: KDConfig, temperature, alpha) -> KDConfig:

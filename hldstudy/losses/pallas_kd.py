@@ -43,28 +43,19 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plgpu
 
-from hldstudy.losses import kd_chunks
-
-# (row_block, vocab_block) defaults per kernel family, untuned starting points:
-# Triton tiles of 64 x 128 logits (x2 for the teacher) fit registers with
-# 4 warps; Mosaic tiles of 256 x 512 keep the MXU busy and W tiles in VMEM.
-TRITON_BLOCKS = (64, 128)
-TRITON_D_BLOCK = 64
-MOSAIC_BLOCKS = (256, 512)
+from hldstudy import chips
+from hldstudy.losses import kd_chunks, kernel_blocks
 
 
-def kernel_family(backend: str) -> str:
-    """"pallas" picks by platform (Triton on GPU, Mosaic on TPU, Triton elsewhere)."""
+def kernel_family(backend: str, platform: str | None = None) -> str:
+    """"pallas" picks by platform (Mosaic on TPU, Triton elsewhere); platform defaults to
+    the backend being traced for (`chips.traced_target`)."""
     if backend == "pallas_triton":
         return "triton"
     if backend == "pallas_mosaic":
         return "mosaic"
-    return "mosaic" if jax.default_backend() == "tpu" else "triton"
-
-
-def default_blocks(d: int, vocab: int, backend: str = "pallas") -> tuple[int, int]:
-    del d, vocab
-    return MOSAIC_BLOCKS if kernel_family(backend) == "mosaic" else TRITON_BLOCKS
+    platform = platform or chips.traced_target()[0]
+    return "mosaic" if platform == "tpu" else "triton"
 
 
 def _dot(x, y, contract=((1,), (0,))):
@@ -76,6 +67,15 @@ def _dot(x, y, contract=((1,), (0,))):
                            preferred_element_type=jnp.float32)
 
 
+def _cost(cfg, kernel: str, family: str, h_s, h_t, w_s):
+    """The kernel's pl.CostEstimate (closed forms in kernel_blocks.kernel_cost)."""
+    flops, transcendentals, moved = kernel_blocks.kernel_cost(
+        kernel, family, h_s.shape[0], w_s.shape[1], h_s.shape[1], h_t.shape[1], w_s.dtype,
+        cfg.row_block, cfg.vocab_block, softcap=cfg.softcap is not None,
+        temperature_is_one=kd_chunks.temperature_is_one(cfg))
+    return pl.CostEstimate(flops=flops, transcendentals=transcendentals, bytes_accessed=moved)
+
+
 def _pad_to(x, axis: int, multiple: int):
     pad = -x.shape[axis] % multiple
     if not pad:
@@ -83,11 +83,6 @@ def _pad_to(x, axis: int, multiple: int):
     widths = [(0, 0)] * x.ndim
     widths[axis] = (0, pad)
     return jnp.pad(x, widths)
-
-
-def _d_block(d: int) -> int:
-    # Power of two (Triton), >= 16 (tl.dot), <= TRITON_D_BLOCK.
-    return max(16, min(TRITON_D_BLOCK, pl.next_power_of_2(d)))
 
 
 def _check_triton_tiles(cfg):
@@ -198,13 +193,14 @@ def _atomic_add(ref, idx, value):
 def _triton_compiler_params(cfg):
     if cfg.interpret:
         return None
-    return plgpu.CompilerParams(num_warps=4, num_stages=2)
+    kb = cfg.kernel or kernel_blocks.KernelBlocks("triton", cfg.row_block, cfg.vocab_block)
+    return plgpu.CompilerParams(num_warps=kb.num_warps, num_stages=kb.num_stages)
 
 
 def _triton_stats(cfg, h_s, w_s, h_t, w_t, labels_Tx1):
     _check_triton_tiles(cfg)
     cfg_in, extra = _traced_temperature(cfg)
-    d_block = _d_block(max(h_s.shape[1], h_t.shape[1]))
+    d_block = kernel_blocks.triton_d_block(max(h_s.shape[1], h_t.shape[1]))
     h_s, w_s = _pad_to(h_s, 1, d_block), _pad_to(_pad_to(w_s, 0, d_block), 1, cfg.vocab_block)
     h_t, w_t = _pad_to(h_t, 1, d_block), _pad_to(_pad_to(w_t, 0, d_block), 1, cfg.vocab_block)
     n_rows, rows = h_s.shape[0], cfg.row_block
@@ -221,6 +217,7 @@ def _triton_stats(cfg, h_s, w_s, h_t, w_t, labels_Tx1):
         out_shape=[stat_shape] * kd_chunks.N_STATS,
         interpret=cfg.interpret,
         compiler_params=_triton_compiler_params(cfg),
+        cost_estimate=_cost(cfg, "stats", "triton", h_s, h_t, w_s),
         name="fused_kd_stats_triton",
     )(h_s, h_t, labels_Tx1, w_s, w_t, *extra)
     return kd_chunks.finalize_stats(cfg, tuple(stats))
@@ -230,7 +227,7 @@ def _triton_grads(cfg, h_s, w_s, h_t, w_t, labels_Tx1, row_stats, coef_nll, coef
     _check_triton_tiles(cfg)
     cfg_in, extra = _traced_temperature(cfg)
     d_s, vocab = w_s.shape
-    d_block = _d_block(max(h_s.shape[1], h_t.shape[1]))
+    d_block = kernel_blocks.triton_d_block(max(h_s.shape[1], h_t.shape[1]))
     h_s, w_s = _pad_to(h_s, 1, d_block), _pad_to(_pad_to(w_s, 0, d_block), 1, cfg.vocab_block)
     h_t, w_t = _pad_to(h_t, 1, d_block), _pad_to(_pad_to(w_t, 0, d_block), 1, cfg.vocab_block)
     n_rows, rows = h_s.shape[0], cfg.row_block
@@ -251,6 +248,7 @@ def _triton_grads(cfg, h_s, w_s, h_t, w_t, labels_Tx1, row_stats, coef_nll, coef
         input_output_aliases={11: 0, 12: 1},
         interpret=cfg.interpret,
         compiler_params=_triton_compiler_params(cfg),
+        cost_estimate=_cost(cfg, "grads", "triton", h_s, h_t, w_s),
         name="fused_kd_grads_triton",
     )(h_s, h_t, labels_Tx1, *row_stats, coef_nll, coef_kl, w_s, w_t, dh0, dw0, *extra)
     return dh[:, :d_s], dw[:d_s, :vocab]
@@ -263,7 +261,8 @@ def _triton_grads(cfg, h_s, w_s, h_t, w_t, labels_Tx1, row_stats, coef_nll, coef
 def _mosaic_compiler_params(cfg, semantics):
     if cfg.interpret:
         return None
-    return pltpu.CompilerParams(dimension_semantics=semantics)
+    limit = cfg.kernel.vmem_limit_bytes if cfg.kernel is not None else 0
+    return pltpu.CompilerParams(dimension_semantics=semantics, vmem_limit_bytes=limit or None)
 
 
 def _mosaic_tile_logits(cfg, h_s_ref, h_t_ref, w_s_ref, w_t_ref, j):
@@ -341,6 +340,7 @@ def _mosaic_stats(cfg, h_s, w_s, h_t, w_t, labels_Tx1):
         out_shape=[stat_shape] * kd_chunks.N_STATS,
         interpret=cfg.interpret,
         compiler_params=_mosaic_compiler_params(cfg, ("parallel", "arbitrary")),
+        cost_estimate=_cost(cfg, "stats", "mosaic", h_s, h_t, w_s),
         name="fused_kd_stats_mosaic",
     )(h_s, h_t, labels_Tx1, w_s, w_t, *extra)
     return kd_chunks.finalize_stats(cfg, tuple(stats))
@@ -369,6 +369,7 @@ def _mosaic_grads(cfg, h_s, w_s, h_t, w_t, labels_Tx1, row_stats, coef_nll, coef
         out_shape=jax.ShapeDtypeStruct(h_s.shape, jnp.float32),
         interpret=cfg.interpret,
         compiler_params=_mosaic_compiler_params(cfg, ("parallel", "arbitrary")),
+        cost_estimate=_cost(cfg, "dh", "mosaic", h_s, h_t, w_s),
         name="fused_kd_dh_mosaic",
     )(*operands)
     # The dW kernel's grid is (chunk, row block): its output block stays resident over rows.
@@ -380,6 +381,7 @@ def _mosaic_grads(cfg, h_s, w_s, h_t, w_t, labels_Tx1, row_stats, coef_nll, coef
         out_shape=jax.ShapeDtypeStruct(w_s.shape, jnp.float32),
         interpret=cfg.interpret,
         compiler_params=_mosaic_compiler_params(cfg, ("parallel", "arbitrary")),
+        cost_estimate=_cost(cfg, "dw", "mosaic", h_s, h_t, w_s),
         name="fused_kd_dw_mosaic",
     )(*operands)
     return dh, dw[:d_s, :vocab]
