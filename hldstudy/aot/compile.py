@@ -26,7 +26,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from hldstudy import sharding as mesh_lib
-from hldstudy.aot.targets import Target
+from hldstudy.aot.targets import Target, device_kind
 from hldstudy.config import Config, ModelConfig
 from hldstudy.distill import methods
 from hldstudy.distill.base import make_strategy
@@ -134,14 +134,17 @@ def _stacked_shardings(mesh, tree):
 _NEEDS = re.compile(r"(?:required for HLO temporaries|memory required[^(]*)\(([\d.]+)G\)")
 
 
-def _compile(name, kind, method, stage, jitted, args) -> CompiledStep:
+def _compile(name, kind, method, stage, jitted, args, mesh) -> CompiledStep:
     """Lowers and compiles `jitted` for the devices its arguments are placed on. A step
     the compiler refuses for want of memory comes back `refused` (with the bytes it
     said it needs, where it says); any other refusal (a kernel it cannot partition or
     lower) is a RuntimeFault naming the step and the compiler's first line."""
     t0 = time.perf_counter()
     try:
-        compiled = jitted.trace(*args).lower().compile()
+        # Traced under the target's mesh: what sizes itself for the chip being traced
+        # for (the fused loss's kernel blocks, chips.traced_target) sees the target.
+        with jax.set_mesh(mesh):
+            compiled = jitted.trace(*args).lower().compile()
     except Exception as e:  # noqa: BLE001 - the target compiler's refusals are its own types
         text = str(e)
         first = next((ln.strip() for ln in text.splitlines() if ln.strip()), type(e).__name__)
@@ -170,11 +173,12 @@ def mesh_for(cfg: Config, devices):
     return mesh
 
 
-def compile_train(cfg: Config, teacher_model, method: str, stage: str, mesh,
-                  cohort: int | None = None, mode: str = "vmap") -> CompiledStep:
-    """The train step the trainer compiles for (method, stage): the solo step
-    (`with_finite_record(make_train_step(...))`, as `SoloSteps.build`) or, with `cohort`
-    K, the cohort step (`make_cohort_step`), state donated, outputs placed as inputs."""
+def train_program(cfg: Config, teacher_model, method: str, stage: str, mesh,
+                  cohort: int | None = None, mode: str = "vmap"):
+    """(name, jitted, abstract args) of the train step the trainer compiles for (method,
+    stage): the solo step (`with_finite_record(make_train_step(...))`, as
+    `SoloSteps.build`) or, with `cohort` K, the cohort step (`make_cohort_step`); state
+    donated, outputs placed as its inputs, every argument placed on `mesh`."""
     rep = mesh_lib.replicated(mesh)
     bad_shape = () if cohort is None else (cohort,)
     bad = jax.ShapeDtypeStruct(bad_shape, jnp.int32, sharding=rep)
@@ -194,7 +198,14 @@ def compile_train(cfg: Config, teacher_model, method: str, stage: str, mesh,
     jitted = jax.jit(fn, out_shardings=(state_sh, None, rep), donate_argnums=(0,))
     label = f"{method}:{stage}" if len(stage_names(cfg, method, teacher_model)) > 1 else method
     name = f"train {label}" + (f" (cohort of {cohort}, {mode})" if cohort else "")
-    return _compile(name, "train", method, stage, jitted, (state, batch, teacher_in, hps, bad))
+    return name, jitted, (state, batch, teacher_in, hps, bad)
+
+
+def compile_train(cfg: Config, teacher_model, method: str, stage: str, mesh,
+                  cohort: int | None = None, mode: str = "vmap") -> CompiledStep:
+    """`train_program`, compiled for the mesh's devices."""
+    name, jitted, args = train_program(cfg, teacher_model, method, stage, mesh, cohort, mode)
+    return _compile(name, "train", method, stage, jitted, args, mesh)
 
 
 def compile_teacher_forward(cfg: Config, teacher_model: ModelConfig, method: str,
@@ -219,7 +230,7 @@ def compile_teacher_forward(cfg: Config, teacher_model: ModelConfig, method: str
     params = _placed(params, mesh_lib.tree_shardings(mesh, params))
     batch = _abstract_batch(cfg, mesh)
     return _compile("teacher forward", "teacher", spec.name, None, jax.jit(run),
-                    (params, batch))
+                    (params, batch), mesh)
 
 
 def compile_eval(cfg: Config, method: str, teacher_model, mesh) -> CompiledStep:
@@ -229,7 +240,7 @@ def compile_eval(cfg: Config, method: str, teacher_model, mesh) -> CompiledStep:
     graphdefs, _ = split_params(*nnx.eval_shape(lambda: (_transformer(cfg.model, 0), None)))
     params = _placed(state["params"], mesh_lib.tree_shardings(mesh, state["params"]))
     return _compile("eval", "eval", method, stage, jax.jit(make_eval_step(graphdefs)),
-                    (params, _abstract_batch(cfg, mesh)))
+                    (params, _abstract_batch(cfg, mesh)), mesh)
 
 
 def _transformer(model_cfg: ModelConfig, seed: int):
@@ -273,5 +284,9 @@ def lower_train(cfg: Config, teacher_model: ModelConfig | None, method: str, sta
     step, state, batch, teacher_in = train_step_probe(cfg, method, stage, teacher_model)
     bad = jax.ShapeDtypeStruct((), jnp.int32)
     jitted = jax.jit(with_finite_record(step), donate_argnums=(0,))
-    return jitted.trace(state, batch, teacher_in, {}, bad).lower(
-        lowering_platforms=(target.platform,))
+    device = jax.sharding.AbstractDevice(device_kind=device_kind(target.chip), num_cores=1,
+                                         platform=target.backend)
+    with jax.sharding.use_abstract_mesh(
+            jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)):
+        return jitted.trace(state, batch, teacher_in, {}, bad).lower(
+            lowering_platforms=(target.platform,))

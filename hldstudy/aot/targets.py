@@ -23,7 +23,7 @@ import os
 import re
 from pathlib import Path
 
-from hldstudy.chips import CHIPS, Chip, chip
+from hldstudy.chips import CHIPS, TPU_DEVICE_KINDS, Chip, chip
 from hldstudy.errors import ConfigError, InputError
 
 GPU_TARGETS_DIR = Path(__file__).resolve().parent / "gpu_targets"
@@ -88,6 +88,14 @@ def gpu_target_config(c: Chip) -> str:
         raise ConfigError("--target", f"no GPU target config ships for {c.name!r}",
                           f"choose one of {', '.join(GPU_TARGET_FILES)}")
     return (GPU_TARGETS_DIR / GPU_TARGET_FILES[c.name]).read_text()
+
+
+def device_kind(c: Chip) -> str:
+    """What JAX calls chip `c`'s devices (`device.device_kind`): libtpu's name, the GPU
+    target config's description."""
+    if c.platform == "tpu":
+        return next(kind for kind, name in TPU_DEVICE_KINDS.items() if name == c.name)
+    return re.search(r'device_description_str: "([^"]+)"', gpu_target_config(c)).group(1)
 
 
 def _need(module: str, what: str, target: Target) -> None:
