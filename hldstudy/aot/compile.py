@@ -153,8 +153,12 @@ def _compile(name, kind, method, stage, jitted, args, mesh) -> CompiledStep:
             return CompiledStep(name, kind, method, stage, {}, None,
                                 time.perf_counter() - t0, refused=first[:600],
                                 needs_bytes=float(m.group(1)) * 2**30 if m else None)
+        hint = ""
+        if "cannot be automatically partitioned" in text:  # Mosaic over a multi-device mesh
+            hint = (" (the fused KD loss's Pallas kernels are not partitioned over the mesh; "
+                    "--set distill.fused_backend=xla compiles the loss without them)")
         raise RuntimeFault(f"the {name} step does not compile for the target: "
-                           f"{type(e).__name__}: {first[:400]}") from e
+                           f"{type(e).__name__}: {first[:400]}{hint}") from e
     flops = cost_analysis(compiled).get("flops") if _reports_flops(compiled) else None
     return CompiledStep(name, kind, method, stage, xla_memory(compiled),
                         None if flops is None else float(flops), time.perf_counter() - t0)
