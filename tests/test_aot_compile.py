@@ -119,3 +119,23 @@ def test_a_step_that_cannot_fit_is_exit_3_naming_memory_and_buffers(capsys):
     assert len(err) == 1
     assert "does not fit v5e:2x4" in err[0] and "the device has 15.75 GiB" in err[0]
     assert "largest buffers by the planner: activations" in err[0]
+
+
+def test_plan_check_compile_compiles_the_grid_in_the_planners_layout(capsys):
+    """`plan --sweep cpu --cohort 2 --check-compile h100:1`: one compile per (method, cohort
+    size) of the grid, every run of the grid covered, every program fits."""
+    from hldstudy.plan.__main__ import main as plan_main
+
+    assert plan_main(["--sweep", "cpu", "--cohort", "2", "--check-compile", "h100:1",
+                      "--json"]) == 0
+    import json
+
+    r = json.loads(capsys.readouterr().out)
+    checks = r["check_compile"]
+    assert sorted(c["method"] for c in checks) == ["baseline", "hldc", "hldf", "kd"]
+    assert all(c["cohort"] == 2 for c in checks)
+    assert sorted(i for c in checks for i in c["runs"]) == sorted(
+        i for members in r["cohort_members"] for i in members)
+    for c in checks:
+        assert all(row["fits"] for row in c["rows"]), c["rows"]
+        assert any("cohort of 2" in row["step"] for row in c["rows"])
