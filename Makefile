@@ -34,7 +34,7 @@ $(AOT_VENV)/bin/python: pyproject.toml constraints.txt
 	touch $(AOT_VENV)/bin/python
 
 test-aot: $(AOT_VENV)/bin/python
-	JAX_PLATFORMS=cpu $(AOT_VENV)/bin/python -m pytest -q -m aot --durations=0
+	JAX_PLATFORMS=cpu $(AOT_VENV)/bin/python -m pytest -q -rP -m aot --durations=0
 
 test-all: setup
 	$(BIN)/python -m pytest -q
