@@ -6,9 +6,9 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 # `make upgrade` installs and tests here, so that a failed upgrade leaves $(VENV) as it was.
 UPGRADE_VENV ?= .venv-upgrade
-TEST_DEFAULT := -m pytest -q -n 2 -m "not slow and not optional"
+TEST_DEFAULT := -m pytest -q -n 2 -m "not slow and not optional and not aot"
 
-.PHONY: setup quickstart test test-all lint bench clean constraints upgrade
+.PHONY: setup quickstart test test-all test-aot lint bench clean constraints upgrade
 
 # Reinstalls when the project's requirements or the tested versions change.
 $(BIN)/hldstudy: pyproject.toml constraints.txt
@@ -23,6 +23,18 @@ quickstart: setup
 
 test: setup
 	$(BIN)/python $(TEST_DEFAULT) --durations=15
+
+# The compile tier (marker aot, issue 18): the TPU and GPU compilers (libtpu, the JAX CUDA
+# plugin: the aot extra) compile the study's steps on this CPU, in a venv of their own
+# (the plugins stay out of the default one). Long: tens of compiles of a minute or more.
+AOT_VENV ?= .venv-aot
+$(AOT_VENV)/bin/python: pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(AOT_VENV)
+	$(AOT_VENV)/bin/pip install --quiet -c constraints.txt -e '.[dev,aot]'
+	touch $(AOT_VENV)/bin/python
+
+test-aot: $(AOT_VENV)/bin/python
+	JAX_PLATFORMS=cpu $(AOT_VENV)/bin/python -m pytest -q -rP -m aot --durations=0
 
 test-all: setup
 	$(BIN)/python -m pytest -q

@@ -3,7 +3,9 @@
 # GPU (H100/H200 class). Measures, side by side, the fused KD loss (our Pallas
 # kernel, our XLA path, materialized, Liger-Kernel, Cut Cross-Entropy, plain
 # PyTorch), the attention paths, the paper-123m KD step with the 3.4B-layout
-# teacher and the FP8 matmul path; see benchmarks/device_suite.py.
+# teacher, the compile tier's step (compiled and run here beside python -m hldstudy.aot's
+# compile-only figure for this chip and the planner) and the FP8 matmul path; see
+# benchmarks/device_suite.py.
 #
 #   bash benchmarks/device.sh             # writes benchmarks/results/device.{json,md}
 #   bash benchmarks/device.sh --dry-run   # every section at tiny shapes on CPU

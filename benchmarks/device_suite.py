@@ -29,7 +29,13 @@ Sections, side by side in one run (the numbers of one device and one moment):
    (`hldstudy.flops.step_flops(...).hardware_total`: student 3x forward with
    dense-attention matmuls, the teacher's forward, loss recompute, elementwise)
    and of the model FLOPs with the teacher counted.
-5. **fp8**: `hldstudy.compress.fp8.fp8_dot` (real FP8 x FP8, per-tensor
+5. **aot**: the compile tier's case (tests/test_aot_compile.py: experiments/c4_123m_kd.py,
+   the 3.4B teacher, here at 8 x 2048 tokens on this one GPU, teacher in bf16) built by
+   `hldstudy.aot.compile.train_program` (the trainer's own step): compiled here and
+   run (time, peak memory), beside `python -m hldstudy.aot --target <this chip>:1`'s
+   compile-only figure (a CPU process: JAX_PLATFORMS=cpu, the CUDA plugin with the
+   shipped target config) and the planner's prediction, in one table.
+6. **fp8**: `hldstudy.compress.fp8.fp8_dot` (real FP8 x FP8, per-tensor
    activation scale, per-channel weight scale) against a bf16 matmul of the
    same shape, where the device has FP8 matrix units; skipped with a line
    otherwise.
@@ -69,6 +75,9 @@ FULL = {
     "step": {"student": "paper-123m", "teacher": "paper-teacher-3.4b", "batch": 8, "seq": 2048,
              "steps": 5},
     "fp8_n": 8192, "fp8_reps": 10,
+    "aot": {"config": "experiments/c4_123m_kd.py", "teacher": "paper-teacher-3.4b",
+            "set": ["data.path=/nonexistent", "data.batch_size=8", "teacher.dtype=bfloat16"],
+            "steps": 3},
 }
 DRY = {
     "peak_n": 256, "peak_reps": 3,
@@ -76,6 +85,8 @@ DRY = {
     "attention_T": (256, 512), "attention_window": 96, "attention_reps": 2,
     "step": {"student": "tiny", "teacher": "tiny-teacher", "batch": 2, "seq": 64, "steps": 2},
     "fp8_n": 128, "fp8_reps": 2,
+    "aot": {"config": "experiments/tiny_distill.py", "teacher": "tiny-teacher",
+            "set": ["distill.fused_backend=xla"], "steps": 2},
 }
 TEMPERATURE, ALPHA = 1.0, 0.5
 # Wall-clock deadline (time.time()) of this run: a case that would start after it is
@@ -333,13 +344,91 @@ def jax_fp8(p: dict, dry: bool) -> dict:
             "speedup_vs_bf16": tb / t8, "rel_error_vs_f32": rel}
 
 
+def _aot_cli(case: dict, target: str) -> subprocess.Popen:
+    """`python -m hldstudy.aot --json` for the case, compile-only in a CPU process (started
+    first: it runs while this process compiles and runs the same step on the GPU)."""
+    cmd = [sys.executable, "-m", "hldstudy.aot", "--config", case["config"], "--teacher-preset",
+           case["teacher"], "--target", target, "--parts", "train", "--json"]
+    for kv in case["set"]:
+        cmd += ["--set", kv]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def jax_aot(p: dict, dry: bool) -> dict:
+    """The compile tier's case on this device: the target compiler's figures (compile-only,
+    on the CPU), this device's compile of the same program, its measured peak and time,
+    and the planner, side by side."""
+    import jax
+    import numpy as np
+
+    from hldstudy.aot.check import load_run
+    from hldstudy.aot.compile import mesh_for, resolve_for_target, stage_names, train_program
+    from hldstudy.aot.report import predicted_train_memory
+    from hldstudy.aot.targets import parse_target
+    from hldstudy.chips import for_device_kind
+    from hldstudy.plan.step_memory import xla_memory
+
+    case = p["aot"]
+    device = jax.devices()[0]
+    chip = for_device_kind(device.device_kind)
+    # The dry run (CPU) resolves `auto` for an H100 (its overrides pin the XLA loss).
+    target = parse_target(f"{chip.name}:1" if chip else "h100:1")
+    proc = None if dry else _aot_cli(case, target.spec)
+    cfg, method, teacher = load_run(case["config"], case["set"], None, case["teacher"])
+    cfg, teacher, choices = resolve_for_target(cfg, teacher, target)
+    stage = stage_names(cfg, method, teacher)[0]
+    mesh = mesh_for(cfg, [device])
+    name, jitted, args = train_program(cfg, teacher, method, stage, mesh)
+    t0 = time.perf_counter()
+    with jax.set_mesh(mesh):
+        compiled = jitted.trace(*args).lower().compile()
+    compile_s = time.perf_counter() - t0
+    here = xla_memory(compiled)
+
+    def concrete(path, x):  # zeros everywhere (finite loss), every token counted
+        fill = np.ones if jax.tree_util.keystr(path).endswith("['mask']") else np.zeros
+        return jax.device_put(fill(x.shape, x.dtype), x.sharding)
+
+    state, batch, teacher_in, hps, bad = jax.tree_util.tree_map_with_path(concrete, args)
+    before = (device.memory_stats() or {}).get("bytes_in_use")
+    holder = {"state": state}
+
+    def one():
+        holder["state"], metrics, _ = compiled(holder["state"], batch, teacher_in, hps, bad)
+        return metrics
+
+    step_s, times = _median_time(one, case["steps"], jax.block_until_ready)
+    stats = device.memory_stats() or {}
+    row = {"case": case["config"], "method": method, "step": name, "target": target.spec,
+           "device": device.device_kind, "batch": cfg.data.batch_size, "seq": cfg.data.seq_len,
+           "compiled_here": here, "compile_s": compile_s, "step_s": step_s, "times_s": times,
+           "peak_bytes": stats.get("peak_bytes_in_use"), "bytes_before_run": before,
+           "planner": predicted_train_memory(cfg, teacher, method, stage, 1, 1, choices),
+           "device_memory_bytes": target.chip.device_memory_bytes}
+    if proc is not None:
+        out, err = proc.communicate(timeout=max(60.0, DEADLINE[0] - time.time()))
+        if proc.returncode in (0, 3):
+            rep = json.loads(out)
+            row["aot"] = rep["rows"][0]["compiled"]
+            row["aot_fits"] = rep["rows"][0]["fits"]
+        else:
+            row["aot_error"] = (err.strip().splitlines() or ["?"])[-1][:300]
+    else:
+        row["aot_error"] = "dry run: no CUDA plugin on the CPU path"
+    return row
+
+
 def run_jax(p: dict, dry: bool, sections: list[str], out: dict, save) -> None:
     import jax
 
     out["jax"] = {"version": jax.__version__, "backend": jax.default_backend(),
                   "device": jax.devices()[0].device_kind}
     # Most wanted first: a run cut by the budget loses the attention grid and FP8 first.
-    steps = [("peak", lambda: jax_peak(p)), ("loss", lambda: jax_loss(p, dry)),
+    # aot right after the peak: the device's peak memory is then this step's.
+    steps = [("peak", lambda: jax_peak(p)), ("aot", lambda: jax_aot(p, dry)),
+             ("loss", lambda: jax_loss(p, dry)),
              ("kd_step", lambda: jax_kd_step(p)), ("attention", lambda: jax_attention(p, dry)),
              ("fp8", lambda: jax_fp8(p, dry))]
     for name, fn in steps:
@@ -534,6 +623,28 @@ def write_report(out: dict, out_dir: Path, stem: str) -> str:
                       f"{st['compile_s']:.0f} |", ""]
         else:
             lines += [f"{st.get('error') or st.get('skipped')}", ""]
+    ao = out.get("aot")
+    if ao:
+        lines += ["## The compile tier's step: target compiler (compile-only, CPU) vs this "
+                  "device", ""]
+        if "step_s" in ao:
+            aot = ao.get("aot") or {}
+            lines += [f"{ao['case']} ({ao['step']}), batch {ao['batch']} x {ao['seq']}, "
+                      f"on {ao['device']}; GiB per device.", "",
+                      "| figure | arguments | outputs | temporaries | aliased | total |",
+                      "|---|---:|---:|---:|---:|---:|"]
+            for label, m in ((f"hldstudy.aot --target {ao['target']} (compile-only)", aot),
+                             ("compiled on this device", ao["compiled_here"]),
+                             ("planner", ao["planner"])):
+                lines.append(f"| {label} | " + " | ".join(
+                    _gib(m.get(k)) for k in ("argument_bytes", "output_bytes", "temp_bytes",
+                                             "alias_bytes", "total_bytes")) + " |")
+            lines += ["", f"Measured: peak {_gib(ao.get('peak_bytes'))} GiB in use on the device "
+                      f"(of {_gib(ao['device_memory_bytes'])}), step {1e3 * ao['step_s']:.1f} ms "
+                      f"(median), compile {ao['compile_s']:.0f} s."
+                      + (f" Compile-only: {ao['aot_error']}." if "aot_error" in ao else ""), ""]
+        else:
+            lines += [f"{ao.get('error') or ao.get('skipped')}", ""]
     fp = out.get("fp8")
     if fp:
         lines += ["## FP8 matmul (hldstudy.compress.fp8.fp8_dot)", ""]
@@ -555,7 +666,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dry-run", action="store_true",
                     default=os.environ.get("HLDSTUDY_DEVICE_DRY") == "1",
                     help="every section at tiny shapes on CPU (Pallas in interpret mode)")
-    ap.add_argument("--sections", default="peak,loss,peers,attention,kd_step,fp8")
+    ap.add_argument("--sections", default="peak,aot,loss,peers,attention,kd_step,fp8")
     ap.add_argument("--out-dir", type=Path, default=RESULTS)
     ap.add_argument("--budget-s", type=float, default=270.0,
                     help="wall-clock seconds for the whole run; cases that would start later "

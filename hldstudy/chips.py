@@ -18,6 +18,16 @@ v4 TensorCore as a device); the scoped default is 16 MiB on v4, v5e and v5p
 ("Scoped allocation with size 22.50M and limit 16.00M") and 32 MiB on v6e (a
 24.4 MiB kernel compiles without a limit). GPU shared memory per block is the
 opt-in maximum (sm_80: 163 KiB, sm_90: 227 KiB).
+
+`device_memory_bytes` is the memory one device has for a program's buffers, what the
+ahead-of-time compiler's `memory_analysis()` total is held against. TPU: what libtpu's
+compiler (0.0.42) says is available per device when a program does not fit ("exceeds
+available HBM (15.75G)"; `hldstudy.aot` compile-only topologies): v5e 15.75 GiB of its
+16, v5p 95.74 GiB, v6e 31.25 GiB of 32, v4 15.25 GiB (its compile-only topology
+addresses each of a chip's two TensorCores as a device). GPU: the memory as the
+driver reports it (nvidia-smi's total: H100 80GB HBM3 81559 MiB, H200 143771 MiB,
+A100-SXM4-40GB 40960 MiB); the GPU target configs `hldstudy.aot` ships carry the same
+figure (`device_memory_size`; tests/test_aot.py holds them equal).
 """
 
 from __future__ import annotations
@@ -37,20 +47,20 @@ GiB = 1024 * MiB
 class Chip:
     name: str                  # our name: v5e, h100, ...
     platform: str              # "tpu" | "cuda"
-    device_memory_bytes: int   # HBM per device
+    device_memory_bytes: int   # what one device has for a program's buffers (docstring)
     onchip_bytes: int          # VMEM (TPU) or shared memory per block (GPU)
     scoped_default_bytes: int  # TPU scoped-VMEM default per kernel; 0 on GPU
     fp8_matmul: bool           # native FP8 dot on the matrix units
 
 
 CHIPS: dict[str, Chip] = {c.name: c for c in (
-    Chip("v4", "tpu", 32 * GiB, 16 * MiB, 16 * MiB, False),
-    Chip("v5e", "tpu", 16 * GiB, 128 * MiB, 16 * MiB, False),
-    Chip("v5p", "tpu", 95 * GiB, 64 * MiB, 16 * MiB, False),
-    Chip("v6e", "tpu", 32 * GiB, 128 * MiB, 32 * MiB, False),
-    Chip("a100", "cuda", 40 * GiB, 163 * KiB, 0, False),
-    Chip("h100", "cuda", 80 * GiB, 227 * KiB, 0, True),
-    Chip("h200", "cuda", 141 * 10**9, 227 * KiB, 0, True),
+    Chip("v4", "tpu", int(15.25 * GiB), 16 * MiB, 16 * MiB, False),
+    Chip("v5e", "tpu", int(15.75 * GiB), 128 * MiB, 16 * MiB, False),
+    Chip("v5p", "tpu", int(95.74 * GiB), 64 * MiB, 16 * MiB, False),
+    Chip("v6e", "tpu", int(31.25 * GiB), 128 * MiB, 32 * MiB, False),
+    Chip("a100", "cuda", 40960 * MiB, 163 * KiB, 0, False),
+    Chip("h100", "cuda", 81559 * MiB, 227 * KiB, 0, True),
+    Chip("h200", "cuda", 143771 * MiB, 227 * KiB, 0, True),
 )}
 
 

@@ -251,7 +251,7 @@ DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")
 SCHEDULES = ("cosine", "linear", "constant")
 ATTENTIONS = ("dense", "chunked", "cudnn", "splash", "auto")
 LOSS_IMPLS = ("fused", "materialized")
-FUSED_BACKENDS = ("auto", "xla", "pallas")
+FUSED_BACKENDS = ("auto", "xla", "pallas", "pallas_triton", "pallas_mosaic")
 WANDB_MODES = ("offline", "online", "disabled")
 FAMILIES = ("gemma3", "qwen3_5")
 # Layer types each family can build, and its default pattern (repeated over n_layers).

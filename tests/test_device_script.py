@@ -71,8 +71,24 @@ def test_report_from_gpu_shaped_results(tmp_path):
                     "seq": 2048, "step_s": 0.5, "tokens_per_s": 32768, "compile_s": 60,
                     "executed_flops": 200e12, "model_flops_with_teacher": 150e12},
         "fp8": {"skipped": "hldstudy.compress has no FP8 matmul path (fp8_dot)"},
+        "aot": {"case": "experiments/c4_123m_kd.py", "step": "train kd", "target": "h200:1",
+                "device": "NVIDIA H200", "batch": 8, "seq": 2048, "step_s": 0.25,
+                "compile_s": 50.0, "peak_bytes": 30 * 2**30, "device_memory_bytes": 140 * 2**30,
+                "aot": {"argument_bytes": 2**30, "output_bytes": 2**29, "temp_bytes": 20 * 2**30,
+                        "alias_bytes": 2**29, "total_bytes": 21 * 2**30},
+                "compiled_here": {"argument_bytes": 2**30, "output_bytes": 2**29,
+                                  "temp_bytes": 2**34, "alias_bytes": 2**29,
+                                  "total_bytes": 17 * 2**30},
+                "planner": {"argument_bytes": 2**30, "output_bytes": 2**29,
+                            "temp_bytes": 18 * 2**30, "alias_bytes": 2**29,
+                            "total_bytes": 19 * 2**30}},
     }
     md = suite.write_report(out, tmp_path, "device")
+    # The compile tier's step: the compile-only figure, this device's and the planner's.
+    assert "| hldstudy.aot --target h200:1 (compile-only) | 1.00 | 0.50 | 20.00 | 0.50 | 21.00 |" in md
+    assert "| compiled on this device | 1.00 | 0.50 | 16.00 | 0.50 | 17.00 |" in md
+    assert "| planner | 1.00 | 0.50 | 18.00 | 0.50 | 19.00 |" in md
+    assert "peak 30.00 GiB" in md and "step 250.0 ms" in md
     assert json.loads((tmp_path / "device.json").read_text())["peak"]["flops_per_s"] == peak
     mfu = 8 * T * d * V / 0.2 / peak
     assert f"| {T} x {d} x {V} | ours-pallas | 200.0 | 1.00 | {100 * mfu:.1f}% |" in md
@@ -118,6 +134,7 @@ def test_dry_run_every_section(tmp_path):
     assert all("time_s" in r for r in att if r["impl"] != "cudnn"), att
     assert all("skipped" in r for r in att if r["impl"] == "cudnn")
     assert res["kd_step"]["step_s"] > 0 and res["kd_step"]["executed_flops"] > 0
+    assert res["aot"]["step_s"] > 0 and res["aot"]["compiled_here"]["total_bytes"] > 0
     assert "fp8_time_s" in res["fp8"] or "skipped" in res["fp8"]
     peers = res["peers"]
     for r in peers:  # each peer either ran or says in one line why not

@@ -37,6 +37,7 @@ FLOORS = (
     ("analysis", "eval", "plan", "teacher"),  # read results; use a model or its shapes
     ("train",),  # the trainer: teacher, model, data, stage budgets
     ("compress", "sweep"),  # drive the trainer
+    ("aot",),  # compiles a run's (or a grid's) steps for a target: trainer, planner, sweep
     ("quickstart",),  # the whole pipeline
 )
 

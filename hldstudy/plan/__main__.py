@@ -12,8 +12,10 @@ import json
 import math
 import sys
 
+from hldstudy.aot.check import check_grid
+from hldstudy.aot.targets import parse_target
 from hldstudy.cli_common import SWEEPS, find_builtin, warn_long_sequence
-from hldstudy.errors import ConfigError, user_errors
+from hldstudy.errors import ConfigError, RuntimeFault, user_errors
 from hldstudy.plan.layouts import PlanInputs, check_inputs, plan
 from hldstudy.plan.presets import plan_model
 from hldstudy.plan.terms import GB, dtype_bytes
@@ -83,10 +85,15 @@ def study_main(argv: list[str]) -> int:
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="K=V")
     ap.add_argument("--tflops", type=float, default=989.0, help="peak TFLOPS per device")
     ap.add_argument("--mfu", type=float, default=0.4)
+    ap.add_argument("--check-compile", default=None, metavar="TARGET",
+                    help="also compile the grid's steps, in this layout, for TARGET (v5e:2x4, "
+                         "h100:8, ...: python -m hldstudy.aot; needs the aot extra)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--debug", action="store_true")
     a = ap.parse_args(argv)
     with user_errors(a.debug, prog="hldstudy.plan"):
+        if a.check_compile:
+            parse_target(a.check_compile)  # a bad target is refused before any work
         auto = a.cohort == "auto"
         if auto:
             if a.hbm is None or not (math.isfinite(a.hbm) and a.hbm > 0):
@@ -133,9 +140,13 @@ def study_main(argv: list[str]) -> int:
         r["cohort_savings"] = {
             "teacher": colo["teacher_flops"] / max(coh["teacher_flops"], 1e-30),
             "total": colo["total_flops"] / coh["total_flops"]}
+        compiled = (check_grid(runs, teacher, a.cohort or len(runs), a.check_compile)
+                    if a.check_compile else [])
+        if compiled:
+            r["check_compile"] = [{k: v for k, v in c.items() if k != "text"} for c in compiled]
         if a.json:
             print(json.dumps(r, sort_keys=True))
-            return 0
+            return _compile_verdict(compiled)
         if chosen is not None:
             nxt = chosen["bytes_at_k_plus_1"]
             print(f"--cohort auto: K = {chosen['k']}, the largest cohort that fits "
@@ -154,6 +165,17 @@ def study_main(argv: list[str]) -> int:
                   f"{lay['total_flops']:.3e} | {lay['device_hours']:,.0f} |")
         s = r["cohort_savings"]
         print(f"cohorts: teacher FLOPs {s['teacher']:.1f}x lower, total {s['total']:.2f}x lower")
+        for c in compiled:
+            print(f"\n{len(c['runs'])} run(s): {', '.join(c['runs'])}\n{c['text']}")
+        return _compile_verdict(compiled)
+    return 0
+
+
+def _compile_verdict(compiled: list[dict]) -> int:
+    """RuntimeFault (exit 3) naming the first compiled step that does not fit."""
+    for c in compiled:
+        if "does_not_fit" in c:
+            raise RuntimeFault(c["does_not_fit"])
     return 0
 
 

@@ -1,0 +1,117 @@
+"""One run, or a grid's runs, compiled for a target and reported: what
+`python -m hldstudy.aot` and `python -m hldstudy.plan --sweep S --check-compile T` do."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import jax
+from jax._src import xla_bridge
+
+from hldstudy.aot.compile import compile_run, resolve_for_target
+from hldstudy.aot.report import flops_note, format_table, largest_terms, step_rows
+from hldstudy.aot.targets import devices, parse_target
+from hldstudy.cli_common import EXPERIMENTS, find_builtin
+from hldstudy.config import apply_overrides, load_experiment, validate
+from hldstudy.distill import methods
+from hldstudy.errors import ConfigError
+from hldstudy.model.presets import preset
+from hldstudy.sweep.cohorts import group
+from hldstudy.sweep.spec import teacher_model_config
+
+PARTS = ("train", "teacher", "eval")
+
+
+def use_cpu_host() -> None:
+    """The host compiles on the CPU backend: the CUDA plugin initialises only so, and
+    libtpu must not look for a TPU. Set before JAX picks its backends (a process that
+    already chose them, or JAX_PLATFORMS set by the user, is left as it is)."""
+    if not os.environ.get("JAX_PLATFORMS") and not xla_bridge.backends_are_initialized():
+        jax.config.update("jax_platforms", "cpu")
+
+
+def load_run(config: str, overrides: list[str], method: str | None,
+             teacher_preset: str | None):
+    """(cfg, method, teacher ModelConfig or None) of the run to compile: the config with
+    its overrides, validated without reading data or teacher files."""
+    cfg = apply_overrides(load_experiment(find_builtin(config, EXPERIMENTS)), overrides)
+    spec = methods.get(method or cfg.distill.method)
+    cfg = dataclasses.replace(cfg, distill=dataclasses.replace(cfg.distill, method=spec.name))
+    validate(cfg, check_paths=False, need_teacher=False)
+    teacher = None
+    if spec.needs_teacher:
+        teacher = (preset(teacher_preset) if teacher_preset
+                   else teacher_model_config(cfg.teacher.checkpoint, None))
+        if teacher is None:
+            raise ConfigError("--teacher-preset", f"method {spec.name!r} needs the teacher's "
+                              "shape and teacher.checkpoint gives none",
+                              "name one, e.g. --teacher-preset paper-teacher-3.4b")
+    return cfg, spec.name, teacher
+
+
+def check_compile(cfg, method: str, teacher, target_text: str, *, cohort: int | None = None,
+                  parts: tuple[str, ...] = PARTS) -> dict:
+    """Compiles the run for the target; returns {"target", "choices", "rows", "text"}.
+    Raises RuntimeFault (exit 3) after building the report when a step does not fit."""
+    target = parse_target(target_text)
+    if cohort is not None and cohort < 1:
+        raise ConfigError("--cohort", f"must be >= 1, got {cohort}")
+    unknown = [p for p in parts if p not in PARTS]
+    if unknown or not parts:
+        raise ConfigError("--parts", f"{','.join(parts)!r} names none or unknown parts",
+                          f"comma-separated of {', '.join(PARTS)}")
+    use_cpu_host()
+    cfg, teacher, choices = resolve_for_target(cfg, teacher, target)
+    devs = devices(target)
+    steps = compile_run(cfg, teacher, method, devs, cohort=cohort, mode=choices.cohort_mode,
+                        parts=parts)
+    fsdp = cfg.train.mesh_fsdp if cfg.train.mesh_fsdp > 0 else len(devs) // cfg.train.mesh_data
+    rows = step_rows(cfg, teacher, target, choices, steps, len(devs), fsdp, cohort)
+    head = (f"**{cfg.name}** ({method}{f', cohort of {cohort}' if cohort else ''}) on "
+            f"**{target.spec}** ({len(devs)} x {devs[0].device_kind}, mesh data x fsdp = "
+            f"{len(devs) // fsdp} x {fsdp}, batch {cfg.data.batch_size} x {cfg.data.seq_len}, "
+            f"model {cfg.model.dtype}, teacher {cfg.teacher.dtype})")
+    text = format_table(head, rows, choices, flops_note(cfg, choices), target.platform)
+    report = {"target": target.spec, "device_kind": devs[0].device_kind, "devices": len(devs),
+              "config": cfg.name, "method": method, "cohort": cohort,
+              "choices": dataclasses.asdict(choices), "rows": rows, "text": text}
+    over = [r for r in rows if not r["fits"]]
+    if over:
+        r = over[0]
+        need = r["compiled"].get("total_bytes", r["compiled"].get("temp_bytes"))
+        what = (f"it needs {need / 2**30:.2f} GiB per device" if need is not None
+                else "its compiler refused it")
+        if r.get("refused") and need is not None:
+            what += " in temporaries alone (its compiler refused it)"
+        report["does_not_fit"] = (
+            f"the {r['step']} step does not fit {target.spec}: {what}, the device has "
+            f"{target.chip.device_memory_bytes / 2**30:.2f} GiB (largest "
+            f"buffers by the planner: "
+            f"{largest_terms(cfg, teacher, r, len(devs), choices, cohort)}); lower "
+            f"data.batch_size (now {cfg.data.batch_size}), turn on model.remat, or use more "
+            "devices")
+    return report
+
+
+def check_grid(runs, teacher, cohort: int, target_text: str) -> list[dict]:
+    """The grid's programs compiled for the target in the layout the planner counts
+    (`hldstudy.sweep.cohorts.group`: cohorts of at most `cohort` compatible runs; a
+    cohort of one trains alone). Runs of one cohort shape differ only in member
+    hyperparameters, which do not change the program: one compile per (method, cohort
+    size). Returns one report (`check_compile`) per compile, with the run ids it covers."""
+    todo: dict[tuple[str, int], list[str]] = {}
+    first = {}
+    for members in group(runs, cohort):
+        key = (members[0].config.distill.method, len(members))
+        todo.setdefault(key, []).extend(r.run_id for r in members)
+        first.setdefault(key, members[0])
+    reports = []
+    for (method, k), ids in todo.items():
+        cfg = first[(method, k)].config
+        needs = methods.get(method).needs_teacher
+        rep = check_compile(cfg, method, teacher if needs else None, target_text,
+                            cohort=k if k > 1 else None)
+        rep["runs"] = ids
+        reports.append(rep)
+    return reports

@@ -1,0 +1,296 @@
+"""Compile a run's steps for a named target without it: the trainer's own step builders
+(`hldstudy.train.probe`, `hldstudy.train.cohort`) over abstract inputs
+(`jax.ShapeDtypeStruct`s placed on the config's mesh over the target's compile-only
+devices), lowered and compiled by the target's compiler (libtpu, the CUDA plugin).
+
+Per step it keeps what that compiler says: `memory_analysis()` per device (argument,
+output, temporary, alias bytes) and on TPU `cost_analysis()` FLOPs (the GPU compiler
+gives none). The planner's and the FLOP model's figures for the same step are set
+beside them by `hldstudy.aot.report`.
+
+Everything `auto` decides is resolved against the target (`resolve_for_target`): the
+attention path, the fused KD loss's kernel family (Mosaic on TPU, Triton on GPU) and
+the cohort mode (vmap on accelerators), never against this host's CPU backend.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import time
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from hldstudy import sharding as mesh_lib
+from hldstudy.aot.targets import Target, device_kind
+from hldstudy.config import Config, ModelConfig
+from hldstudy.distill import methods
+from hldstudy.distill.base import make_strategy
+from hldstudy.errors import RuntimeFault
+from hldstudy.model.attention import resolve_implementation
+from hldstudy.model.transformer import Transformer
+from hldstudy.plan.step_memory import xla_memory
+from hldstudy.teacher.base import method_needs
+from hldstudy.teacher.colocated import teacher_forward_fn
+from hldstudy.train.cohort import cohort_step_probe, default_mode
+from hldstudy.train.probe import cost_analysis, train_step_probe
+from hldstudy.train.step import make_eval_step, split_params, with_finite_record
+
+# `distill.fused_backend` auto / pallas -> the kernel family the target runs.
+FUSED_FAMILY = {"tpu": "pallas_mosaic", "gpu": "pallas_triton"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Choices:
+    """What `auto` became for the target, and why where it is not what a run there does."""
+
+    attention: str          # the student's attention path
+    teacher_attention: str  # the teacher's
+    fused_backend: str      # distill.fused_backend as compiled
+    cohort_mode: str        # vmap | map (a cohort step's)
+    notes: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledStep:
+    """One compiled program: what the target's compiler reports for one device."""
+
+    name: str               # "train kd", "train hldf:align", "teacher forward", "eval"
+    kind: str               # "train" | "teacher" | "eval"
+    method: str
+    stage: str | None
+    memory: dict[str, float]  # hldstudy.plan.xla_memory keys, per device ({} if refused)
+    flops: float | None     # cost_analysis() per device (TPU); None where not reported
+    seconds: float          # lowering + compiling
+    # The compiler's line when it refused the step for want of memory (the TPU compiler
+    # does: "Ran out of memory on HBM ..."), and the bytes it said the step needs.
+    refused: str | None = None
+    needs_bytes: float | None = None
+
+
+def _attention_for(model: ModelConfig, seq_len: int, target: Target) -> tuple[str, str | None]:
+    """(path compiled, note): `model.attention` resolved for the target. cuDNN's fused
+    attention cannot be compiled without cuDNN on this host: it is compiled as chunked
+    (same math and memory order), and said so."""
+    impl = resolve_implementation(model.attention, dtype=model.dtype,
+                                  softcap=model.attn_softcap, head_dim=model.head_dim,
+                                  seq_len=seq_len, backend=target.backend)
+    if impl == "cudnn":
+        return "chunked", ("attention cudnn (what auto picks on this GPU) needs cuDNN to "
+                           "compile; compiled as chunked here, left to a lent GPU")
+    return impl, None
+
+
+def resolve_for_target(cfg: Config, teacher_model: ModelConfig | None, target: Target,
+                       cohort_mode: str | None = None):
+    """(cfg, teacher_model, Choices) with every `auto` decided for `target`."""
+    notes = []
+    attn, note = _attention_for(cfg.model, cfg.data.seq_len, target)
+    if note:
+        notes.append(note)
+    t_attn = "-"
+    if teacher_model is not None:
+        t_attn, t_note = _attention_for(teacher_model, cfg.data.seq_len, target)
+        teacher_model = dataclasses.replace(teacher_model, attention=t_attn)
+        if t_note and t_note not in notes:
+            notes.append("teacher " + t_note)
+    fused = cfg.distill.fused_backend
+    if fused in ("auto", "pallas"):
+        fused = FUSED_FAMILY[target.backend]
+    mode = cohort_mode or default_mode(target.backend)
+    cfg = dataclasses.replace(
+        cfg, model=dataclasses.replace(cfg.model, attention=attn),
+        distill=dataclasses.replace(cfg.distill, fused_backend=fused))
+    return cfg, teacher_model, Choices(attn, t_attn, fused, mode, tuple(notes))
+
+
+def stage_names(cfg: Config, method: str, teacher_model: ModelConfig | None) -> list[str]:
+    spec = methods.get(method)
+    strategy = make_strategy(dataclasses.replace(
+        cfg, distill=dataclasses.replace(cfg.distill, method=spec.name)), cfg.model,
+        teacher_model if spec.needs_teacher else None)
+    return [s.name for s in strategy.stages()]
+
+
+def _placed(tree, shardings):
+    return jax.tree_util.tree_map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+
+
+def _stacked_shardings(mesh, tree):
+    """The shardings of K members' trees stacked on a new leading axis (replicated along
+    it), each member as `tree_shardings` places it."""
+    fsdp = mesh.shape["fsdp"]
+    return jax.tree_util.tree_map(
+        lambda x: NamedSharding(mesh, P(None, *mesh_lib.param_spec(tuple(x.shape[1:]), fsdp))),
+        tree)
+
+
+# libtpu's refusal: "... HLO temporaries (22.60G) exceeds available HBM (15.75G)".
+_NEEDS = re.compile(r"(?:required for HLO temporaries|memory required[^(]*)\(([\d.]+)G\)")
+
+
+def _compile(name, kind, method, stage, jitted, args, mesh) -> CompiledStep:
+    """Lowers and compiles `jitted` for the devices its arguments are placed on. A step
+    the compiler refuses for want of memory comes back `refused` (with the bytes it
+    said it needs, where it says); any other refusal (a kernel it cannot partition or
+    lower) is a RuntimeFault naming the step and the compiler's first line."""
+    t0 = time.perf_counter()
+    try:
+        # Traced under the target's mesh: what sizes itself for the chip being traced
+        # for (the fused loss's kernel blocks, chips.traced_target) sees the target.
+        with jax.set_mesh(mesh):
+            compiled = jitted.trace(*args).lower().compile()
+    except Exception as e:  # noqa: BLE001 - the target compiler's refusals are its own types
+        text = str(e)
+        first = next((ln.strip() for ln in text.splitlines() if ln.strip()), type(e).__name__)
+        if "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower():
+            m = _NEEDS.search(text)
+            return CompiledStep(name, kind, method, stage, {}, None,
+                                time.perf_counter() - t0, refused=first[:600],
+                                needs_bytes=float(m.group(1)) * 2**30 if m else None)
+        hint = ""
+        if "cannot be automatically partitioned" in text:  # Mosaic over a multi-device mesh
+            hint = (" (the fused KD loss's Pallas kernels are not partitioned over the mesh; "
+                    "--set distill.fused_backend=xla compiles the loss without them)")
+        raise RuntimeFault(f"the {name} step does not compile for the target: "
+                           f"{type(e).__name__}: {first[:400]}{hint}") from e
+    flops = cost_analysis(compiled).get("flops") if _reports_flops(compiled) else None
+    return CompiledStep(name, kind, method, stage, xla_memory(compiled),
+                        None if flops is None else float(flops), time.perf_counter() - t0)
+
+
+def _reports_flops(compiled) -> bool:
+    try:
+        return bool(cost_analysis(compiled))
+    except Exception:  # noqa: BLE001 - the GPU compiler has no cost analysis
+        return False
+
+
+def mesh_for(cfg: Config, devices):
+    mesh = mesh_lib.make_mesh(cfg.train, devices)
+    mesh_lib.check_batch_divisible(cfg.data.batch_size, mesh)
+    return mesh
+
+
+def train_program(cfg: Config, teacher_model, method: str, stage: str, mesh,
+                  cohort: int | None = None, mode: str = "vmap"):
+    """(name, jitted, abstract args) of the train step the trainer compiles for (method,
+    stage): the solo step (`with_finite_record(make_train_step(...))`, as
+    `SoloSteps.build`) or, with `cohort` K, the cohort step (`make_cohort_step`); state
+    donated, outputs placed as its inputs, every argument placed on `mesh`."""
+    rep = mesh_lib.replicated(mesh)
+    bad_shape = () if cohort is None else (cohort,)
+    bad = jax.ShapeDtypeStruct(bad_shape, jnp.int32, sharding=rep)
+    if cohort is None:
+        step, state, batch, teacher_in = train_step_probe(cfg, method, stage, teacher_model)
+        fn, hps = with_finite_record(step), {}
+        state_sh = mesh_lib.tree_shardings(mesh, state)
+    else:
+        fn, (state, batch, teacher_in, hps, _) = cohort_step_probe(
+            cfg, cohort, method, stage, teacher_model, mode=mode)
+        state_sh = _stacked_shardings(mesh, state)
+        hps = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=rep) for k, v in hps.items()}
+    state = _placed(state, state_sh)
+    batch = _placed(batch, {k: mesh_lib.batch_sharding(mesh) for k in batch})
+    if teacher_in is not None:
+        teacher_in = _placed(teacher_in, mesh_lib.tree_shardings(mesh, teacher_in))
+    jitted = jax.jit(fn, out_shardings=(state_sh, None, rep), donate_argnums=(0,))
+    label = f"{method}:{stage}" if len(stage_names(cfg, method, teacher_model)) > 1 else method
+    name = f"train {label}" + (f" (cohort of {cohort}, {mode})" if cohort else "")
+    return name, jitted, (state, batch, teacher_in, hps, bad)
+
+
+def compile_train(cfg: Config, teacher_model, method: str, stage: str, mesh,
+                  cohort: int | None = None, mode: str = "vmap") -> CompiledStep:
+    """`train_program`, compiled for the mesh's devices."""
+    name, jitted, args = train_program(cfg, teacher_model, method, stage, mesh, cohort, mode)
+    return _compile(name, "train", method, stage, jitted, args, mesh)
+
+
+def compile_teacher_forward(cfg: Config, teacher_model: ModelConfig, method: str,
+                            mesh) -> CompiledStep:
+    """A teacher replica's forward (`hldstudy.teacher.serve`): the hidden states every
+    stage of `method` asks for, in the teacher's inference dtype, over the mesh."""
+    spec = methods.get(method)
+    strategy = make_strategy(dataclasses.replace(
+        cfg, distill=dataclasses.replace(cfg.distill, method=spec.name)), cfg.model,
+        teacher_model)
+    needs = method_needs(strategy, teacher_model)
+    tcfg = dataclasses.replace(teacher_model, dtype=cfg.teacher.dtype, remat=False)
+    graphdef, params = nnx.split(nnx.eval_shape(lambda: _transformer(tcfg, 2)), nnx.Param)
+    tdt = jnp.dtype(cfg.teacher.dtype)
+    params = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, tdt), params)
+    forward = teacher_forward_fn(graphdef, needs.layers, needs.final)
+
+    def run(params, batch):  # what the server jits (TeacherServer._forward)
+        out = forward(params, batch)
+        return out.final_hidden, out.hidden
+
+    params = _placed(params, mesh_lib.tree_shardings(mesh, params))
+    batch = _abstract_batch(cfg, mesh)
+    return _compile("teacher forward", "teacher", spec.name, None, jax.jit(run),
+                    (params, batch), mesh)
+
+
+def compile_eval(cfg: Config, method: str, teacher_model, mesh) -> CompiledStep:
+    """The trainer's eval step (`make_eval_step`) on the student's params."""
+    stage = stage_names(cfg, method, teacher_model)[-1]
+    _, state, _, _ = train_step_probe(cfg, method, stage, teacher_model)
+    graphdefs, _ = split_params(*nnx.eval_shape(lambda: (_transformer(cfg.model, 0), None)))
+    params = _placed(state["params"], mesh_lib.tree_shardings(mesh, state["params"]))
+    return _compile("eval", "eval", method, stage, jax.jit(make_eval_step(graphdefs)),
+                    (params, _abstract_batch(cfg, mesh)), mesh)
+
+
+def _transformer(model_cfg: ModelConfig, seed: int):
+    return Transformer(model_cfg, rngs=nnx.Rngs(seed))
+
+
+def _abstract_batch(cfg: Config, mesh) -> dict:
+    shape = (cfg.data.batch_size, cfg.data.seq_len)
+    sh = mesh_lib.batch_sharding(mesh)
+    i32 = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sh)
+    return {"tokens": i32, "positions": i32, "segment_ids": i32, "targets": i32,
+            "mask": jax.ShapeDtypeStruct(shape, jnp.bool_, sharding=sh)}
+
+
+def compile_run(cfg: Config, teacher_model: ModelConfig | None, method: str, devices,
+                *, cohort: int | None = None, mode: str = "vmap",
+                parts: tuple[str, ...] = ("train", "teacher", "eval")) -> list[CompiledStep]:
+    """Every program of one run on `devices`: the train step of each stage of `method`
+    (the cohort step of K with `cohort`), the teacher replica's forward (a method with a
+    teacher), and the eval step. `cfg` and `teacher_model` come resolved for the target
+    (`resolve_for_target`)."""
+    mesh = mesh_for(cfg, devices)
+    spec = methods.get(method)
+    out = []
+    if "train" in parts:
+        for stage in stage_names(cfg, method, teacher_model):
+            out.append(compile_train(cfg, teacher_model, spec.name, stage, mesh, cohort, mode))
+    if "teacher" in parts and spec.needs_teacher:
+        out.append(compile_teacher_forward(cfg, teacher_model, spec.name, mesh))
+    if "eval" in parts:
+        out.append(compile_eval(cfg, spec.name, teacher_model, mesh))
+    return out
+
+
+def lower_train(cfg: Config, teacher_model: ModelConfig | None, method: str, stage: str,
+                target: Target):
+    """The solo train step lowered for `target`'s platform on one abstract device, with
+    no compiler installed (`lowering_platforms`): what the target's lowering rejects
+    (a kernel block, an operation it lacks) fails here in about a second. `cfg` comes
+    resolved for the target."""
+    step, state, batch, teacher_in = train_step_probe(cfg, method, stage, teacher_model)
+    bad = jax.ShapeDtypeStruct((), jnp.int32)
+    jitted = jax.jit(with_finite_record(step), donate_argnums=(0,))
+    device = jax.sharding.AbstractDevice(device_kind=device_kind(target.chip), num_cores=1,
+                                         platform=target.backend)
+    with jax.sharding.use_abstract_mesh(
+            jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)):
+        return jitted.trace(state, batch, teacher_in, {}, bad).lower(
+            lowering_platforms=(target.platform,))

@@ -1,0 +1,199 @@
+"""The target compiler's figures beside the planner's and the FLOP model's, per device.
+
+Pure arithmetic on `CompiledStep`s and configs (nothing compiles here): the planner's
+prediction of a train step (`hldstudy.plan.predict_step_memory` / `cohort_memory`) is
+for one device holding the whole batch, so it is asked for the batch one device holds
+(`data.batch_size / devices`) and its sharded terms (state, gradients, the teacher's
+params) are divided by the FSDP axis, as `hldstudy.sharding` places them. A step
+"fits" when its total (arguments + outputs - aliased + temporaries) is at most the
+chip's device memory (hldstudy.chips); compiler and planner are held to the same line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from hldstudy.aot.compile import Choices, CompiledStep
+from hldstudy.aot.targets import Target
+from hldstudy.config import Config, ModelConfig
+from hldstudy.flops import step_flops
+from hldstudy.plan.step_memory import cohort_memory, predict_step_memory
+
+GiB = 2**30
+KEYS = ("argument_bytes", "output_bytes", "temp_bytes", "alias_bytes", "total_bytes")
+# The planner's attention terms: "dense" keeps the T x T scores, every other path is
+# flash-like (blocks of scores, never the whole matrix).
+PLANNER_ATTENTION = {"dense": "dense"}
+
+
+def per_device_config(cfg: Config, n_devices: int) -> Config:
+    """`cfg` with the batch one device holds (the batch is split over every device)."""
+    return dataclasses.replace(cfg, data=dataclasses.replace(
+        cfg.data, batch_size=max(1, cfg.data.batch_size // n_devices)))
+
+
+def predicted_train_memory(cfg: Config, teacher_model: ModelConfig | None, method: str,
+                           stage: str, n_devices: int, fsdp: int, choices: Choices,
+                           cohort: int | None = None) -> dict[str, float]:
+    """The planner's `memory_analysis()` of one device's share of the train step."""
+    local = per_device_config(cfg, n_devices)
+    attention = PLANNER_ATTENTION.get(choices.attention, "flash")
+    kw = dict(method=method, stage=stage, layout="colocated", attention=attention)
+    if cohort is None:
+        pred = predict_step_memory(local, teacher_model, **kw)
+        terms = pred["terms"]
+        state, grads = pred["state_bytes"], terms["grads"]
+        teacher = terms.get("teacher_params", 0.0)
+        k = 1
+    else:
+        pred = cohort_memory(local, teacher_model, cohort, mode=choices.cohort_mode, **kw)
+        one = predict_step_memory(local, teacher_model, **kw)
+        k, terms = cohort, one["terms"]
+        state, grads = one["state_bytes"], terms["grads"]
+        teacher = terms.get("teacher_params", 0.0)
+    out = {key: float(pred[key]) for key in KEYS}
+    if fsdp > 1:  # sharded over the fsdp axis: the state (argument, output, alias), grads
+        cut = 1.0 - 1.0 / fsdp
+        live = k if choices.cohort_mode == "vmap" or cohort is None else 1
+        out["argument_bytes"] -= cut * (k * state + teacher)
+        out["output_bytes"] -= cut * k * state
+        out["alias_bytes"] -= cut * k * state
+        out["temp_bytes"] -= cut * live * grads
+        out["total_bytes"] = (out["argument_bytes"] + out["output_bytes"]
+                              - out["alias_bytes"] + out["temp_bytes"])
+    return out
+
+
+def flop_model(cfg: Config, teacher_model: ModelConfig | None, step: CompiledStep,
+               n_devices: int, cohort: int | None = None) -> float | None:
+    """The FLOP model's executed FLOPs of `step` per device (None for the eval step,
+    which the model does not count). A cohort runs the teacher once, K students."""
+    if step.kind == "eval":
+        return None
+    bd = step_flops(cfg, step.method, step.stage if step.kind == "train" else None,
+                    teacher_model)
+    teacher = bd.hardware.get("teacher", 0.0)
+    if step.kind == "teacher":
+        return teacher / n_devices
+    total = bd.hardware_flops("colocated")
+    if cohort:
+        total = cohort * (total - teacher) + teacher
+    return total / n_devices
+
+
+def flops_note(cfg: Config, choices: Choices) -> str:
+    """Where XLA's count of a step is incomplete (it counts a loop body once and a
+    Pallas kernel only by the cost it declares)."""
+    notes = []
+    if choices.attention not in ("dense",):
+        notes.append(f"attention {choices.attention} loops over blocks (counted once)")
+    if cfg.distill.loss_impl == "fused":
+        if choices.fused_backend.startswith("pallas"):
+            notes.append("the fused KD loss is Pallas kernels: counted by their declared "
+                         "pl.CostEstimate only")
+        else:
+            notes.append("the fused KD loss's XLA path loops over row windows (counted once)")
+    return "; ".join(notes)
+
+
+def step_rows(cfg: Config, teacher_model, target: Target, choices: Choices, steps,
+              n_devices: int, fsdp: int, cohort: int | None = None) -> list[dict]:
+    """One JSON-ready row per compiled step: the compiler's figures, the planner's
+    (train steps), the verdicts and the FLOPs."""
+    limit = target.chip.device_memory_bytes
+    rows = []
+    for s in steps:
+        row = {"step": s.name, "kind": s.kind, "method": s.method, "stage": s.stage,
+               "compile_s": round(s.seconds, 2), "device_memory_bytes": limit,
+               "compiled": dict(s.memory)}
+        if s.refused:
+            # The compiler refused it: the total is at least what it said the temporaries
+            # need (TPU), and it does not fit.
+            row.update(refused=s.refused, fits=False)
+            if s.needs_bytes is not None:
+                row["compiled"] = {"temp_bytes": s.needs_bytes}
+        else:
+            row["fits"] = s.memory["total_bytes"] <= limit
+        if s.kind == "train":
+            pred = predicted_train_memory(cfg, teacher_model, s.method, s.stage, n_devices,
+                                          fsdp, choices, cohort)
+            row["planner"] = pred
+            row["planner_fits"] = pred["total_bytes"] <= limit
+            if "total_bytes" in row["compiled"]:
+                row["planner_over_compiled"] = (pred["total_bytes"]
+                                                / max(row["compiled"]["total_bytes"], 1))
+            elif "temp_bytes" in row["compiled"]:  # refused: the temporaries it named
+                row["planner_temp_over_compiled_temp"] = (pred["temp_bytes"]
+                                                          / row["compiled"]["temp_bytes"])
+        if s.flops is not None:
+            model = flop_model(cfg, teacher_model, s, n_devices, cohort if s.kind == "train"
+                               else None)
+            row["xla_flops"] = s.flops
+            if model:
+                row["model_flops"] = model
+                row["xla_over_model"] = s.flops / model
+        rows.append(row)
+    return rows
+
+
+def _g(x: float) -> str:
+    return f"{x / GiB:.2f}"
+
+
+def format_table(head: str, rows: list[dict], choices: Choices, note: str,
+                 platform: str) -> str:
+    lines = [head, "",
+             "| step | arguments | outputs | temporaries | aliased | **total** | device memory "
+             "| fits | planner total | planner / compiled | planner fits | XLA FLOPs | "
+             "FLOP model | XLA / model |",
+             "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---|---:|---:|---:|"]
+    for r in rows:
+        c = r["compiled"]
+        p = r.get("planner")
+
+        def cell(key, c=c):
+            return _g(c[key]) if key in c else "-"
+
+        ratio = ("-" if not p else f"{r['planner_over_compiled']:.3f}"
+                 if "planner_over_compiled" in r else
+                 f"{r['planner_temp_over_compiled_temp']:.3f} (temporaries)"
+                 if "planner_temp_over_compiled_temp" in r else "-")
+        temp = cell("temp_bytes") + (" (refused)" if r.get("refused") else "")
+        cells = [r["step"], cell("argument_bytes"), cell("output_bytes"), temp,
+                 cell("alias_bytes"), f"**{cell('total_bytes')}**",
+                 _g(r["device_memory_bytes"]), "yes" if r["fits"] else "**no**",
+                 _g(p["total_bytes"]) if p else "-", ratio,
+                 ("yes" if r["planner_fits"] else "no") if p else "-",
+                 f"{r['xla_flops']:.4g}" if "xla_flops" in r else "-",
+                 f"{r['model_flops']:.4g}" if "model_flops" in r else "-",
+                 f"{r['xla_over_model']:.3f}" if "xla_over_model" in r else "-"]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines.append("")
+    lines.append("GiB per device (2^30 bytes). Resolved for the target: attention "
+                 f"{choices.attention} (teacher {choices.teacher_attention}), fused KD "
+                 f"{choices.fused_backend}, cohort mode {choices.cohort_mode}.")
+    for n in choices.notes:
+        lines.append(f"Note: {n}.")
+    for r in rows:
+        if r.get("refused"):
+            lines.append(f"The compiler refused {r['step']}: {r['refused']}")
+    if any("xla_flops" in r for r in rows) and note:
+        lines.append(f"FLOPs: {note}.")
+    if platform == "cuda":
+        lines.append("FLOPs: the GPU compiler gives no cost analysis (memory only).")
+    return "\n".join(lines)
+
+
+def largest_terms(cfg: Config, teacher_model, row: dict, n_devices: int, choices: Choices,
+                  cohort: int | None, top: int = 3) -> str:
+    """The largest buffers of a step per device by the planner's terms (XLA's memory
+    analysis gives totals only), for the message of a step that does not fit."""
+    local = per_device_config(cfg, n_devices)
+    attention = PLANNER_ATTENTION.get(choices.attention, "flash")
+    terms = predict_step_memory(local, teacher_model, method=row["method"], stage=row["stage"],
+                                attention=attention)["terms"]
+    k = cohort or 1
+    scaled = {n: v * (k if n in ("params", "optimizer", "grads", "activations", "logits")
+                      else 1) for n, v in terms.items()}
+    big = sorted(scaled.items(), key=lambda kv: -kv[1])[:top]
+    return ", ".join(f"{n} {_g(v)} GiB" for n, v in big)

@@ -1,0 +1,109 @@
+"""`python -m hldstudy.aot` without the aot extra: its bad-input lines and exit codes, the
+target names, the shipped GPU target configs against hldstudy.chips, `auto` resolved
+against the target (not this CPU host), and a lowering-only smoke of the trainer's own
+step for TPU and CUDA at tiny shapes (no compiler installed: `lowering_platforms`).
+
+The full compiles (libtpu, the CUDA plugin) are tests/test_aot_compile.py (marker aot).
+"""
+
+import importlib.util
+import re
+
+import pytest
+
+from hldstudy.aot.__main__ import main as aot_main
+from hldstudy.aot.compile import lower_train, resolve_for_target
+from hldstudy.aot.targets import GPU_TARGET_FILES, GPU_TARGETS_DIR, gpu_target_config, parse_target
+from hldstudy.chips import CHIPS
+from hldstudy.config import load_experiment
+from hldstudy.errors import ConfigError
+from hldstudy.model.presets import preset
+
+HAVE_LIBTPU = importlib.util.find_spec("libtpu") is not None
+
+
+def _run(capsys, *argv):
+    with pytest.raises(SystemExit) as e:
+        aot_main(list(argv))
+    return e.value.code, capsys.readouterr()
+
+
+@pytest.mark.parametrize("text,spec,topology", [
+    ("v5e:2x4", "v5e:2x4", "2x4"), ("V4:2x2x1", "v4:2x2x1", "2x2x1"),
+    ("h100:8", "h100:8", "1x1x8"), ("8xh100", "h100:8", "1x1x8"), ("a100", "a100:1", "1x1x1"),
+])
+def test_target_names(text, spec, topology):
+    t = parse_target(text)
+    assert (t.spec, t.topology) == (spec, topology)
+    assert t.chip is CHIPS[spec.split(":")[0]]
+
+
+@pytest.mark.parametrize("text", ["tpu9:2x2", "v5e", "v5e:8", "h100:0", "h100:two", "cpu:1"])
+def test_unknown_or_malformed_target_is_a_config_error(text):
+    with pytest.raises(ConfigError, match="--target"):
+        parse_target(text)
+
+
+def test_cli_unknown_target_is_one_line_exit_2(capsys):
+    code, out = _run(capsys, "--config", "tiny_distill", "--teacher-preset", "tiny-teacher",
+                     "--target", "tpu9:2x2")
+    assert code == 2
+    assert out.out == ""
+    lines = out.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("hldstudy.aot: error: --target:")
+    assert "unknown target 'tpu9:2x2'" in lines[0] and "v5e:2x4" in lines[0]
+
+
+@pytest.mark.skipif(HAVE_LIBTPU, reason="the aot extra is installed here (tests/test_aot_compile)")
+def test_cli_without_the_aot_extra_says_how_to_install_it(capsys):
+    code, out = _run(capsys, "--config", "tiny_distill", "--teacher-preset", "tiny-teacher",
+                     "--target", "v5e:2x4")
+    assert code == 2
+    lines = out.err.strip().splitlines()
+    assert len(lines) == 1, out.err
+    assert "libtpu" in lines[0] and "pip install -e '.[aot]'" in lines[0]
+
+
+def test_cli_teacher_shape_missing_is_exit_2(capsys):
+    code, out = _run(capsys, "--config", "tiny_distill", "--target", "v5e:2x4")
+    assert code == 2
+    assert "--teacher-preset" in out.err and len(out.err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("name", sorted(GPU_TARGET_FILES))
+def test_gpu_target_configs_hold_the_chip_table_memory(name):
+    """The GPU compiler schedules against the config's device memory: it is the chip
+    table's, one number in two places held equal here."""
+    text = gpu_target_config(CHIPS[name])
+    mem = int(re.search(r"device_memory_size: (\d+)", text).group(1))
+    assert mem == CHIPS[name].device_memory_bytes
+    smem = int(re.search(r"shared_memory_per_block_optin: (\d+)", text).group(1))
+    assert smem == CHIPS[name].onchip_bytes
+    assert (GPU_TARGETS_DIR / GPU_TARGET_FILES[name]).is_file()
+
+
+def _tiny():
+    return load_experiment("experiments/tiny_distill.py"), preset("tiny-teacher")
+
+
+@pytest.mark.parametrize("target,family,mode", [("v5e:2x4", "pallas_mosaic", "vmap"),
+                                                 ("h100:8", "pallas_triton", "vmap")])
+def test_auto_is_resolved_against_the_target_not_the_host(target, family, mode):
+    cfg, teacher = _tiny()
+    assert cfg.distill.fused_backend == "auto"
+    out, t_out, ch = resolve_for_target(cfg, teacher, parse_target(target))
+    assert out.distill.fused_backend == family == ch.fused_backend
+    assert ch.cohort_mode == mode  # the CPU host itself would pick "map"
+    assert out.model.attention == ch.attention and t_out.attention == ch.teacher_attention
+
+
+@pytest.mark.parametrize("target,marker", [("v5e:2x4", "tpu_custom_call"),
+                                           ("h100:8", "__gpu$xla.gpu.triton")])
+def test_the_trainers_kd_step_lowers_for_the_target(target, marker):
+    """Lowering only (no libtpu, no plugin): the solo KD step with the fused loss's
+    Pallas kernels of the target's family, in the target's own custom call."""
+    cfg, teacher = _tiny()
+    tg = parse_target(target)
+    cfg, teacher, _ = resolve_for_target(cfg, teacher, tg)
+    text = lower_train(cfg, teacher, "kd", "main", tg).as_text()
+    assert marker in text

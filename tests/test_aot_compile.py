@@ -1,0 +1,146 @@
+"""Compile tier (marker `aot`, `make test-aot`): the study's steps compiled by the
+targets' own compilers on this CPU machine (libtpu, the JAX CUDA plugin: the `aot`
+extra, under JAX_PLATFORMS=cpu), held against the planner and the FLOP model.
+
+The 123M KD step with the 3.4B teacher (experiments/c4_123m_kd.py: bfloat16 student,
+256 x 2048 tokens per step, colocated float32 teacher):
+- 8 x H100: the compiler's memory per device within 15% of the planner's, same verdict;
+- v5e 2x4: the step does not fit 15.75 GiB (libtpu refuses it), nor by the planner;
+  at two sequences per chip with a bfloat16 teacher it fits: memory within 15% and
+  cost_analysis() FLOPs within 5% of the FLOP model (dense attention; the fused loss's
+  XLA path loops over row windows, counted once: ~1% of the step's FLOPs);
+- the cohort step of K = 4 students on v5e 2x4 (vmap), same checks.
+On TPU the fused loss runs its XLA path (`distill.fused_backend=xla`): the Mosaic
+kernels cannot be partitioned over a multi-device mesh without a shard_map
+(test_mosaic_loss_over_a_mesh_is_refused_in_one_line).
+
+Each compile of the 123M step takes one to four minutes on a small CPU machine.
+"""
+
+import importlib.util
+import os
+
+import pytest
+
+from hldstudy.aot.__main__ import main as aot_main
+from hldstudy.aot.check import check_compile, load_run
+
+pytestmark = [
+    pytest.mark.aot,
+    pytest.mark.skipif(importlib.util.find_spec("libtpu") is None
+                       or importlib.util.find_spec("jax_plugins.xla_cuda12") is None,
+                       reason="needs the aot extra (pip install -e '.[aot]')"),
+    pytest.mark.skipif(os.environ.get("JAX_PLATFORMS") != "cpu",
+                       reason="run with JAX_PLATFORMS=cpu (make test-aot)"),
+]
+
+C4_KD = "experiments/c4_123m_kd.py"
+NO_DATA = "data.path=/nonexistent"  # nothing reads data here
+TEACHER = "paper-teacher-3.4b"
+XLA_LOSS = "distill.fused_backend=xla"
+# Two sequences of 2048 tokens per v5e chip, the teacher in bfloat16: fits 15.75 GiB.
+SMALL = [NO_DATA, XLA_LOSS, "data.batch_size=16", "teacher.dtype=bfloat16"]
+
+
+def _report(overrides, target, cohort=None, config=C4_KD):
+    cfg, method, teacher = load_run(config, overrides, None, TEACHER)
+    rep = check_compile(cfg, method, teacher, target, cohort=cohort, parts=("train",))
+    print(rep["text"])  # the table, for the note (make test-aot shows it: -rP)
+    return rep
+
+
+def _within(row, tol):
+    return abs(row["planner_over_compiled"] - 1.0) <= tol
+
+
+def test_123m_kd_step_on_8_h100_matches_the_planner():
+    rep = _report([NO_DATA], "h100:8")
+    assert rep["choices"]["fused_backend"] == "pallas_triton"  # auto, for the GPU
+    (row,) = rep["rows"]
+    assert row["fits"] and row["planner_fits"]
+    assert _within(row, 0.15), row
+    assert "xla_flops" not in row  # the GPU compiler gives no cost analysis
+
+
+def test_123m_kd_step_on_v5e_2x4_does_not_fit_and_the_planner_agrees():
+    rep = _report([NO_DATA, XLA_LOSS], "v5e:2x4")
+    (row,) = rep["rows"]
+    assert row["refused"].startswith("RESOURCE_EXHAUSTED")
+    assert not row["fits"] and not row["planner_fits"]
+    assert "15.75 GiB" in rep["does_not_fit"] and "largest buffers" in rep["does_not_fit"]
+
+
+def test_123m_kd_step_on_v5e_2x4_at_two_sequences_per_chip():
+    rep = _report(SMALL, "v5e:2x4")
+    (row,) = rep["rows"]
+    assert row["fits"] and row["planner_fits"]
+    assert _within(row, 0.15), row
+    assert abs(row["xla_over_model"] - 1.0) <= 0.05, row
+
+
+@pytest.mark.xfail(strict=True, reason="measured once (20 min compile): libtpu compiles the "
+                   "K = 4 cohort step at 2 sequences per chip within 15.75 GiB, the planner's "
+                   "cohort_memory (its vmap term calibrated on XLA CPU) says it does not fit")
+def test_cohort_of_4_on_v5e_2x4():
+    rep = _report(SMALL, "v5e:2x4", cohort=4)
+    assert rep["choices"]["cohort_mode"] == "vmap"
+    (row,) = rep["rows"]
+    assert "cohort of 4" in row["step"]
+    assert row["fits"] == row["planner_fits"]
+    assert _within(row, 0.15), row
+    assert abs(row["xla_over_model"] - 1.0) <= 0.05, row
+
+
+def test_mosaic_loss_over_a_mesh_is_refused_in_one_line(capsys):
+    """auto on a TPU picks the Mosaic kernels; over 8 devices the compiler cannot
+    partition them: one line, exit 3, naming the step."""
+    with pytest.raises(SystemExit) as e:
+        aot_main(["--config", "tiny_distill", "--teacher-preset", "tiny-teacher",
+                  "--target", "v5e:2x4", "--parts", "train"])
+    assert e.value.code == 3
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "train kd step does not compile" in err[0]
+    assert "partitioned" in err[0]
+
+
+def test_topology_libtpu_rejects_is_exit_2(capsys):
+    with pytest.raises(SystemExit) as e:
+        aot_main(["--config", "tiny_distill", "--teacher-preset", "tiny-teacher",
+                  "--target", "v6e:1x1"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "libtpu refuses the target v6e:1x1" in err[0]
+
+
+def test_a_step_that_cannot_fit_is_exit_3_naming_memory_and_buffers(capsys):
+    with pytest.raises(SystemExit) as e:
+        aot_main(["--config", "tiny_distill", "--teacher-preset", "tiny-teacher",
+                  "--target", "v5e:2x4", "--parts", "train", "--set", XLA_LOSS,
+                  "--set", "data.batch_size=16384", "--set", "data.seq_len=512"])
+    assert e.value.code == 3
+    out = capsys.readouterr()
+    assert "| train kd |" in out.out  # the table first
+    err = out.err.strip().splitlines()
+    assert len(err) == 1
+    assert "does not fit v5e:2x4" in err[0] and "the device has 15.75 GiB" in err[0]
+    assert "largest buffers by the planner: activations" in err[0]
+
+
+def test_plan_check_compile_compiles_the_grid_in_the_planners_layout(capsys):
+    """`plan --sweep cpu --cohort 2 --check-compile h100:1`: one compile per (method, cohort
+    size) of the grid, every run of the grid covered, every program fits."""
+    from hldstudy.plan.__main__ import main as plan_main
+
+    assert plan_main(["--sweep", "cpu", "--cohort", "2", "--check-compile", "h100:1",
+                      "--json"]) == 0
+    import json
+
+    r = json.loads(capsys.readouterr().out)
+    checks = r["check_compile"]
+    assert sorted(c["method"] for c in checks) == ["baseline", "hldc", "hldf", "kd"]
+    assert all(c["cohort"] == 2 for c in checks)
+    assert sorted(i for c in checks for i in c["runs"]) == sorted(
+        i for members in r["cohort_members"] for i in members)
+    for c in checks:
+        assert all(row["fits"] for row in c["rows"]), c["rows"]
+        assert any("cohort of 2" in row["step"] for row in c["rows"])
