@@ -191,7 +191,9 @@ def elementwise_features(m: ModelShape, seq_len: int, kind: str) -> list[float]:
 
 # Fitted by scripts/calibrate_qwen_flops.py (jax 0.10.2, XLA CPU; non-negative least
 # squares over 10 random 3-layer models, the trainer's baseline step and the forward
-# alone; residuals <= 1.1% (forward) and <= 1.6% (train) of XLA's count): (forward, train)
+# alone; residuals <= 1.1% (forward) and <= 1.6% (train) of XLA's count, fitted when the
+# DeltaNet ran a LAPACK solve; with the matmul inverse every tested step stays within 1.1%,
+# not refitted: tests/test_qwen35_flops.py): (forward, train)
 # FLOPs per unit of each feature. The d_model and MLP-width terms are partly collinear over
 # the fitted shapes; their sum is what is determined.
 _EW_QWEN = {"hidden": (3.4, 121.6), "ffn": (18.3, 0.0), "qkv": (0.0, 0.0),
