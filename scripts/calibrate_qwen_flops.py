@@ -4,10 +4,11 @@ to XLA's CPU cost analysis.
 For random small dense Qwen3.5 models (mixed gated-attention / Gated DeltaNet layers,
 T = the chunk size, one sequence), the trainer's baseline step (`train_step_probe`) and
 the teacher's forward alone (`teacher_forward_fn`, final hidden states) are compiled; XLA's
-count (solves completed, `hldstudy.flops.xla_count`, the one-trip chunk loop kept as a
-loop: `KEEP_LOOPS`) minus everything `hldstudy.flops.step_flops` counts without these
-constants (matmuls, solves, the loss's and the optimizer's elementwise work) is the
-blocks' elementwise work. It is fitted per token as a linear function of the features in
+count (`hldstudy.flops.xla_count`; complete since the DeltaNet's system is inverted with
+matmuls; the one-trip chunk loop kept as a loop: `KEEP_LOOPS`) minus everything
+`hldstudy.flops.step_flops` counts without these constants (matmuls including the
+DeltaNet's inverse, the loss's and the optimizer's elementwise work) is the blocks'
+elementwise work. It is fitted per token as a linear function of the features in
 `layers_qwen.EW_FEATURES`, summed over the layers, by least squares.
 
     python scripts/calibrate_qwen_flops.py [--models 12] [--seed 0] [--out fit.json]

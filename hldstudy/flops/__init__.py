@@ -52,8 +52,8 @@ with the hardware figure (tests: within 5%; measured 0.97-1.004). One XLA
 limitation matters: HloCostAnalysis counts a while-loop (scan) body once, so
 the fused KD loss's row-window scan is undercounted above 64 tokens per step, and a
 Gated DeltaNet's chunk scan above one chunk (`xla_count_is_complete`; the CLI warns).
-XLA reports -1 for a triangular solve (the DeltaNet's, a LAPACK call on CPU); the probe
-counts it by its closed form (`hldstudy.flops.xla_count`).
+The DeltaNet inverts its chunk's system with matmuls, which XLA counts; were a LAPACK
+triangular solve probed, XLA's -1 is replaced by its closed form (`hldstudy.flops.xla_count`).
 
 **Families.** `flops_per_token` is the one dispatch on `ModelConfig.family` (and on the
 planner's `ModelShape`s): gemma3 counts with the formulas here, qwen3_5 (Gated DeltaNet,

@@ -14,23 +14,20 @@ The chunked delta rule per value head and chunk of C tokens (K, V the key and va
 dims; hldstudy.model.deltanet), padded to whole chunks as the layer runs it:
 
     intra-chunk:   k_beta k^T and q k^T (2 x 2 C^2 K), intra-chunk attention x new values
-                   (2 C^2 V), and the unit-lower-triangular solve for the new values and
-                   decayed keys (`triangular_solve_flops`: C(C-1)/2 multiply-adds per
-                   right-hand column, V + K columns)
+                   (2 C^2 V); the unit-lower-triangular system's inverse from matmuls
+                   (`unit_lower_inverse_flops`: C padded to P, the next power of two;
+                   levels s = 1, 2, ..., P/2 each run P/(2s) blocks of two s x s x s
+                   matmuls, 2P(P^2 - 1)/3 in all) and the inverse applied to the new values
+                   and decayed keys (2 C^2 (V + K))
     state:         read by the decayed keys and the queries (2 x 2 C K V) and the update
                    (2 C K V)
 
-Training is 3x the forward for every matmul (input and weight gradients). The solve's
-backward is one more solve of the same size (the transposed system, for the right-hand
-sides) plus the `C x C` system's gradient, a `C x (V + K) x C` matmul (2 C^2 (V + K)):
+Every term is a matmul, so training is 3x the forward (input and weight gradients):
 `deltanet_mixing_flops(..., train=True)`.
 
 `moe_flops(..., grouped_dense=True)` is what XLA's CPU backend executes for
 `jax.lax.ragged_dot`: every row against every expert (a dense matmul over all experts);
 `grouped_matmuls_run_dense()` says whether the running backend does that.
-
-XLA's cost analysis reports -1 for the triangular solve (a LAPACK custom call on CPU);
-`hldstudy.flops.xla_count.completed_flops` puts this closed form in its place.
 """
 
 from __future__ import annotations
@@ -42,13 +39,15 @@ from hldstudy.shapes import ModelShape, causal_context
 __all__ = ["deltanet_flops", "deltanet_mixing_flops", "gated_attention_flops",
            "grouped_matmuls_run_dense", "mlp_flops_per_token", "moe_flops",
            "qwen_flops_per_token", "qwen_forward_flops", "qwen_train_mixing_flops",
-           "triangular_solve_flops"]
+           "unit_lower_inverse_flops"]
 
 
-def triangular_solve_flops(n: int, columns: int, batch: int = 1) -> float:
-    """A unit-diagonal triangular solve of an n x n system for `columns` right-hand sides:
-    n(n-1)/2 multiply-adds per column."""
-    return float(batch) * n * (n - 1) * columns
+def unit_lower_inverse_flops(n: int) -> float:
+    """`hldstudy.model.deltanet.unit_lower_inverse` of one n x n matrix: n padded to P, the
+    next power of two; at block size s = 1, 2, ..., P/2, P/(2s) products D^-1 B A^-1 of two
+    s x s x s matmuls: sum 2P s^2 = 2P(P^2 - 1)/3."""
+    p = 1 << max(0, (n - 1).bit_length())
+    return 2.0 * p * (p * p - 1) / 3.0
 
 
 def attention_projection_flops(m: ModelShape) -> float:
@@ -74,26 +73,21 @@ def deltanet_projection_flops(m: ModelShape) -> float:
     return 2.0 * m.linear_matmul_params
 
 
-def deltanet_mixing_flops(m: ModelShape, seq_len: int, *, solve: bool = True,
-                          train: bool = False) -> float:
+def deltanet_mixing_flops(m: ModelShape, seq_len: int, *, train: bool = False) -> float:
     """Per sequence: the causal conv and the chunked delta rule (forward, or train = forward
-    + backward). solve=False leaves the triangular solves out (XLA cannot count them)."""
+    + backward: 3x, every term a matmul)."""
     hv, dk, dv, c = m.linear_v_heads, m.linear_k_head_dim, m.linear_v_head_dim, m.deltanet_chunk
     chunks = math.ceil(seq_len / c)
     conv = 2.0 * seq_len * m.linear_conv_dim * m.linear_conv_kernel
-    per_chunk = 4.0 * c * c * dk + 2.0 * c * c * dv + 6.0 * c * dk * dv
-    solve_fwd = triangular_solve_flops(c, dv + dk)
-    if not train:
-        return conv + chunks * hv * (per_chunk + (solve_fwd if solve else 0.0))
-    system_grad = 2.0 * c * c * (dv + dk)
-    return 3.0 * conv + chunks * hv * (3.0 * per_chunk + system_grad
-                                       + (2.0 * solve_fwd if solve else 0.0))
+    per_chunk = (4.0 * c * c * dk + 2.0 * c * c * dv + 6.0 * c * dk * dv
+                 + unit_lower_inverse_flops(c) + 2.0 * c * c * (dv + dk))
+    forward = conv + chunks * hv * per_chunk
+    return 3.0 * forward if train else forward
 
 
-def deltanet_flops(m: ModelShape, seq_len: int, *, solve: bool = True) -> float:
+def deltanet_flops(m: ModelShape, seq_len: int) -> float:
     """One Gated DeltaNet layer's forward over a sequence of `seq_len` tokens."""
-    return seq_len * deltanet_projection_flops(m) + deltanet_mixing_flops(m, seq_len,
-                                                                          solve=solve)
+    return seq_len * deltanet_projection_flops(m) + deltanet_mixing_flops(m, seq_len)
 
 
 def moe_flops(m: ModelShape, tokens: int, *, grouped_dense: bool = False) -> float:
@@ -158,7 +152,7 @@ def qwen_forward_flops(m: ModelShape, seq_len: int, *, head: bool = True) -> dic
 def qwen_train_mixing_flops(m: ModelShape, seq_len: int, *,
                             n_layers: int | None = None) -> float:
     """Per sequence, forward + backward, as executed: dense gated-attention scores and the
-    DeltaNet's conv and delta rule with its solves (`deltanet_mixing_flops(train=True)`)."""
+    DeltaNet's conv and delta rule (`deltanet_mixing_flops(train=True)`)."""
     n = m.n_layers if n_layers is None else n_layers
     linear = sum(m.is_linear(i) for i in range(n))
     return (3.0 * (n - linear) * attention_mixing_flops(m, seq_len, dense=True)
@@ -197,7 +191,9 @@ def elementwise_features(m: ModelShape, seq_len: int, kind: str) -> list[float]:
 
 # Fitted by scripts/calibrate_qwen_flops.py (jax 0.10.2, XLA CPU; non-negative least
 # squares over 10 random 3-layer models, the trainer's baseline step and the forward
-# alone; residuals <= 1.1% (forward) and <= 1.6% (train) of XLA's count): (forward, train)
+# alone; residuals <= 1.1% (forward) and <= 1.6% (train) of XLA's count, fitted when the
+# DeltaNet ran a LAPACK solve; with the matmul inverse every tested step stays within 1.1%,
+# not refitted: tests/test_qwen35_flops.py): (forward, train)
 # FLOPs per unit of each feature. The d_model and MLP-width terms are partly collinear over
 # the fitted shapes; their sum is what is determined.
 _EW_QWEN = {"hidden": (3.4, 121.6), "ffn": (18.3, 0.0), "qkv": (0.0, 0.0),

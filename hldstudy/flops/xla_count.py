@@ -1,12 +1,14 @@
 """XLA's FLOP count of a compiled step, completed where its cost analysis cannot count.
 
-XLA's CPU backend runs `jax.lax.linalg.triangular_solve` (the chunked DeltaNet's solve,
-forward and backward) as a LAPACK custom call (`lapack_strsm_ffi`), for which
-HloCostAnalysis reports -1 FLOPs and adds that -1 to the step's total. `completed_flops`
-takes the reported total, removes each -1 and adds the solve's closed form
-(`hldstudy.flops.layers_qwen.triangular_solve_flops`, read from the call's shapes in the
-compiled HLO), so the count compares with the hardware estimate. Pure text parsing of
-`compiled.as_text()`: nothing here compiles or imports the trainer.
+XLA's CPU backend runs `jax.lax.linalg.triangular_solve` as a LAPACK custom call
+(`lapack_strsm_ffi`), for which HloCostAnalysis reports -1 FLOPs and adds that -1 to the
+step's total. `completed_flops` takes the reported total, removes each -1 and adds the
+solve's closed form (`triangular_solve_flops`, read from the call's shapes in the compiled
+HLO). The trainer's steps no longer contain such a solve (the chunked DeltaNet inverts its
+system with matmuls, `hldstudy.model.deltanet.unit_lower_inverse`, which XLA counts), so
+there this is a no-op kept as a guard: a solve in a probed step (e.g. SparseGPT's
+`solve_triangular`, were it ever probed) is counted rather than read as -1. Pure text
+parsing of `compiled.as_text()`: nothing here compiles or imports the trainer.
 """
 
 from __future__ import annotations
@@ -14,9 +16,14 @@ from __future__ import annotations
 import math
 import re
 
-from hldstudy.flops.layers_qwen import triangular_solve_flops
+__all__ = ["KEEP_LOOPS", "completed_flops", "triangular_solve_flops", "triangular_solves"]
 
-__all__ = ["KEEP_LOOPS", "completed_flops", "triangular_solves"]
+
+def triangular_solve_flops(n: int, columns: int, batch: int = 1) -> float:
+    """A unit-diagonal triangular solve of an n x n system for `columns` right-hand sides:
+    n(n-1)/2 multiply-adds per column."""
+    return float(batch) * n * (n - 1) * columns
+
 
 # Compiler options for a count: XLA's while-loop simplifier inlines a loop of one trip and
 # then drops what only the loop's final carry needed (the DeltaNet chunk scan's last state
