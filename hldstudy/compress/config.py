@@ -61,8 +61,10 @@ class CompressConfig:
     out: str | None = None
     # METHOD-N:M with METHOD in magnitude | wanda | sparsegpt; "" = no pruning.
     prune: str = "sparsegpt-2:4"
-    # Block linears to prune (comma-separated subset of q,k,v,o,gate,up,down).
-    targets: str = "q,k,v,o,gate,up,down"
+    # Block linears to prune and quantize (comma-separated names of
+    # hldstudy.compress.layout.LINEARS; a name the model's family lacks is skipped).
+    targets: str = ("q,q_gate,k,v,o,in_qkv,in_z,out,gate,up,down,shared_gate,shared_up,"
+                    "shared_down")
     calibration_batches: int = knob(16, domain=NONNEG)
     calibration_batch_size: int = knob(
         0, domain=Domain(">= 0", note="0 = the checkpoint's data.batch_size"))

@@ -85,20 +85,29 @@ def _load(path):
 def weight_bytes(model, *, sparse_keys=(), quantized=None, nm=(2, 4)) -> dict:
     """{weight_bytes, weight_bytes_packed} of one forward's weights (see module doc)."""
     quantized = quantized or {}
+    # per parameter: (elements stored in FP8, scale bytes, elements in N:M matrices)
+    fp8_n: dict[str, int] = {}
+    scales: dict[str, int] = {}
+    sparse_n: dict[str, int] = {}
+    for key, (q, s) in quantized.items():
+        pk = Target.from_key(key).param_key
+        fp8_n[pk] = fp8_n.get(pk, 0) + int(np.asarray(q).size)
+        scales[pk] = scales.get(pk, 0) + 4 * int(np.asarray(s).size)
+    for key in sparse_keys:
+        t = Target.from_key(key)
+        size = int(np.prod(t.param(model)[...].shape[1 if t.expert is not None else 0:]))
+        sparse_n[t.param_key] = sparse_n.get(t.param_key, 0) + size
     stored = packed = 0
     for key, value in _param_items(model).items():
         n = int(np.prod(value.shape))
-        width = 1 if key in quantized else jnp.dtype(value.dtype).itemsize
-        scale = 0
-        if key in quantized:
-            scale = 4 * int(np.asarray(quantized[key][1]).size)
-        stored += n * width + scale
-        if key in sparse_keys:
-            kept = n * nm[0] // nm[1]
-            index_bits = kept * math.ceil(math.log2(nm[1]))
-            packed += kept * width + index_bits // 8 + scale
-        else:
-            packed += n * width + scale
+        wide = jnp.dtype(value.dtype).itemsize
+        n8 = fp8_n.get(key, 0)
+        stored += n8 + (n - n8) * wide + scales.get(key, 0)
+        ns = sparse_n.get(key, 0)
+        width = 1 if n8 else wide  # a parameter is quantized whole (every expert) or not
+        kept = ns * nm[0] // nm[1]
+        index_bits = kept * math.ceil(math.log2(nm[1]))
+        packed += (n - ns) * width + kept * width + index_bits // 8 + scales.get(key, 0)
     return {"weight_bytes": int(stored), "weight_bytes_packed": int(packed)}
 
 
@@ -157,7 +166,7 @@ def quantize_model(model, names, fmt: str, granularity: str) -> dict:
     """Rounds every target matrix onto its FP8 grid in place (the model then holds the
     dequantized float32 values); returns {key: (q, scale)} for the export."""
     out = {}
-    for t in targets(model.cfg.n_layers, names):
+    for t in targets(model, names):
         q, s = fp8_lib.quantize_fp8(t.get2d(model), fmt, granularity)
         t.set2d(model, fp8_lib.dequantize_fp8(q, s))
         out[t.key] = (q, s)
@@ -224,7 +233,7 @@ def preflight(ccfg: CompressConfig):
     names = prune_names(ccfg)
     if ccfg.prune:
         method, _, m = parse_prune(ccfg.prune)
-        check_prunable(model.cfg, m, names)
+        check_prunable(model, m, names)
         if method in ("wanda", "sparsegpt") and ccfg.calibration_batches == 0:
             raise ConfigError("compress.calibration_batches",
                               f"{method} needs calibration data and 0 batches were asked for",
@@ -348,8 +357,7 @@ def _run_into(ccfg: CompressConfig, out: Path, model, tokenizer, run_cfg) -> dic
         model, result = recover(model, masks, run_cfg, ccfg, teacher_path=teacher_path,
                                 data=bundle, workdir=out / "recover", quant=in_loop)
         timings["recover_seconds"] = round(time.time() - t0, 1)
-        held = all(not np.any(np.asarray(Target(int(k.split(".")[1]), k.split(".")[3])
-                                         .get2d(model))[~np.asarray(mk)])
+        held = all(not np.any(np.asarray(Target.from_key(k).get2d(model))[~np.asarray(mk)])
                    for k, mk in masks.items())
         label = f"recovered-{ccfg.method}-{ccfg.divergence}"
         if in_loop:
