@@ -169,6 +169,12 @@ def save_run_dir(model, run_cfg, out_dir: str | Path, *, tokenizer_file: str | P
         shutil.rmtree(out)
     out.mkdir(parents=True)
     data = dataclasses.replace(run_cfg.data, tokenizer=None)
+    if tokenizer_file is not None and Path(tokenizer_file).suffix == ".json":
+        # a run directory holds only a SentencePiece tokenizer.model: a Hugging Face
+        # tokenizer.json is named by its (absolute) path instead, and copied beside it
+        shutil.copyfile(tokenizer_file, out / "tokenizer.json")
+        data = dataclasses.replace(data, tokenizer=str(Path(tokenizer_file).absolute()))
+        tokenizer_file = None
     cfg = dataclasses.replace(run_cfg, model=model.cfg, data=data)
     if tokenizer_file is not None:
         shutil.copyfile(tokenizer_file, out / "tokenizer.model")
