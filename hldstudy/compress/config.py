@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hldstudy.compress.data import check_source
 from hldstudy.config import (
     NONNEG,
     POSITIVE,
@@ -157,8 +158,6 @@ def validate(cfg: CompressConfig) -> CompressConfig:
     if cfg.calibration_tfds and cfg.calibration_data is None:
         raise ConfigError("compress.calibration_tfds", "needs compress.calibration_data, the "
                           "dataset's local TFDS data_dir")
-    from hldstudy.compress.data import check_source
-
     check_source(cfg)
     return cfg
 

@@ -49,6 +49,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from hldstudy.chips import CHIPS
 from hldstudy.errors import ConfigError
 
 
@@ -123,8 +124,6 @@ _TPU_KINDS = {"v4": "v4", "v5 lite": "v5e", "v5e": "v5e", "v5p": "v5p", "v5": "v
 
 def chip_of(device) -> str | None:
     """The `hldstudy.chips` row name of a JAX device, or None for one not in the table."""
-    from hldstudy.chips import CHIPS
-
     kind = str(getattr(device, "device_kind", "")).lower()
     if device.platform == "gpu":
         return next((name for name, c in CHIPS.items()
@@ -138,8 +137,6 @@ def backend_has_fp8_matmul() -> bool:
     """True where the first device has FP8 matrix units: its `hldstudy.chips` row's
     `fp8_matmul` (H100, H200); an NVIDIA GPU the table does not list by its compute
     capability (>= 8.9: Ada, Hopper, Blackwell)."""
-    from hldstudy.chips import CHIPS
-
     dev = jax.devices()[0]
     name = chip_of(dev)
     if name is not None:
