@@ -103,7 +103,8 @@ def test_compress_schema_is_the_config_modules():
     assert rules["fp8_format"]["domain"].choices == tuple(fp8.FORMATS)
     assert rules["fp8_granularity"]["domain"].choices == fp8.GRANULARITIES
     flags = {a.dest: a.choices for a in build_parser()._actions if a.choices}
-    assert flags == {f: rules[f]["domain"].choices for f in ("method", "divergence", "quantize")}
+    assert flags == {f: rules[f]["domain"].choices for f in ("method", "divergence", "quantize",
+                                                                   "export")}
     assert validate(CompressConfig(checkpoint="run", out="out")) == \
         CompressConfig(checkpoint="run", out="out")
 

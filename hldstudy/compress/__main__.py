@@ -56,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--calibration-tokens", type=int,
                    help="calibration tokens (default: --calibration-batches batches)")
     p.add_argument("--calibration-tfds", help="TFDS dataset name read from --calibration-data")
-    p.add_argument("--export", choices=("compressed-tensors",),
+    p.add_argument("--export", choices=_choices("export"),
                    help="also write DIR/compressed-tensors/ (a Hugging Face directory)")
     p.add_argument("--recover-steps", type=int, help="recovery distillation steps (0 = none)")
     p.add_argument("--recover-flops", type=float, help="recovery FLOP budget (wins over steps)")
