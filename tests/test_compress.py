@@ -103,7 +103,8 @@ def test_compress_schema_is_the_config_modules():
     assert rules["fp8_format"]["domain"].choices == tuple(fp8.FORMATS)
     assert rules["fp8_granularity"]["domain"].choices == fp8.GRANULARITIES
     flags = {a.dest: a.choices for a in build_parser()._actions if a.choices}
-    assert flags == {f: rules[f]["domain"].choices for f in ("method", "divergence", "quantize")}
+    assert flags == {f: rules[f]["domain"].choices for f in ("method", "divergence", "quantize",
+                                                                   "export")}
     assert validate(CompressConfig(checkpoint="run", out="out")) == \
         CompressConfig(checkpoint="run", out="out")
 
@@ -231,7 +232,7 @@ def test_prune_model_makes_every_block_linear_2_4(method):
     model = Transformer(preset("tiny"), rngs=nnx.Rngs(0))
     emb = np.asarray(model.embedding[...]).copy()
     masks = prune.prune_model(model, method, _random_batches(2), progress=False)
-    tg = targets(model.cfg.n_layers)
+    tg = targets(model)
     assert sorted(masks) == sorted(t.key for t in tg)  # 7 linears x 4 layers
     for t in tg:
         w = np.asarray(t.get2d(model))
@@ -274,13 +275,13 @@ def test_hold_masks_keeps_masked_weights_exactly_zero():
     inner = optax.adamw(1e-2, weight_decay=0.1)
     out = _adamw_steps(hold_masks(inner, masks), params)
     moved = nnx.merge(nnx.split(model, nnx.Param)[0], out["student"])
-    for t in targets(model.cfg.n_layers):
+    for t in targets(model):
         w = np.asarray(t.get2d(moved))
         assert (w[~masks[t.key]] == 0).all() and sparse.is_nm_sparse(w)
         assert not np.allclose(w[masks[t.key]], np.asarray(t.get2d(model))[masks[t.key]])
     # without the wrapper the same steps break the pattern: the check above can fail
     free = nnx.merge(nnx.split(model, nnx.Param)[0], _adamw_steps(inner, params)["student"])
-    assert not sparse.is_nm_sparse(np.asarray(targets(1)[0].get2d(free)))
+    assert not sparse.is_nm_sparse(np.asarray(targets(model)[0].get2d(free)))
 
 
 def test_hold_masks_with_fp8_in_the_loop_stays_on_the_grid():
@@ -292,7 +293,7 @@ def test_hold_masks_with_fp8_in_the_loop_stays_on_the_grid():
     out = _adamw_steps(hold_masks(optax.adam(1e-2), masks, ("e4m3", "channel")),
                        {"student": state, "aux": None})
     moved = nnx.merge(nnx.split(model, nnx.Param)[0], out["student"])
-    for t in targets(model.cfg.n_layers):
+    for t in targets(model):
         w = np.asarray(t.get2d(moved))
         assert (w[~masks[t.key]] == 0).all()
         np.testing.assert_allclose(w, np.asarray(fp8.fake_quant(w)), rtol=1e-6, atol=1e-9)
@@ -320,7 +321,7 @@ def test_export_safetensors_and_run_dir_reload_identical_logits(tmp_path):
     back, _ = export.load_safetensors(path)
     assert np.array_equal(_logits(back, tokens), ref)
     # 2:4 pattern implied by the zeros survives the FP8 file
-    for t in targets(4):
+    for t in targets(model):
         assert (np.asarray(t.get2d(back))[~masks[t.key]] == 0).all()
 
     from hldstudy.data.synthetic import generate_documents
@@ -409,7 +410,7 @@ def test_cli_prune_recover_quantize_export(run_dirs, tmp_path, capsys):
                          tmp_path / "w").valid_batches(2)
     assert valid_perplexity(model_rd, valid)["valid_ppl"] == pytest.approx(
         report["stages"][-1]["valid_ppl"], rel=1e-6)
-    for t in targets(4):
+    for t in targets(model_rd):
         assert sparse.is_nm_sparse(np.asarray(t.get2d(model_rd)))
     # the resolved config reproduces the run's settings through --config
     from hldstudy.compress.__main__ import build_parser, resolve

@@ -67,8 +67,6 @@ FUNCTION_LEVEL_IMPORTS = {
     "hldstudy.compress.demo -> hldstudy.model.presets": _MOVABLE,
     "hldstudy.compress.demo -> hldstudy.train.loop":
         "the trainer only when a demo model is not trained yet",
-    "hldstudy.compress.export -> hldstudy.compress.fp8": _MOVABLE,
-    "hldstudy.compress.export -> hldstudy.compress.layout": _MOVABLE,
     "hldstudy.compress.pipeline -> hldstudy.eval":
         "evaluation only when downstream tasks are asked for",
     "hldstudy.compress.pipeline -> hldstudy.eval.adapter":

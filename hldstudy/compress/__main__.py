@@ -2,7 +2,9 @@
 
     [--calibration-batches N] [--recover-steps N | --recover-flops F] [--teacher T]
     [--method kd|patient] [--divergence forward_kl|reverse_kl] [--quantize fp8]
-    [--quantize-in-loop] [--eval TASKS] [--config FILE] [--set compress.FIELD=VALUE ...]
+    [--quantize-in-loop] [--eval TASKS] [--calibration-data PATH [--calibration-tfds NAME]]
+    [--calibration-tokens N] [--export compressed-tensors] [--config FILE]
+    [--set compress.FIELD=VALUE ...]
 
 Prunes a run's block linears to 2:4 along the input dimension, optionally
 recovers with distillation (masks held), optionally quantizes to FP8, and
@@ -30,7 +32,9 @@ SHORTHANDS = {"checkpoint": "checkpoint", "prune": "prune", "out": "out",
               "calibration_batches": "calibration_batches", "recover_steps": "recover_steps",
               "recover_flops": "recover_flops", "teacher": "teacher", "method": "method",
               "divergence": "divergence", "quantize": "quantize",
-              "quantize_in_loop": "quantize_in_loop", "eval": "eval", "eval_limit": "eval_limit"}
+              "quantize_in_loop": "quantize_in_loop", "eval": "eval", "eval_limit": "eval_limit",
+              "calibration_data": "calibration_data", "calibration_tokens": "calibration_tokens",
+              "calibration_tfds": "calibration_tfds", "export": "export"}
 
 
 def _choices(field: str) -> tuple:
@@ -41,11 +45,19 @@ def _choices(field: str) -> tuple:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[2],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--checkpoint", help="hldstudy run directory to compress")
+    p.add_argument("--checkpoint", help="hldstudy run directory, GGUF file or Hugging Face "
+                                        "directory to compress")
     p.add_argument("--prune", help="magnitude-2:4 | wanda-2:4 | sparsegpt-2:4 (default)")
     p.add_argument("--out", help="output directory")
     p.add_argument("--calibration-batches", type=int,
                    help="batches of the run's training data for Wanda / SparseGPT (default 16)")
+    p.add_argument("--calibration-data", help="text/JSONL file or folder, or a TFDS data_dir "
+                   "(with --calibration-tfds): calibration, recovery and held-out text")
+    p.add_argument("--calibration-tokens", type=int,
+                   help="calibration tokens (default: --calibration-batches batches)")
+    p.add_argument("--calibration-tfds", help="TFDS dataset name read from --calibration-data")
+    p.add_argument("--export", choices=_choices("export"),
+                   help="also write DIR/compressed-tensors/ (a Hugging Face directory)")
     p.add_argument("--recover-steps", type=int, help="recovery distillation steps (0 = none)")
     p.add_argument("--recover-flops", type=float, help="recovery FLOP budget (wins over steps)")
     p.add_argument("--teacher", help="recovery teacher (default: the dense checkpoint)")
@@ -97,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
         from hldstudy.compress.pipeline import render
 
         sys.stdout.write(render(report))
-        print(f"wrote {cfg.out}/report.json, report.md, model.safetensors, model/")
+        extra = f", {cfg.export}/" if cfg.export else ""
+        print(f"wrote {cfg.out}/report.json, report.md, model.safetensors, model/{extra}")
     return 0
 
 

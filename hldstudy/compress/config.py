@@ -6,12 +6,14 @@ Resolution order: the defaults below < `--config FILE` (a JSON file with a
 shorthands (`--prune`, `--recover-steps`, ...) < `--set compress.FIELD=VALUE`.
 The resolved section is written to DIR/config.json.
 
-Calibration set (SparseGPT / Wanda): `calibration_batches` batches of
-`calibration_batch_size` sequences of `calibration_seq_len` tokens (0 = the
-checkpoint's data.batch_size / data.seq_len), the first batches of the
-checkpoint's training stream, or of `calibration_data` (a local .txt / .jsonl
-file) when set. Default: 16 batches (16 x 8 x 128 = 16,384 tokens for the CPU
-configs; SparseGPT's paper used 128 x 2048).
+Calibration set (SparseGPT / Wanda): `calibration_tokens` tokens (or, when 0,
+`calibration_batches` batches) in batches of `calibration_batch_size` sequences of
+`calibration_seq_len` tokens (0 = the checkpoint's data.batch_size / data.seq_len,
+or the data defaults for an imported checkpoint), the first batches of the
+checkpoint's training stream, or of `calibration_data` when set (a text / JSONL
+file or folder, or a TFDS data_dir with `calibration_tfds`: hldstudy.compress.data;
+recovery and held-out perplexity then read the same source). Default: 16 batches
+(16 x 8 x 128 = 16,384 tokens for the CPU configs; SparseGPT's paper used 128 x 2048).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hldstudy.compress.data import check_source
 from hldstudy.config import (
     NONNEG,
     POSITIVE,
@@ -55,20 +58,35 @@ class CompressConfig:
     """Each field's values are declared with it (`knob(domain=)`, checked by
     `hldstudy.config.check_fields`, errors naming compress.FIELD)."""
 
-    # hldstudy run directory to compress (GGUF / HF imports carry no data config).
+    # What to compress: an hldstudy run directory, a GGUF file or a Hugging Face directory
+    # (imports carry no data of their own: give calibration_data).
     checkpoint: str | None = None
     # Output directory: report.json, report.md, config.json, model.safetensors, model/.
     out: str | None = None
     # METHOD-N:M with METHOD in magnitude | wanda | sparsegpt; "" = no pruning.
     prune: str = "sparsegpt-2:4"
-    # Block linears to prune (comma-separated subset of q,k,v,o,gate,up,down).
-    targets: str = "q,k,v,o,gate,up,down"
+    # Block linears to prune and quantize (comma-separated names of
+    # hldstudy.compress.layout.LINEARS; a name the model's family lacks is skipped).
+    targets: str = ("q,q_gate,k,v,o,in_qkv,in_z,out,gate,up,down,shared_gate,shared_up,"
+                    "shared_down")
     calibration_batches: int = knob(16, domain=NONNEG)
     calibration_batch_size: int = knob(
         0, domain=Domain(">= 0", note="0 = the checkpoint's data.batch_size"))
     calibration_seq_len: int = knob(0, domain=Domain(">= 0", note="0 = the checkpoint's "
                                                      "data.seq_len"))
+    # Amount of calibration text in tokens (0 = calibration_batches decides).
+    calibration_tokens: int = knob(0, domain=Domain(">= 0", note="0 = calibration_batches "
+                                                    "decides"))
+    # Local source for calibration, recovery and held-out perplexity (None = the run's data).
     calibration_data: str | None = None
+    # TFDS dataset name (e.g. "my_text:1.0.0"): calibration_data is then its local data_dir.
+    calibration_tfds: str = ""
+    calibration_split: str = "train"
+    calibration_valid_split: str = "validation"
+    calibration_text_field: str = "text"
+    # Text / JSONL sources: documents held out for perplexity (at most 10% of them).
+    calibration_holdout_docs: int = knob(500, domain=Domain("> 0", note="documents held out "
+                                                            "for perplexity"))
     # SparseGPT: rows per lazy-update block (whole 2:4 groups), dampening as a fraction
     # of mean(diag H).
     blocksize: int = knob(128, domain=Domain("> 0", multiple_of=4))
@@ -96,6 +114,10 @@ class CompressConfig:
     quantize_in_loop: bool = False
     # Downstream tasks per stage (comma-separated, hldstudy.eval names); "" = none.
     eval: str = ""
+    # Also write DIR/compressed-tensors/: the model as a Hugging Face directory in the
+    # compressed-tensors format (FP8 weights + scales; needs the `export` extra).
+    export: str = knob("", domain=Domain(("", "compressed-tensors"),
+                                         note="compressed-tensors, or empty for none"))
     eval_limit: int = knob(0, domain=Domain(">= 0", note="0 = every item"))
     eval_batches: int = knob(0, domain=Domain(">= 0", note="0 = the whole validation split"))
     seed: int = knob(0, domain=NONNEG)
@@ -133,11 +155,10 @@ def validate(cfg: CompressConfig) -> CompressConfig:
         raise ConfigError("compress.quantize_in_loop", "needs compress.quantize=fp8")
     if cfg.quantize_in_loop and not (cfg.recover_steps or cfg.recover_flops):
         raise ConfigError("compress.quantize_in_loop", "needs a recovery (recover_steps > 0)")
-    if cfg.calibration_data is not None and not Path(cfg.calibration_data).is_file():
-        raise ConfigError("compress.calibration_data",
-                          f"{cfg.calibration_data} does not exist (no calibration data)",
-                          "give a local .txt or .jsonl file, or leave it unset to calibrate "
-                          "on the checkpoint's training data")
+    if cfg.calibration_tfds and cfg.calibration_data is None:
+        raise ConfigError("compress.calibration_tfds", "needs compress.calibration_data, the "
+                          "dataset's local TFDS data_dir")
+    check_source(cfg)
     return cfg
 
 

@@ -30,7 +30,8 @@ from safetensors import deserialize, safe_open
 from safetensors.numpy import save_file
 
 from hldstudy.checkpoint import Checkpointer
-from hldstudy.compress.layout import Target
+from hldstudy.compress.fp8 import dequantize_fp8
+from hldstudy.compress.layout import Target, out_shape, to2d
 from hldstudy.config import ModelConfig, save_config
 from hldstudy.errors import InputError
 from hldstudy.model import Transformer
@@ -52,9 +53,17 @@ def _param_items(model) -> dict[str, jax.Array]:
     return out
 
 
-def _target_of(key: str) -> Target:
-    _, layer, _, name = key.split(".")
-    return Target(int(layer), name)
+def _stacked_quantized(key: str, quantized: dict) -> tuple[np.ndarray, np.ndarray] | None:
+    """(q, scale) of a parameter from the per-target FP8 values: the target's own, or
+    every expert's stacked on a leading axis; None when the parameter is not quantized."""
+    if key in quantized:
+        return quantized[key]
+    experts = sorted((Target.from_key(k).expert, v) for k, v in quantized.items()
+                     if k.startswith(key + ".") and Target.from_key(k).param_key == key)
+    if not experts:
+        return None
+    return (np.stack([np.asarray(q) for _, (q, _) in experts]),
+            np.stack([np.asarray(s, np.float32) for _, (_, s) in experts]))
 
 
 def save_safetensors(model, path: str | Path, *, quantized: dict | None = None,
@@ -65,14 +74,13 @@ def save_safetensors(model, path: str | Path, *, quantized: dict | None = None,
     quantized = quantized or {}
     tensors = {}
     for key, value in _param_items(model).items():
-        if key in quantized:
-            q, scale = quantized[key]
-            shape = value.shape
-            t = _target_of(key)
-            out_shape = shape[len(shape) - _out_ndim(t.name):]
-            tensors[key] = np.asarray(q).reshape(shape)
+        if (qs := _stacked_quantized(key, quantized)) is not None:
+            q, scale = qs
+            tensors[key] = np.asarray(q).reshape(value.shape)
             s = np.asarray(scale, np.float32)
-            tensors[f"{key}.scale"] = s.reshape(out_shape) if s.ndim else s
+            if granularity != "tensor":
+                s = s.reshape(out_shape(key, value.shape))
+            tensors[f"{key}.scale"] = s
         else:
             tensors[key] = np.asarray(value)
     meta = {"format": FORMAT,
@@ -91,10 +99,6 @@ def save_safetensors(model, path: str | Path, *, quantized: dict | None = None,
     path.parent.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(path), metadata=meta)
     return path
-
-
-def _out_ndim(name: str) -> int:
-    return {"q": 2, "k": 2, "v": 2, "o": 1, "gate": 1, "up": 1, "down": 1}[name]
 
 
 def read_safetensors(path: str | Path) -> tuple[dict[str, np.ndarray], dict]:
@@ -129,18 +133,26 @@ def load_safetensors(path: str | Path):
         key = ".".join(str(k) for k in keys if k != "value")
         w = tensors[key]
         if f"{key}.scale" in tensors:
-            scale = tensors[f"{key}.scale"]
-            t = _target_of(key)
-            from hldstudy.compress.fp8 import dequantize_fp8
-            from hldstudy.compress.layout import to2d
-
-            w2d = dequantize_fp8(jnp.asarray(to2d(t.name, w)), jnp.asarray(scale).reshape(-1)
-                                 if scale.ndim else jnp.asarray(scale))
-            return jnp.reshape(w2d, leaf.shape).astype(leaf.dtype)
+            return dequantize_param(key, w, tensors[f"{key}.scale"]).astype(leaf.dtype)
         return jnp.asarray(w, leaf.dtype)
 
     state = jax.tree_util.tree_map_with_path(fill, state)
     return nnx.merge(graphdef, state), meta
+
+
+def dequantize_param(key: str, q, scale) -> jax.Array:
+    """float32 weights of one stored FP8 parameter: q times its scale, per output channel
+    (shaped like the output axes, with a leading expert axis for stacked experts), one per
+    expert, or one per tensor."""
+    q, scale = jnp.asarray(q), jnp.asarray(scale, jnp.float32)
+    name = key.rsplit(".", 1)[1]
+    if scale.ndim and q.ndim == 3 and name in ("gate", "up", "down") and \
+            scale.shape[0] == q.shape[0] and len(out_shape(key, q.shape)) == 2:
+        # stacked experts: each expert's 2-D view times its own scales
+        return jax.vmap(lambda w, s: jnp.reshape(dequantize_fp8(to2d(name, w), s.reshape(-1)),
+                                                 w.shape))(q, scale)
+    s = scale.reshape(-1) if scale.ndim else scale
+    return jnp.reshape(dequantize_fp8(to2d(name, q), s), q.shape)
 
 
 def _checkpointer(directory: Path):
@@ -157,6 +169,12 @@ def save_run_dir(model, run_cfg, out_dir: str | Path, *, tokenizer_file: str | P
         shutil.rmtree(out)
     out.mkdir(parents=True)
     data = dataclasses.replace(run_cfg.data, tokenizer=None)
+    if tokenizer_file is not None and Path(tokenizer_file).suffix == ".json":
+        # a run directory holds only a SentencePiece tokenizer.model: a Hugging Face
+        # tokenizer.json is named by its (absolute) path instead, and copied beside it
+        shutil.copyfile(tokenizer_file, out / "tokenizer.json")
+        data = dataclasses.replace(data, tokenizer=str(Path(tokenizer_file).absolute()))
+        tokenizer_file = None
     cfg = dataclasses.replace(run_cfg, model=model.cfg, data=data)
     if tokenizer_file is not None:
         shutil.copyfile(tokenizer_file, out / "tokenizer.model")

@@ -14,8 +14,8 @@ stay exactly zero, so 2:4 masks survive quantization.
 
 On CPU the forward is *simulated*: weights are dequantized to float32 before
 the matmul. `fp8_dot` runs a real FP8 x FP8 dot (activations quantized per
-tensor, float32 accumulation) where the backend has FP8 matmuls (NVIDIA
-compute capability >= 8.9, TPU v5+); elsewhere it falls back to the
+tensor, float32 accumulation) where the backend has FP8 matmuls (the
+`fp8_matmul` column of hldstudy/chips.py); elsewhere it falls back to the
 simulated path. The Transformer's own forward always runs the simulated path
 (its einsums are the model package's); `fp8_dot` is the kernel-level path for
 a device benchmark.
@@ -49,6 +49,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from hldstudy.chips import CHIPS
 from hldstudy.errors import ConfigError
 
 
@@ -117,19 +118,35 @@ def error_bound(w, scale, fmt: str = "e4m3") -> np.ndarray:
     return np.maximum(rel, sub) * (1 + 1e-6) + w * 2.0 ** -23
 
 
+_TPU_KINDS = {"v4": "v4", "v5 lite": "v5e", "v5e": "v5e", "v5p": "v5p", "v5": "v5p",
+              "v6 lite": "v6e", "v6e": "v6e"}
+
+
+def chip_of(device) -> str | None:
+    """The `hldstudy.chips` row name of a JAX device, or None for one not in the table."""
+    kind = str(getattr(device, "device_kind", "")).lower()
+    if device.platform == "gpu":
+        return next((name for name, c in CHIPS.items()
+                     if c.platform == "cuda" and name in kind.split()), None)
+    if device.platform == "tpu":
+        return next((name for k, name in _TPU_KINDS.items() if k in kind), None)
+    return None
+
+
 def backend_has_fp8_matmul() -> bool:
-    """True on devices with FP8 matrix units: NVIDIA compute capability >= 8.9 (Ada,
-    Hopper, Blackwell) and TPU v5 and later."""
+    """True where the first device has FP8 matrix units: its `hldstudy.chips` row's
+    `fp8_matmul` (H100, H200); an NVIDIA GPU the table does not list by its compute
+    capability (>= 8.9: Ada, Hopper, Blackwell)."""
     dev = jax.devices()[0]
+    name = chip_of(dev)
+    if name is not None:
+        return CHIPS[name].fp8_matmul
     if dev.platform == "gpu":
         cc = getattr(dev, "compute_capability", None)
         try:
             return cc is not None and tuple(int(x) for x in str(cc).split(".")) >= (8, 9)
         except ValueError:
             return False
-    if dev.platform == "tpu":
-        kind = getattr(dev, "device_kind", "").lower()
-        return not any(v in kind for v in ("v2", "v3", "v4"))
     return False
 
 

@@ -28,7 +28,6 @@ FP8 matrix adds its float32 scales.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 import shutil
@@ -41,7 +40,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from hldstudy.compress import data as cdata
 from hldstudy.compress import fp8 as fp8_lib
+from hldstudy.compress import hf_export
 from hldstudy.compress.config import (
     CompressConfig,
     prune_names,
@@ -85,20 +86,29 @@ def _load(path):
 def weight_bytes(model, *, sparse_keys=(), quantized=None, nm=(2, 4)) -> dict:
     """{weight_bytes, weight_bytes_packed} of one forward's weights (see module doc)."""
     quantized = quantized or {}
+    # per parameter: (elements stored in FP8, scale bytes, elements in N:M matrices)
+    fp8_n: dict[str, int] = {}
+    scales: dict[str, int] = {}
+    sparse_n: dict[str, int] = {}
+    for key, (q, s) in quantized.items():
+        pk = Target.from_key(key).param_key
+        fp8_n[pk] = fp8_n.get(pk, 0) + int(np.asarray(q).size)
+        scales[pk] = scales.get(pk, 0) + 4 * int(np.asarray(s).size)
+    for key in sparse_keys:
+        t = Target.from_key(key)
+        size = int(np.prod(t.param(model)[...].shape[1 if t.expert is not None else 0:]))
+        sparse_n[t.param_key] = sparse_n.get(t.param_key, 0) + size
     stored = packed = 0
     for key, value in _param_items(model).items():
         n = int(np.prod(value.shape))
-        width = 1 if key in quantized else jnp.dtype(value.dtype).itemsize
-        scale = 0
-        if key in quantized:
-            scale = 4 * int(np.asarray(quantized[key][1]).size)
-        stored += n * width + scale
-        if key in sparse_keys:
-            kept = n * nm[0] // nm[1]
-            index_bits = kept * math.ceil(math.log2(nm[1]))
-            packed += kept * width + index_bits // 8 + scale
-        else:
-            packed += n * width + scale
+        wide = jnp.dtype(value.dtype).itemsize
+        n8 = fp8_n.get(key, 0)
+        stored += n8 + (n - n8) * wide + scales.get(key, 0)
+        ns = sparse_n.get(key, 0)
+        width = 1 if n8 else wide  # a parameter is quantized whole (every expert) or not
+        kept = ns * nm[0] // nm[1]
+        index_bits = kept * math.ceil(math.log2(nm[1]))
+        packed += (n - ns) * width + kept * width + index_bits // 8 + scales.get(key, 0)
     return {"weight_bytes": int(stored), "weight_bytes_packed": int(packed)}
 
 
@@ -157,33 +167,24 @@ def quantize_model(model, names, fmt: str, granularity: str) -> dict:
     """Rounds every target matrix onto its FP8 grid in place (the model then holds the
     dequantized float32 values); returns {key: (q, scale)} for the export."""
     out = {}
-    for t in targets(model.cfg.n_layers, names):
+    for t in targets(model, names):
         q, s = fp8_lib.quantize_fp8(t.get2d(model), fmt, granularity)
         t.set2d(model, fp8_lib.dequantize_fp8(q, s))
         out[t.key] = (q, s)
     return out
 
 
-def calibration_batches(ccfg: CompressConfig, run_cfg, tokenizer, workdir: Path) -> list[dict]:
-    """The first `calibration_batches` batches of the calibration stream."""
-    n = ccfg.calibration_batches
-    dc = dataclasses.replace(run_cfg.data,
-                             batch_size=ccfg.calibration_batch_size or run_cfg.data.batch_size,
-                             seq_len=ccfg.calibration_seq_len or run_cfg.data.seq_len)
-    if dc.seq_len > run_cfg.model.max_seq_len:
-        raise ConfigError("compress.calibration_seq_len",
-                          f"{dc.seq_len} exceeds model.max_seq_len={run_cfg.model.max_seq_len}")
-    if ccfg.calibration_data:
-        path = Path(ccfg.calibration_data)
-        source = "jsonl" if path.suffix == ".jsonl" else "text"
-        dc = dataclasses.replace(dc, source=source, path=str(path), valid_path=None, max_docs=0)
+def calibration_batches(ccfg: CompressConfig, data, tokenizer, workdir: Path) -> list[dict]:
+    """The first calibration batches of the source's training stream (enough for
+    `calibration_tokens`, else `calibration_batches`), checked to hold the tokens asked."""
+    dc = cdata.calibration_config(ccfg, data)
     try:
         stream = make_batches(dc, tokenizer, dc.train_split, workdir)
-    except (InputError, ConfigError, FileNotFoundError) as e:
-        raise ConfigError("compress.calibration_data",
-                          f"no calibration data could be read ({e})",
-                          "point compress.calibration_data at a local .txt/.jsonl file") from None
-    return [stream.batch_at(i) for i in range(n)]
+        batches = [stream.batch_at(i) for i in range(cdata.n_batches(ccfg, dc))]
+    except (InputError, ConfigError, FileNotFoundError, IndexError, StopIteration) as e:
+        raise cdata.read_error(e) from None
+    cdata.check_tokens(ccfg, stream, batches)
+    return batches
 
 
 def _stage(name: str, model, *, valid, sparse_keys, quantized, nm, ccfg, tokenizer, run_cfg,
@@ -202,30 +203,41 @@ def _stage(name: str, model, *, valid, sparse_keys, quantized, nm, ccfg, tokeniz
 
 
 def preflight(ccfg: CompressConfig):
-    """Everything checkable before compute. Returns (model, tokenizer, run_cfg)."""
+    """Everything checkable before compute. Returns (model, tokenizer, run_cfg or None)."""
     validate(ccfg)
     check_out(Path(ccfg.out))
-    if ccfg.calibration_data and not Path(ccfg.calibration_data).is_file():
-        raise ConfigError("compress.calibration_data",
-                          f"{ccfg.calibration_data} is not a file",
-                          "point compress.calibration_data at a local .txt/.jsonl file")
     path = Path(ccfg.checkpoint)
     if not path.exists():
         raise ConfigError("compress.checkpoint", f"{path} does not exist",
-                          "give an hldstudy run directory")
+                          "give an hldstudy run directory, a GGUF file or a Hugging Face "
+                          "directory")
+    if ccfg.export:
+        hf_export.check_available()
     model, tokenizer, run_cfg = _load(path)
-    if run_cfg is None:
-        raise ConfigError("compress.checkpoint",
-                          f"{path} is an imported checkpoint without an hldstudy config: "
-                          "calibration and evaluation need the run's data section",
-                          "compress an hldstudy run directory (distill or fine-tune into one)")
     if tokenizer is None:
-        raise InputError(f"{path}: the run's tokenizer is missing")
+        where = ("its tokenizer.model" if run_cfg is not None else
+                 "tokenizer metadata in the GGUF file" if path.is_file() else
+                 "tokenizer.model or tokenizer.json in the directory")
+        raise ConfigError("compress.checkpoint", f"{path}: no tokenizer found (looked for "
+                          f"{where})", "calibration and evaluation tokenize with the "
+                          "checkpoint's own tokenizer: put it beside the weights")
+    if tokenizer.vocab_size > model.cfg.vocab_size:
+        raise ConfigError("compress.checkpoint", f"{path}: its tokenizer has "
+                          f"{tokenizer.vocab_size} tokens and the model's vocabulary "
+                          f"{model.cfg.vocab_size}: tokens past the embedding cannot be read",
+                          "put the model's own tokenizer beside the weights")
+    if run_cfg is None and ccfg.calibration_data is None:
+        cdata.data_config(ccfg, None, tokenizer_file="", add_bos=False)  # raises: no source
+    seq_len = ccfg.calibration_seq_len or (run_cfg.data.seq_len if run_cfg else 0)
+    if seq_len > model.cfg.max_seq_len:
+        raise ConfigError("compress.calibration_seq_len",
+                          f"{seq_len} exceeds model.max_seq_len={model.cfg.max_seq_len}")
     names = prune_names(ccfg)
     if ccfg.prune:
         method, _, m = parse_prune(ccfg.prune)
-        check_prunable(model.cfg, m, names)
-        if method in ("wanda", "sparsegpt") and ccfg.calibration_batches == 0:
+        check_prunable(model, m, names)
+        if method in ("wanda", "sparsegpt") and ccfg.calibration_batches == 0 \
+                and ccfg.calibration_tokens == 0:
             raise ConfigError("compress.calibration_batches",
                               f"{method} needs calibration data and 0 batches were asked for",
                               "pass --calibration-batches N with N > 0")
@@ -241,6 +253,22 @@ def preflight(ccfg: CompressConfig):
                               f"student's ({model.cfg.vocab_size}); logit KD needs one "
                               "vocabulary", "pick a teacher trained with the student's tokenizer")
     return model, tokenizer, run_cfg
+
+
+def _tokenizer_file(tokenizer, run_cfg, checkpoint: str, work: Path) -> Path:
+    """A file holding the checkpoint's tokenizer (the data pipeline loads by path); a
+    tokenizer rebuilt from GGUF metadata is written under `work`."""
+    own = getattr(tokenizer, "model_path", None)
+    if own is not None and Path(own).is_file():
+        return Path(own)
+    if run_cfg is not None and run_cfg.data.tokenizer:
+        return Path(run_cfg.data.tokenizer)
+    if run_cfg is not None:
+        return Path(checkpoint) / "tokenizer.model"
+    work.mkdir(parents=True, exist_ok=True)
+    name = "tokenizer.json" if type(tokenizer).__name__ == "JsonTokenizer" else "tokenizer.model"
+    (work / name).write_bytes(tokenizer.serialized())
+    return work / name
 
 
 def check_out(out: Path) -> None:
@@ -288,21 +316,29 @@ def _run_into(ccfg: CompressConfig, out: Path, model, tokenizer, run_cfg) -> dic
     write_json_atomic(out / "config.json", to_dict(ccfg))
     work = out / "work"
     names = prune_names(ccfg)
-    tok_file = getattr(tokenizer, "model_path", None) or run_cfg.data.tokenizer
-    if tok_file is None:
-        tok_file = Path(ccfg.checkpoint) / "tokenizer.model"
-    data_cfg = dataclasses.replace(run_cfg.data, tokenizer=str(tok_file))
-    run_cfg = dataclasses.replace(run_cfg, data=data_cfg)
+    tok_file = _tokenizer_file(tokenizer, run_cfg, ccfg.checkpoint, work)
+    add_bos = run_cfg.data.add_bos if run_cfg is not None else tokenizer.bos_id >= 0
+    data_cfg = cdata.data_config(ccfg, run_cfg.data if run_cfg is not None else None,
+                                 tokenizer_file=str(tok_file), add_bos=add_bos)
+    run_cfg = cdata.run_config(ccfg, run_cfg, model.cfg, data_cfg)
     method = n = m = None
     if ccfg.prune:
         method, n, m = parse_prune(ccfg.prune)
     calib = None
     if method in ("wanda", "sparsegpt"):
-        calib = calibration_batches(ccfg, run_cfg, tokenizer, work)
-    bundle = prepare_data(run_cfg.data, work)
-    valid = bundle.valid_batches(ccfg.eval_batches or None)
+        calib = calibration_batches(ccfg, run_cfg.data, tokenizer, work)
+    try:
+        bundle = prepare_data(run_cfg.data, work)
+        valid = bundle.valid_batches(ccfg.eval_batches or None)
+    except (InputError, FileNotFoundError) as e:
+        if ccfg.calibration_data is None:
+            raise
+        raise cdata.read_error(e) from None
     if not valid:
-        raise InputError(f"{ccfg.checkpoint}: its data section has no validation split")
+        where = (f"{ccfg.calibration_data} has too few documents to hold any out"
+                 if ccfg.calibration_data else f"{ccfg.checkpoint}: its data section has no "
+                 "validation split")
+        raise ConfigError(cdata.FIELD if ccfg.calibration_data else "compress.checkpoint", where)
     nm = (n or 2, m or 4)
     common = dict(valid=valid, nm=nm, ccfg=ccfg, tokenizer=tokenizer, run_cfg=run_cfg)
     stages = []
@@ -348,8 +384,7 @@ def _run_into(ccfg: CompressConfig, out: Path, model, tokenizer, run_cfg) -> dic
         model, result = recover(model, masks, run_cfg, ccfg, teacher_path=teacher_path,
                                 data=bundle, workdir=out / "recover", quant=in_loop)
         timings["recover_seconds"] = round(time.time() - t0, 1)
-        held = all(not np.any(np.asarray(Target(int(k.split(".")[1]), k.split(".")[3])
-                                         .get2d(model))[~np.asarray(mk)])
+        held = all(not np.any(np.asarray(Target.from_key(k).get2d(model))[~np.asarray(mk)])
                    for k, mk in masks.items())
         label = f"recovered-{ccfg.method}-{ccfg.divergence}"
         if in_loop:
@@ -370,11 +405,16 @@ def _run_into(ccfg: CompressConfig, out: Path, model, tokenizer, run_cfg) -> dic
                      extra={"stage": final, "source": str(ccfg.checkpoint)})
     save_run_dir(model, run_cfg, out / "model", tokenizer_file=tok_file,
                  meta={"compressed_stage": final})
-    return _write_report(out, ccfg, stages, timings)
+    exported = None
+    if ccfg.export == hf_export.FORMAT_NAME:
+        exported = hf_export.write(model, tokenizer, quantized, sparse_keys, nm,
+                                   out / hf_export.FORMAT_NAME)
+    return _write_report(out, ccfg, stages, timings, exported)
 
 
-def _write_report(out: Path, ccfg: CompressConfig, stages: list[dict], timings: dict) -> dict:
-    report = {"checkpoint": str(ccfg.checkpoint), "prune": ccfg.prune,
+def _write_report(out: Path, ccfg: CompressConfig, stages: list[dict], timings: dict,
+                  exported: dict | None = None) -> dict:
+    report = {"checkpoint": str(ccfg.checkpoint), "prune": ccfg.prune, "export": exported,
               "quantize": ccfg.quantize, "stages": stages, "seconds": timings,
               "note": NO_SPEEDUP, "backend": jax.default_backend(),
               "fp8_matmul_hardware": fp8_lib.backend_has_fp8_matmul()}

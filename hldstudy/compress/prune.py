@@ -1,18 +1,22 @@
 """2:4 pruning of a whole decoder, block by block, on the pruned model's activations.
 
-For block l (in order), with x the residual stream entering it computed by the
-already-pruned blocks 0..l-1 on the calibration batches:
+Every block of every family (Gemma 3, Qwen3.5 dense and MoE; layout.py lists
+the linears) is pruned the same way. For block l, with x the residual stream
+entering it computed by the already-pruned blocks 0..l-1 on the calibration
+batches, the block's forward is run eagerly with each not-yet-pruned target's
+weight replaced by a *tap* (`x @ tap` records x and multiplies by the weight),
+so every linear's input is read from the model's own forward code. The linears
+are pruned in groups, in the order the forward reaches them: the first group is
+every linear fed the very same input array (q, k, v and the query gate; gate and
+up; DeltaNet's in_qkv and in_z), then the forward is run again with the pruned
+group ("true sequential": every linear sees inputs produced by pruned weights
+only), until the block is done; then x moves through the pruned block.
 
-1. q, k, v from the attention input `pre_attn_norm(x)`;
-2. o from the attention output before `o`, recomputed with the pruned q, k, v;
-3. gate, up from `pre_mlp_norm(x + post_attn_norm(attn(x)))` with the pruned attention;
-4. down from `gelu(x W_gate) * (x W_up)` with the pruned gate, up;
-
-then x moves through the pruned block to the next one ("true sequential":
-every linear sees inputs produced by pruned weights only). Inputs before `o`
-and `down` are read by running the module with that projection replaced by
-an identity, so the model's own forward code is reused unchanged. Tokens
-outside the loss mask (padding) do not enter the Hessians or norms.
+Mixture-of-experts weights (stacked `[E, in, out]`, fed by `ragged_dot`) are
+pruned expert by expert from the MoE input (the router's input, tapped):
+expert e's gate and up see the valid tokens the router sends to e, its down
+sees `silu(x W_gate_e) * (x W_up_e)` of those tokens with the pruned gate, up.
+Tokens outside the loss mask (padding) never enter the Hessians or norms.
 """
 
 from __future__ import annotations
@@ -24,8 +28,9 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from hldstudy.compress import sparse
-from hldstudy.compress.layout import LINEARS, Target, input_dims, targets
+from hldstudy.compress.layout import LINEARS, Target, in_dim, targets
 from hldstudy.errors import ConfigError
+from hldstudy.model.moe import route
 
 METHODS = ("magnitude", "wanda", "sparsegpt")
 
@@ -46,15 +51,23 @@ def parse_prune(spec: str) -> tuple[str, int, int]:
     return method, n, m
 
 
-def check_prunable(cfg, m: int = 4, names: tuple[str, ...] = LINEARS) -> None:
-    """One clear ConfigError when an input dimension is not a multiple of m."""
-    dims = input_dims(cfg)
-    for name in names:
-        sparse.check_groupable(dims[name], m, f"every block's {name!r} projection")
+def check_prunable(model, m: int = 4, names: tuple[str, ...] = LINEARS) -> None:
+    """One clear ConfigError when no target is named, or an input dimension is not a
+    multiple of m."""
+    tgts = targets(model, names)
+    if not tgts:
+        raise ConfigError("compress.targets", f"none of {','.join(names)} is a linear of this "
+                          f"{model.cfg.family} model",
+                          f"name some of {','.join(sorted({t.name for t in targets(model)}))}")
+    seen = set()
+    for t in tgts:
+        if t.name not in seen:
+            seen.add(t.name)
+            sparse.check_groupable(in_dim(model, t), m, f"every block's {t.name!r} projection")
 
 
 def _flat_tokens(a, mask):
-    """[B, T, d] activations -> [n_valid, d] float64 rows of valid tokens."""
+    """[B*T, d] (or [B, T, d]) activations -> [n_valid, d] float64 rows of valid tokens."""
     a = np.asarray(a, np.float64).reshape(-1, a.shape[-1])
     return a[np.asarray(mask).reshape(-1) > 0]
 
@@ -77,26 +90,64 @@ class _Stats:
         return np.sqrt(self.acc)
 
 
-def _identity_like(shape_in: tuple[int, ...], dtype) -> jax.Array:
-    d = int(np.prod(shape_in))
-    return jnp.eye(d, dtype=dtype).reshape(*shape_in, d)
+class _Tap:
+    """Stands in for a weight during one eager forward: `x @ tap` records (key, x) and
+    returns `x @ weight`; `astype` / `reshape` act on the weight, as the modules call them."""
+
+    def __init__(self, w, key: str, log: list):
+        self.w, self.key, self.log = w, key, log
+
+    def astype(self, dtype):
+        return _Tap(self.w.astype(dtype), self.key, self.log)
+
+    def reshape(self, *shape):
+        return _Tap(self.w.reshape(*shape), self.key, self.log)
+
+    def __rmatmul__(self, x):
+        self.log.append((self.key, x))
+        return x @ self.w
+
+
+class _TapSlot:
+    """What `module.name[...]` reads during a tapped forward."""
+
+    def __init__(self, tap: _Tap):
+        self.tap = tap
+
+    def __getitem__(self, index):
+        return self.tap
+
+
+def _tapped_inputs(block, x, pos, seg, keys: dict[str, tuple[str, str]]) -> list:
+    """[(key, input [B*T, in])] in the order the block's forward multiplies them, for
+    keys {key: (module attribute, parameter name)}; runs a copy of the block eagerly."""
+    probe = nnx.clone(block)
+    log: list = []
+    for key, (mod_name, name) in keys.items():
+        module = getattr(probe, mod_name)
+        setattr(module, name, _TapSlot(_Tap(getattr(module, name)[...], key, log)))
+    probe(x, pos, seg)
+    return log
+
+
+def _block_out(out):
+    return out[0] if isinstance(out, tuple) else out
 
 
 def prune_model(model, method: str, batches: list[dict] | None = None, *, n: int = 2,
                 m: int = 4, names: tuple[str, ...] = LINEARS, blocksize: int = 128,
                 percdamp: float = 0.01, progress: bool = True,
                 max_layers: int | None = None, on_layer=None) -> dict[str, np.ndarray]:
-    """Prunes `model` in place to N:M along the input dimension of every block linear.
+    """Prunes `model` in place to N:M along the input dimension of every target linear.
 
     method: magnitude (no data), wanda or sparsegpt (need `batches`: dicts with
     tokens, positions, segment_ids, mask as the data pipeline yields them).
     Returns {target key: bool mask [in, out]}. `max_layers` stops after that many
     blocks (benchmarks); `on_layer(layer)` is called when a block is done.
     """
-    cfg = model.cfg
-    check_prunable(cfg, m, names)
+    check_prunable(model, m, names)
     masks: dict[str, np.ndarray] = {}
-    tgts = targets(cfg.n_layers, names)
+    tgts = targets(model, names)
     if method == "magnitude":
         for t in tqdm(tgts, desc="prune magnitude", disable=not progress, leave=False):
             w = np.asarray(t.get2d(model))
@@ -127,53 +178,40 @@ def prune_model(model, method: str, batches: list[dict] | None = None, *, n: int
     pos = [jnp.asarray(b["positions"]) for b in batches]
     segs = [jnp.asarray(b["segment_ids"]) for b in batches]
     vmask = [np.asarray(b["mask"]) for b in batches]
-    fwd = nnx.jit(lambda blk, x, p, seg: blk(x, p, seg))
-    bar = tqdm(total=cfg.n_layers, desc=f"prune {method}", unit="layer", disable=not progress,
+    fwd = nnx.jit(lambda blk, x, p, seg: _block_out(blk(x, p, seg)))
+    n_layers = model.cfg.n_layers if max_layers is None else max_layers
+    bar = tqdm(total=n_layers, desc=f"prune {method}", unit="layer", disable=not progress,
                leave=False)
-    for layer in range(cfg.n_layers if max_layers is None else max_layers):
+    for layer in range(n_layers):
         block = model.blocks[layer]
-        want = {nm_: Target(layer, nm_) for nm_ in names}
-
-        def attn_in(i, block=block, xs=xs):
-            return block.pre_attn_norm(xs[i])
-
-        # 1. q, k, v
-        if {"q", "k", "v"} & set(want):
-            st = _Stats(cfg.d_model, full)
+        mine = [t for t in tgts if t.layer == layer]
+        pending = {t.key: t for t in mine if t.expert is None}
+        experts = [t for t in mine if t.expert is not None]
+        while pending or experts:
+            keys = {k: (t.module, t.name) for k, t in pending.items()}
+            if experts:  # the MoE input is what the router multiplies
+                keys["router"] = (experts[0].module, "router")
+            group: list[str] = []
+            stats: dict[str, _Stats] = {}
+            moe_in: list = []
             for i in range(len(batches)):
-                st.add(_flat_tokens(attn_in(i), vmask[i]))
-            for nm_ in ("q", "k", "v"):
-                if nm_ in want:
-                    apply(want[nm_], st)
-        # 2. o: attention output before o, with the pruned q, k, v
-        if "o" in want:
-            probe = nnx.clone(block.attn)
-            o = probe.o[...]
-            probe.o = nnx.Param(_identity_like(o.shape[:2], o.dtype))
-            st = _Stats(cfg.n_heads * cfg.head_dim, full)
-            for i in range(len(batches)):
-                st.add(_flat_tokens(probe(attn_in(i), pos[i], segs[i], block.rope_base), vmask[i]))
-            apply(want["o"], st)
-        # 3. gate, up
-        mids = [xs[i] + block.post_attn_norm(block.attn(attn_in(i), pos[i], segs[i],
-                                                            block.rope_base))
-                for i in range(len(batches))]
-        if {"gate", "up"} & set(want):
-            st = _Stats(cfg.d_model, full)
-            for i in range(len(batches)):
-                st.add(_flat_tokens(block.pre_mlp_norm(mids[i]), vmask[i]))
-            for nm_ in ("gate", "up"):
-                if nm_ in want:
-                    apply(want[nm_], st)
-        # 4. down: gelu(x W_gate) * (x W_up) with the pruned gate, up
-        if "down" in want:
-            probe = nnx.clone(block.mlp)
-            probe.down = nnx.Param(jnp.eye(cfg.d_ff, dtype=probe.down[...].dtype))
-            st = _Stats(cfg.d_ff, full)
-            for i in range(len(batches)):
-                st.add(_flat_tokens(probe(block.pre_mlp_norm(mids[i])), vmask[i]))
-            apply(want["down"], st)
-        # 5. the pruned block's output feeds the next block
+                log = _tapped_inputs(block, xs[i], pos[i], segs[i], keys)
+                first = log[0][1]
+                here = [k for k, x in log if x is first]
+                if i == 0:
+                    group = here
+                if "router" in group:
+                    moe_in.append(first)
+                rows = _flat_tokens(first, vmask[i])
+                st = stats.setdefault("x", _Stats(rows.shape[1], full))
+                st.add(rows)
+            for k in group:
+                if k != "router":
+                    apply(pending.pop(k), stats["x"])
+            if "router" in group:
+                _prune_experts(block, experts, moe_in, vmask, apply, full)
+                experts = []
+        # the pruned block's output feeds the next block
         xs = [fwd(block, xs[i], pos[i], segs[i]) for i in range(len(batches))]
         bar.update(1)
         if on_layer is not None:
@@ -182,24 +220,56 @@ def prune_model(model, method: str, batches: list[dict] | None = None, *, n: int
     return masks
 
 
+def _prune_experts(block, experts: list[Target], moe_in: list, vmask: list, apply,
+                   full: bool) -> None:
+    """Each expert's gate and up from the valid tokens routed to it, then its down from
+    the pruned gate and up's product (see the module doc)."""
+    moe = getattr(block, experts[0].module)
+    dt = moe.compute_dtype
+    routed = []  # per batch: (valid inputs [n, D], expert ids [n, k])
+    for x, mask in zip(moe_in, vmask, strict=True):
+        keep = np.asarray(mask).reshape(-1) > 0
+        _, _, ids = route(x @ moe.router[...].astype(dt), moe.k)
+        routed.append((np.asarray(x, np.float64)[keep], np.asarray(ids)[keep]))
+    by_expert: dict[int, dict[str, Target]] = {}
+    for t in experts:
+        by_expert.setdefault(t.expert, {})[t.name] = t
+    d_in = routed[0][0].shape[1]
+    for e, mine in sorted(by_expert.items()):
+        rows = [x[np.any(ids == e, axis=1)] for x, ids in routed]
+        if {"gate", "up"} & set(mine):
+            st = _Stats(d_in, full)
+            for r in rows:
+                st.add(r)
+            for name in ("gate", "up"):
+                if name in mine:
+                    apply(mine[name], st)
+        if "down" in mine:
+            g, u = (np.asarray(getattr(moe, nm)[...][e], np.float64)
+                    for nm in ("gate", "up"))
+            st = _Stats(g.shape[1], full)
+            for r in rows:
+                st.add(np.asarray(jax.nn.silu(r @ g)) * (r @ u))
+            apply(mine["down"], st)
+
+
 def apply_masks(model, masks: dict[str, np.ndarray]) -> None:
     """Zeroes every masked weight (e.g. to re-impose masks on a loaded model)."""
     for key, mask in masks.items():
-        _, layer, _, name = key.split(".")
-        t = Target(int(layer), name)
+        t = Target.from_key(key)
         t.set2d(model, np.asarray(t.get2d(model)) * mask)
 
 
 def masks_from_zeros(model, names: tuple[str, ...] = LINEARS) -> dict[str, np.ndarray]:
     """Masks implied by the zeros of a pruned model (how an export records them)."""
-    return {t.key: np.asarray(t.get2d(model)) != 0 for t in targets(model.cfg.n_layers, names)}
+    return {t.key: np.asarray(t.get2d(model)) != 0 for t in targets(model, names)}
 
 
 def sparsity_report(model, names: tuple[str, ...] = LINEARS) -> dict:
     """Zero fraction over the target matrices and whether each is 2:4."""
     zeros = total = 0
     nm_ok = True
-    for t in targets(model.cfg.n_layers, names):
+    for t in targets(model, names):
         w = np.asarray(t.get2d(model))
         zeros += int((w == 0).sum())
         total += w.size

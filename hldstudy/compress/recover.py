@@ -31,7 +31,7 @@ import optax
 from flax import nnx
 
 from hldstudy.compress.fp8 import fake_quant
-from hldstudy.compress.layout import to2d
+from hldstudy.compress.layout import Target, map_2d, masks_by_param
 from hldstudy.model.loading import load_model
 from hldstudy.train import loop
 
@@ -51,25 +51,32 @@ def _key(path) -> str | None:
     return ".".join(keys[1:])
 
 
-def _quantize_like(w, name: str, quant):
+def _quantize_like(w, key: str, quant):
     fmt, gran = quant
-    return jnp.reshape(fake_quant(to2d(name, w), fmt, gran), w.shape)
+    return map_2d(key, w, lambda w2d: fake_quant(w2d, fmt, gran))
 
 
 def hold_masks(inner: optax.GradientTransformation, masks: dict[str, np.ndarray],
                quant: tuple[str, str] | None = None) -> optax.GradientTransformation:
-    """masks: {target key: bool [in, out] or parameter-shaped mask}."""
+    """masks: {target key: bool [in, out] mask} (one per expert for stacked MoE weights);
+    held per parameter."""
+    target_masks = masks
+    masks = {}  # {parameter key: mask in the parameter's shape}, filled by init
 
     def leaves(tree):
         return {k: v for p, v in jax.tree_util.tree_leaves_with_path(tree)
                 if (k := _key(p)) in masks}
 
     def init(params):
-        found = leaves(params)
-        missing = sorted(set(masks) - set(found))
+        shapes = {k: v.shape for p, v in jax.tree_util.tree_leaves_with_path(params)
+                  if (k := _key(p)) is not None}
+        missing = sorted({Target.from_key(k).param_key for k in target_masks} - set(shapes))
         if missing:
             raise KeyError(f"hold_masks: no parameter for {missing[:3]}")
-        m = {k: jnp.asarray(np.asarray(masks[k]).reshape(found[k].shape)) for k in found}
+        masks.clear()
+        masks.update(masks_by_param(target_masks, shapes))
+        found = leaves(params)
+        m = {k: jnp.asarray(masks[k]) for k in found}
         latent = {k: found[k].astype(jnp.float32) for k in found} if quant else {}
         return HoldState(inner.init(params), m, latent)
 
@@ -95,7 +102,7 @@ def hold_masks(inner: optax.GradientTransformation, masks: dict[str, np.ndarray]
                 k = _key(p)
                 if k not in latent:
                     return u
-                target = _quantize_like(latent[k], k.rsplit(".", 1)[1], quant)
+                target = _quantize_like(latent[k], k, quant)
                 target = jnp.where(state.masks[k], target, 0.0)
                 return target - w
 
