@@ -29,7 +29,8 @@ def _parse(path: Path) -> ast.Module:
 
 FLOORS = (
     ("__root__", "errors", "numerics", "shipped", "signals", "wandb_online"),  # import nothing of ours
-    ("checkpoint", "chips", "distributed", "fileio", "losses", "runlock"),  # on errors / numerics only
+    ("checkpoint", "chips", "distributed", "fileio", "runlock"),  # on errors / numerics only
+    ("losses",),  # loss math; its kernels sized from the chip table
     ("distill",),  # the method registry: declarations, no config
     ("config",),  # the schema, validated against the registry
     ("cli_common", "data", "rundir", "shapes", "sharding"),  # read a config
@@ -78,6 +79,13 @@ FUNCTION_LEVEL_IMPORTS = {
     "hldstudy.eval -> hldstudy.eval.runner":
         "package export kept lazy: runner imports the package back (file cycle)",
     "hldstudy.eval.__main__ -> hldstudy.eval.runner": _CLI.format("evaluator"),
+    "hldstudy.eval.__main__ -> hldstudy.eval.multi": _CLI.format("many-checkpoint evaluator"),
+    "hldstudy.eval.multi -> hldstudy.eval.adapter":
+        "every checkpoint path is checked before jax, lm-eval and the model load (one line at once)",
+    "hldstudy.eval.multi -> hldstudy.eval.runner":
+        "every checkpoint path is checked before jax, lm-eval and the model load (one line at once)",
+    "hldstudy.eval.multi -> hldstudy.model.loading":
+        "every checkpoint path is checked before jax, lm-eval and the model load (one line at once)",
     "hldstudy.eval.perplexity -> hldstudy.data.pipeline":
         "the data pipeline (sentencepiece) only when a corpus is measured",
     "hldstudy.eval.runner -> hldstudy.eval.adapter":

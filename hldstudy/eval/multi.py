@@ -25,6 +25,7 @@ from typing import Any
 
 from hldstudy import rundir
 from hldstudy.errors import InputError
+from hldstudy.fileio import write_json_atomic, write_text_atomic
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,7 +105,6 @@ def evaluate_checkpoints(paths: list[str | Path], tasks: list[str] | str, *,
     arguments as `runner.evaluate`); returns the table, written to `out_dir` if given."""
     from hldstudy.eval.adapter import compiled_scorers
     from hldstudy.eval.runner import evaluate, parse_tasks
-    from hldstudy.fileio import write_json_atomic, write_text_atomic
 
     names = parse_tasks(tasks)
     checkpoints = expand_checkpoints(list(paths))
