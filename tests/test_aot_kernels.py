@@ -17,12 +17,12 @@ import numpy as np
 import pytest
 from jax.sharding import SingleDeviceSharding
 
+from hldstudy.aot import targets
 from hldstudy.losses import kernel_blocks, kernel_cases
 from hldstudy.losses.kernel_blocks import KernelBlocks
 
 pytestmark = [pytest.mark.aot, pytest.mark.slow]
 pytest.importorskip("libtpu", reason="the aot extra (libtpu) is not installed")
-targets = pytest.importorskip("hldstudy.aot.targets", reason="hldstudy.aot is not on this branch")
 if os.environ.get("JAX_PLATFORMS") != "cpu":
     pytest.skip("the compile tier runs with JAX_PLATFORMS=cpu (make test-aot)",
                 allow_module_level=True)
