@@ -69,7 +69,7 @@ def study_main(argv: list[str]) -> int:
     colocated, disaggregated and cohort layouts, and device-hours."""
     ap = argparse.ArgumentParser(prog="python -m hldstudy.plan --sweep",
                                  description="FLOPs and device-hours of a whole sweep: colocated "
-                                             "vs disaggregated vs cohort teacher.")
+                                             "vs disaggregated vs cohort vs one replica set for the grid.")
     ap.add_argument("--sweep", required=True, help="sweep file or built-in sweep name")
     ap.add_argument("--cohort", default=None, metavar="K|auto",
                     help="at most K students per cohort (default: every compatible run of a "
@@ -133,6 +133,10 @@ def study_main(argv: list[str]) -> int:
         r["cohort_savings"] = {
             "teacher": colo["teacher_flops"] / max(coh["teacher_flops"], 1e-30),
             "total": colo["total_flops"] / coh["total_flops"]}
+        g = r["grid"]
+        g["teacher_x_lower"] = colo["teacher_flops"] / max(g["teacher_flops"], 1e-30)
+        g["bound_x_lower"] = colo["teacher_flops"] / max(g["bound"], 1e-30)
+        g["of_bound"] = g["teacher_flops"] / max(g["bound"], 1e-30)
         if a.json:
             print(json.dumps(r, sort_keys=True))
             return 0
@@ -154,6 +158,12 @@ def study_main(argv: list[str]) -> int:
                   f"{lay['total_flops']:.3e} | {lay['device_hours']:,.0f} |")
         s = r["cohort_savings"]
         print(f"cohorts: teacher FLOPs {s['teacher']:.1f}x lower, total {s['total']:.2f}x lower")
+        g = r["grid"]
+        print(f"grid (one replica set, --teacher-replicas): teacher FLOPs {g['teacher_flops']:.4e}"
+              f", {g['teacher_x_lower']:.1f}x below colocated; bound {g['bound']:.4e} "
+              f"({g['longest_steps']:,} steps x one whole forward, {g['bound_x_lower']:.1f}x "
+              f"below colocated; grid / bound = {g['of_bound']:.4f}); replica window "
+              f"{_gb(g['replica_window_bytes'])} GB for {g['window']} steps")
     return 0
 
 
