@@ -126,3 +126,140 @@ def test_bad_options_name_their_flag(kw, field):
 
     with pytest.raises(ConfigError, match=f"^{field}:"):
         ReplicaOptions(**kw)
+
+
+# --------------------------------------------------------------------------- #
+# Refusals through the command line: one line, exit 2 or 3, no replica left
+
+
+def write_grid_sweep(path: Path, teacher, tokenizer, *, methods=("kd", "hldf", "hldc"),
+                     temperature=(1.0, 2.0), steps: int = 8, extra=()) -> Path:
+    """A tiny grid of `methods` x lr (2) x `temperature` on the session's tokenizer,
+    distilled from `teacher`, checkpointing every 4 steps."""
+    path.write_text(f'''"""Tiny grid-teacher sweep."""
+from hldstudy.config import Config, DataConfig, DistillConfig, TrainConfig
+from hldstudy.model import preset
+from hldstudy.sweep import Sweep
+
+
+def get_sweep():
+    data = DataConfig(seq_len=64, batch_size=8, tokenizer_vocab_size=384, synthetic_docs=600,
+                      synthetic_valid_docs=50, tokenizer={str(tokenizer)!r})
+    base = Config(name="g", model=preset("tiny", vocab_size=384), data=data,
+                  train=TrainConfig(warmup_steps=1, log_every=1, checkpoint_every=4,
+                                    eval_batches=1),
+                  distill=DistillConfig(alpha=0.5))
+    return Sweep(name="grid", base=base, methods={tuple(methods)!r}, lr=(3e-3, 1e-2),
+                 temperature={tuple(temperature)!r}, budget_baseline_steps={steps},
+                 teacher={str(teacher)!r}, teacher_preset="tiny-teacher",
+                 overrides=("teacher.timeout_s=300",) + {tuple(extra)!r})
+''')
+    return path
+
+
+def serve_processes(marker: str) -> list[int]:
+    """Pids of `hldstudy.teacher.serve` processes whose command line mentions `marker`."""
+    out = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if "hldstudy.teacher.serve" in cmd and marker in cmd:
+            out.append(int(pid))
+    return out
+
+
+def _sweep_cli(args, cwd=None, timeout=600):
+    return subprocess.run([sys.executable, "-m", "hldstudy.sweep", *args, "--no-progress"],
+                          capture_output=True, text=True, timeout=timeout, cwd=cwd)
+
+
+def _one_error_line(stderr: str) -> str:
+    lines = [ln for ln in stderr.strip().splitlines() if ln.strip()]
+    errors = [ln for ln in lines if ": error: " in ln]
+    assert len(errors) == 1, stderr
+    return errors[0]
+
+
+def test_zero_replicas_is_refused_before_anything(tmp_path, capsys):
+    from hldstudy.sweep.__main__ import main as sweep_main
+
+    with pytest.raises(SystemExit) as e:
+        sweep_main(["cpu", "--workdir", str(tmp_path / "w"), "--cohort", "4",
+                    "--teacher-replicas", "0"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and err.startswith("python -m hldstudy.sweep: error: "
+                                                   "--teacher-replicas: must be an integer >= 1")
+    assert not (tmp_path / "w").exists()
+
+
+def test_a_replica_that_never_answers_is_named_and_stopped(tmp_path, teacher_dir,
+                                                            tokenizer_path):
+    sweep = write_grid_sweep(tmp_path / "grid.py", teacher_dir, tokenizer_path,
+                             methods=("kd",), temperature=(1.0,))
+    work = tmp_path / "w"
+    r = _sweep_cli([str(sweep), "--workdir", str(work), "--cohort", "4",
+                    "--teacher-replicas", "1", "--teacher-ready-timeout-s", "0.5"])
+    assert r.returncode == 3, r.stderr
+    line = _one_error_line(r.stderr)
+    assert "teacher replica 0 (pid " in line and "did not answer within 0.5 s" in line, line
+    assert str(work / ".sweep" / "teacher" / "replica0.log") in line
+    assert serve_processes(str(work)) == []
+    assert not any((work / rid / "metrics.jsonl").exists() for rid in os.listdir(work)
+                   if not rid.startswith("."))
+
+
+def test_a_replica_that_cannot_load_the_teacher_exits_with_its_line(tmp_path, teacher_dir,
+                                                                   tokenizer_path):
+    import shutil
+
+    damaged = tmp_path / "teacher"
+    shutil.copytree(teacher_dir, damaged)
+    shutil.rmtree(damaged / "checkpoints")
+    sweep = write_grid_sweep(tmp_path / "grid.py", damaged, tokenizer_path,
+                             methods=("kd",), temperature=(1.0,))
+    work = tmp_path / "w"
+    r = _sweep_cli([str(sweep), "--workdir", str(work), "--cohort", "4",
+                    "--teacher-replicas", "1"])
+    assert r.returncode in (2, 3), r.stderr
+    line = _one_error_line(r.stderr)
+    assert "teacher replica 0 (pid " in line and "exited with code" in line, line
+    assert serve_processes(str(work)) == []
+
+
+def test_a_method_whose_layers_the_teacher_lacks_is_refused(tmp_path, teacher_dir,
+                                                            tokenizer_path):
+    sweep = write_grid_sweep(tmp_path / "grid.py", teacher_dir, tokenizer_path,
+                             methods=("hldc",), temperature=(1.0,),
+                             extra=("distill.layer_pairs=2:9",))
+    work = tmp_path / "w"
+    r = _sweep_cli([str(sweep), "--workdir", str(work), "--cohort", "4",
+                    "--teacher-replicas", "1"])
+    assert r.returncode == 2, r.stderr
+    line = _one_error_line(r.stderr)
+    assert "distill.layer_pairs" in line and "teacher layer 9 is out of range 1..6" in line
+    assert serve_processes(str(work)) == []
+
+
+def test_runs_reading_different_batches_cannot_share_a_replica_set(tmp_path, teacher_dir,
+                                                                  tokenizer_path):
+    from hldstudy.errors import ConfigError
+    from hldstudy.sweep.gridteach import check_grid
+    from hldstudy.sweep.spec import load_sweep
+
+    sweep = write_grid_sweep(tmp_path / "grid.py", teacher_dir, tokenizer_path,
+                             methods=("kd", "hldc"), temperature=(1.0,))
+    runs = expand(load_sweep(sweep))
+    check_grid(runs, ReplicaOptions(1))
+    import dataclasses
+
+    other = dataclasses.replace(runs[-1], config=dataclasses.replace(
+        runs[-1].config, data=dataclasses.replace(runs[-1].config.data, seed=7)))
+    with pytest.raises(ConfigError, match=r"^data.seed: runs kd_\S+ and hldc_\S+ differ"):
+        check_grid([*runs[:-1], other], ReplicaOptions(1))
+    with pytest.raises(ConfigError, match=r"^teacher.timeout_s: 300 s .* is not above"):
+        check_grid(runs, ReplicaOptions(1, lag_timeout_s=300))
