@@ -263,3 +263,17 @@ def test_runs_reading_different_batches_cannot_share_a_replica_set(tmp_path, tea
         check_grid([*runs[:-1], other], ReplicaOptions(1))
     with pytest.raises(ConfigError, match=r"^teacher.timeout_s: 300 s .* is not above"):
         check_grid(runs, ReplicaOptions(1, lag_timeout_s=300))
+
+
+def test_the_study_launch_lines_start_the_grid_teacher():
+    import shlex
+
+    from hldstudy.cli_common import SWEEPS
+    from hldstudy.sweep.__main__ import parse_args
+    from hldstudy.sweep.spec import load_sweep
+
+    for name in ("c4_123m", "c4_735m"):
+        launch = load_sweep(SWEEPS / f"{name}.py").launch
+        ns = parse_args(shlex.split(launch)[3:])
+        assert (ns.executor, ns.cohort, ns.teacher_replicas) == ("slurm", 12, 8), name
+        assert "gpus_per_node=1" in ns.teacher_slurm

@@ -1,5 +1,6 @@
 """`python -m hldstudy.sweep SWEEP [--executor local|slurm|wandb] [--parallel N] [--dry-run]
-[--json] [--workdir DIR] [--set key=value ...] [--force] [--cohort K] [--methods a,b]`.
+[--json] [--workdir DIR] [--set key=value ...] [--force] [--cohort K] [--methods a,b]
+[--teacher-replicas N]`.
 
 Expands the sweep file's grid into runs (one directory each under WORKDIR,
 default runs/<sweep name>), writes WORKDIR/sweep.json listing every expected
@@ -17,6 +18,14 @@ teacher forward per step (`hldstudy.train.cohort`); each run keeps its own
 directory, steps and FLOPs, and `--dry-run --json` gives each its `cohort` id.
 `--methods a,b` restricts the sweep to some of its methods.
 
+`--teacher-replicas N` (with `--cohort K`, local or slurm) starts N teacher replicas
+for the whole sweep (`hldstudy.sweep.gridteach`): every cohort of every method that
+still trains is one member of their fan-out cohort, with the union of the layers its
+method's stages need, so each step is computed once for the grid (the longest
+schedule's steps in all). The cohorts train at once (one process, or one submitit job,
+each); the replicas are stopped however the sweep ends, a local one that dies is
+restarted, and their counters land in WORKDIR/.sweep/teacher/stats.json.
+
 SWEEP is a sweep file or the name of a built-in one (sweeps/):
 
     python -m hldstudy.sweep cpu --dry-run
@@ -24,6 +33,7 @@ SWEEP is a sweep file or the name of a built-in one (sweeps/):
     python -m hldstudy.sweep c4_123m --executor slurm --parallel 16 \
         --slurm slurm_partition=gpu --slurm gpus_per_node=8 --set data.path=/data/tfds
     python -m hldstudy.sweep my_sweeps/grid.py --executor wandb
+    python -m hldstudy.sweep cpu --methods kd,hldf,hldc --cohort 4 --teacher-replicas 1
     python -m hldstudy.analysis runs/cpu --out runs/cpu/report
 """
 

@@ -282,7 +282,8 @@ class SlurmLauncher:
             raise InputError(f"--teacher-slurm: {e}") from None
 
     def launch(self, index: int, argv: list[str], log_path: Path) -> SlurmReplica:
-        return SlurmReplica(self.executor.submit(ReplicaJob(argv)), log_path)
+        job = self.executor.submit(ReplicaJob(argv))
+        return SlurmReplica(job, Path(job.paths.stderr))  # submitit's log of the job
 
 
 # --------------------------------------------------------------------------- #
