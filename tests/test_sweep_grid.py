@@ -5,8 +5,10 @@ sweeps are in tests/test_sweep_grid_e2e.py."""
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -277,3 +279,66 @@ def test_the_study_launch_lines_start_the_grid_teacher():
         ns = parse_args(shlex.split(launch)[3:])
         assert (ns.executor, ns.cohort, ns.teacher_replicas) == ("slurm", 12, 8), name
         assert "gpus_per_node=1" in ns.teacher_slurm
+
+
+def test_sigterm_while_the_replicas_start_stops_them(tmp_path, teacher_dir, tokenizer_path):
+    sweep = write_grid_sweep(tmp_path / "grid.py", teacher_dir, tokenizer_path,
+                             methods=("kd",), temperature=(1.0,))
+    work = tmp_path / "w"
+    proc = subprocess.Popen([sys.executable, "-m", "hldstudy.sweep", str(sweep), "--workdir",
+                             str(work), "--cohort", "4", "--teacher-replicas", "1",
+                             "--no-progress"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not serve_processes(str(work)) and time.monotonic() < deadline \
+                and proc.poll() is None:
+            time.sleep(0.1)
+        assert serve_processes(str(work)), proc.communicate()[1][-3000:]
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert "stopped by a signal" in err
+    assert serve_processes(str(work)) == []
+
+
+@pytest.mark.slow
+def test_a_local_replica_that_dies_is_restarted_on_its_port(tmp_path, teacher_dir,
+                                                            tokenizer_path):
+    from hldstudy.sweep.gridteach import LocalLauncher, ReplicaSet
+    from hldstudy.sweep.spec import load_sweep
+    from hldstudy.teacher.remote import GrpcLink
+
+    sweep = write_grid_sweep(tmp_path / "grid.py", teacher_dir, tokenizer_path,
+                             methods=("kd", "hldc"), temperature=(1.0,))
+    runs = expand(load_sweep(sweep))
+    members = grid_members(group(runs, 4), TEACHER)
+    work = tmp_path / "w"
+    with ReplicaSet(members, runs[0].config, work, ReplicaOptions(1, stop_grace_s=5.0),
+                    LocalLauncher()) as replicas:
+        (address,) = replicas.addresses
+        info = GrpcLink(address).info()
+        assert info["cohort"]["members"] == sorted(m.id for m in members)
+        assert (info["final"], info["layers"]) == (True, [TEACHER.n_layers // 2])
+        first = replicas.replicas[0].proc.pid
+        os.kill(first, signal.SIGKILL)
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if replicas.restarted[0] and (work / ".sweep/teacher/replica0.address").exists():
+                try:
+                    GrpcLink(address).info()
+                    break
+                except ConnectionError:
+                    pass
+            time.sleep(0.2)
+        else:
+            pytest.fail("the replica was not restarted on its port")
+        second = replicas.replicas[0].proc.pid
+        assert second != first and replicas.restarted == [1]
+    assert serve_processes(str(work)) == []
+    stats = json.loads((work / ".sweep/teacher/stats.json").read_text())
+    assert stats["restarts"] == [1] and stats["replicas"][address]["forwards"] == 0

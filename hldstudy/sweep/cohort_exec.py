@@ -225,6 +225,6 @@ def run_local_cohorts(runs: list[Run], sweep, workdir: Path, *, k: int, parallel
         for i, p in enumerate(procs):
             if p.exitcode not in (0, None) and out.signum is None:
                 out.failed[f"cohort worker{i}"] = f"exited with code {p.exitcode}"
-        if stop.signum is not None and out.signum is None:
+        if stop.signum is not None:  # the sweep's own signal, not the one it forwarded
             out.signum = stop.signum
         return out
