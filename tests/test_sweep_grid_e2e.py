@@ -108,6 +108,10 @@ def test_grid_sweep_interrupted_and_rerun(grid):
     assert serve_processes(str(work)) == []
     first = _replica_stats(work)
     assert first["forwards"] < 9
+    stopped = {rid: json.loads((work / rid / "outcome.json").read_text())
+               for rid in _run_ids(work)}
+    at = {rid: o["step"] for rid, o in stopped.items() if o["status"] == "interrupted"}
+    assert any(rid.startswith("hldf") for rid in at), stopped  # the longest, still going
 
     _run(sweep, "--workdir", work, "--cohort", 4, "--teacher-replicas", 1,
          "--teacher-lag-timeout-s", 120)
@@ -115,11 +119,14 @@ def test_grid_sweep_interrupted_and_rerun(grid):
     assert serve_processes(str(work)) == []
     again = _replica_stats(work)
     (work / "replica_stats.json").write_text(json.dumps([first, again]))
-    # Resumed from their checkpoints: each step past the earliest resume point is computed
-    # once for the grid, plus any recomputed for a cohort that resumed behind the window.
+    # Resumed from their checkpoints (saved at the signal): each step from the earliest
+    # resume point on is computed at most once for the grid, and at least hldf's (the
+    # longest schedule's) remaining steps are; the rest are recomputed for a cohort that
+    # resumed behind the window.
     resumed = [json.loads((work / rid / "outcome.json").read_text()) for rid in _run_ids(work)]
     assert all(o["status"] == "done" for o in resumed)
-    assert again["forwards"] - again["recomputed"] <= 9
+    hldf = max(s for rid, s in at.items() if rid.startswith("hldf"))
+    assert 9 - hldf <= again["forwards"] - again["recomputed"] <= 9 - min(at.values()), at
 
 
 @pytest.mark.slow
