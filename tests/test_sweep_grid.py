@@ -309,7 +309,8 @@ def test_sigterm_while_the_replicas_start_stops_them(tmp_path, teacher_dir, toke
 @pytest.mark.slow
 def test_a_local_replica_that_dies_is_restarted_on_its_port(tmp_path, teacher_dir,
                                                             tokenizer_path):
-    from hldstudy.sweep.gridteach import LocalLauncher, ReplicaSet
+    from hldstudy.sweep.gridteach import ReplicaSet
+    from hldstudy.sweep.replica_launch import LocalLauncher
     from hldstudy.sweep.spec import load_sweep
     from hldstudy.teacher.remote import GrpcLink
 

@@ -26,14 +26,8 @@ from hldstudy.sweep.cohort_exec import (
 )
 from hldstudy.sweep.cohorts import group
 from hldstudy.sweep.executors import INTERNAL, Outcome, Progress, worker_kwargs
-from hldstudy.sweep.gridteach import (
-    LocalLauncher,
-    ReplicaOptions,
-    ReplicaSet,
-    SlurmLauncher,
-    check_grid,
-    grid_members,
-)
+from hldstudy.sweep.gridteach import ReplicaOptions, ReplicaSet, check_grid, grid_members
+from hldstudy.sweep.replica_launch import LocalLauncher, SlurmLauncher
 from hldstudy.sweep.spec import Run, run_status, teacher_model_config
 
 PROG = "python -m hldstudy.sweep"
