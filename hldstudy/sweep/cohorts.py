@@ -33,10 +33,13 @@ from dataclasses import dataclass
 
 from hldstudy.config import ModelConfig, config_to_dict, field_rules, flatten
 from hldstudy.distill import methods
+from hldstudy.distill.base import make_strategy
 from hldstudy.flops import step_flops
 from hldstudy.plan.layouts import grid_teacher_flops
 from hldstudy.plan.step_memory import cohort_memory, largest_cohort
+from hldstudy.plan.terms import dtype_bytes, fanout_window_bytes
 from hldstudy.sweep.spec import Run
+from hldstudy.teacher.base import method_needs
 
 LAYOUTS = ("colocated", "disaggregated", "cohort", "grid")
 
@@ -135,10 +138,6 @@ def teacher_segments(run: Run, teacher_model) -> list[tuple[int, int, float]]:
 def grid_window_bytes(runs: list[Run], teacher_model, window: int) -> float:
     """Host memory of one grid replica's window (`plan.terms.fanout_window_bytes`): `window`
     steps of the union of every method's streamed tensors, in the teacher's dtype."""
-    from hldstudy.distill.base import make_strategy
-    from hldstudy.plan.terms import dtype_bytes, fanout_window_bytes
-    from hldstudy.teacher.base import method_needs
-
     taught = [r for r in runs if methods.get(r.method).needs_teacher]
     if not taught or teacher_model is None:
         return 0.0

@@ -16,6 +16,7 @@ import signal
 import sys
 from pathlib import Path
 
+from hldstudy.cli_common import quiet_libraries
 from hldstudy.errors import ConfigError, InputError
 from hldstudy.signals import Interrupted
 from hldstudy.sweep.cohort_exec import (
@@ -25,7 +26,7 @@ from hldstudy.sweep.cohort_exec import (
     to_train,
 )
 from hldstudy.sweep.cohorts import group
-from hldstudy.sweep.executors import INTERNAL, Outcome, Progress, worker_kwargs
+from hldstudy.sweep.executors import INTERNAL, Outcome, Progress, _Stop, worker_kwargs
 from hldstudy.sweep.gridteach import ReplicaOptions, ReplicaSet, check_grid, grid_members
 from hldstudy.sweep.replica_launch import LocalLauncher, SlurmLauncher
 from hldstudy.sweep.spec import Run, run_status, teacher_model_config
@@ -116,9 +117,6 @@ class CohortJob:
         self.kwargs = kwargs
 
     def __call__(self, members: list[Run]) -> dict:
-        from hldstudy.cli_common import quiet_libraries
-        from hldstudy.sweep.executors import _Stop
-
         quiet_libraries()
         with _Stop() as stop:
             out = _run_cohorts_here([members], self.kwargs, lambda *a: None, stop)

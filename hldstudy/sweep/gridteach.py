@@ -42,9 +42,16 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from hldstudy.config import save_config
+from hldstudy.distill import methods
+from hldstudy.distill.base import make_strategy
 from hldstudy.errors import ConfigError, InputError, RuntimeFault
 from hldstudy.fileio import write_text_atomic
+from hldstudy.sweep.cohort_exec import cohort_id
 from hldstudy.sweep.spec import Run
+from hldstudy.teacher import protocol as proto
+from hldstudy.teacher.base import method_needs
+from hldstudy.teacher.remote import GrpcLink, ReplicaDown, Security, is_remote
 
 log = logging.getLogger("hldstudy.sweep")
 
@@ -116,11 +123,6 @@ def grid_members(cohorts: list[list[Run]], teacher_model) -> list[GridMember]:
     """One member per cohort (those that still train) of a method that needs a teacher;
     its layers the union over the method's stages (`method_needs`, range-checked against `teacher_model`: a layer the
     teacher does not have is a ConfigError naming the run)."""
-    from hldstudy.distill import methods
-    from hldstudy.distill.base import make_strategy
-    from hldstudy.sweep.cohort_exec import cohort_id
-    from hldstudy.teacher.base import method_needs
-
     out = []
     for members in cohorts:
         lead = members[0]
@@ -142,9 +144,6 @@ def check_grid(runs: list[Run], options: ReplicaOptions) -> None:
     """ConfigError unless one replica set can serve every run that needs a teacher: the
     same data (so the same `batch_at(step)`), teacher checkpoint and dtype, a local
     checkpoint to serve, and a `teacher.timeout_s` above the lag timeout."""
-    from hldstudy.distill import methods
-    from hldstudy.teacher.remote import is_remote
-
     taught = [r for r in runs if methods.get(r.method).needs_teacher]
     if not taught:
         raise ConfigError("--teacher-replicas", "no run of this sweep needs a teacher",
@@ -232,8 +231,6 @@ class ReplicaSet:
         return "remote://" + ",".join(a for a in self.addresses if a)
 
     def _argv(self, index: int, port: int) -> list[str]:
-        from hldstudy.config import save_config
-
         cfg_path = self.dir / "replica_config.json"
         if not cfg_path.exists():
             save_config(self.config, cfg_path)
@@ -282,8 +279,6 @@ class ReplicaSet:
     def _wait_ready(self, index: int, deadline: float) -> str:
         """The replica's address once it has written it and answers Info; a one-line
         error naming the replica (and its log) when it exits or the wait runs out."""
-        from hldstudy.teacher.remote import GrpcLink, ReplicaDown
-
         rep = self.replicas[index]
         name = f"teacher replica {index} ({rep.name}, log {rep.log_path})"
         while True:
@@ -311,9 +306,6 @@ class ReplicaSet:
             time.sleep(0.2)
 
     def _security(self):
-        from hldstudy.teacher import protocol as proto
-        from hldstudy.teacher.remote import Security
-
         return Security(proto.read_token(self.token_file, "token") if self.token_file
                         else None)
 
@@ -337,8 +329,6 @@ class ReplicaSet:
 
     def read_stats(self) -> dict:
         """{address: the replica's counters (None if it does not answer)}."""
-        from hldstudy.teacher.remote import GrpcLink
-
         security = self._security()
         out = {}
         for a in self.addresses:

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 from hldstudy.errors import InputError
+from hldstudy.teacher.serve import main as serve_main
 
 
 class LocalReplica:
@@ -65,10 +66,8 @@ class ReplicaJob:
         self.argv = list(argv)
 
     def __call__(self) -> int:
-        from hldstudy.teacher.serve import main
-
         try:
-            return main(self.argv)
+            return serve_main(self.argv)
         except SystemExit as e:  # user_errors: a bad replica exits 2 / 3 with its one line
             return e.code if isinstance(e.code, int) else 1
 
