@@ -1,5 +1,7 @@
 """`python -m hldstudy.plan`: will a run fit, will the network stall (colocated vs
-disaggregated teacher), and `--sweep SWEEP`: what a whole grid costs per layout.
+disaggregated teacher), and `--sweep SWEEP`: what a whole grid costs per layout
+(colocated, disaggregated, cohort, and grid: one replica set for every cohort, printed
+beside its bound with the replica's window memory).
 
 The tables come from the pure model in `hldstudy.plan` (`--json` for one
 machine-readable object); this module only parses flags and prints.
