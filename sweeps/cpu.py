@@ -9,6 +9,11 @@ this sweep; to run it by hand once a teacher exists:
 
     python -m hldstudy.sweep cpu --set teacher.checkpoint=runs/quickstart/teacher --workdir runs/cpu
     python -m hldstudy.analysis runs/cpu --out runs/cpu/report
+
+The distilled methods as cohorts of 4 sharing one teacher replica that the sweep starts
+and stops (each step computed once for kd, hldf and hldc; every loss as the run's alone):
+
+    python -m hldstudy.sweep cpu --methods kd,hldf,hldc --cohort 4 --teacher-replicas 1 --set teacher.checkpoint=runs/quickstart/teacher --workdir runs/cpu
 """
 
 from pathlib import Path

@@ -128,6 +128,8 @@ FUNCTION_LEVEL_IMPORTS = {
     "hldstudy.sweep.__main__ -> hldstudy.sweep.cohort_exec": "--cohort only",
     "hldstudy.sweep.__main__ -> hldstudy.sweep.cohorts": "--cohort auto only",
     "hldstudy.sweep.__main__ -> hldstudy.sweep.executors": _MOVABLE,
+    "hldstudy.sweep.__main__ -> hldstudy.sweep.grid_exec": "--teacher-replicas only",
+    "hldstudy.sweep.__main__ -> hldstudy.sweep.gridteach": "--teacher-replicas only",
     "hldstudy.sweep.__main__ -> hldstudy.sweep.launch": _MOVABLE,
     "hldstudy.sweep.__main__ -> hldstudy.sweep.spec": _MOVABLE,
     "hldstudy.sweep.__main__ -> hldstudy.train.cohort":

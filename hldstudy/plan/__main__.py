@@ -1,5 +1,7 @@
 """`python -m hldstudy.plan`: will a run fit, will the network stall (colocated vs
-disaggregated teacher), and `--sweep SWEEP`: what a whole grid costs per layout.
+disaggregated teacher), and `--sweep SWEEP`: what a whole grid costs per layout
+(colocated, disaggregated, cohort, and grid: one replica set for every cohort, printed
+beside its bound with the replica's window memory).
 
 The tables come from the pure model in `hldstudy.plan` (`--json` for one
 machine-readable object); this module only parses flags and prints.
@@ -71,7 +73,7 @@ def study_main(argv: list[str]) -> int:
     colocated, disaggregated and cohort layouts, and device-hours."""
     ap = argparse.ArgumentParser(prog="python -m hldstudy.plan --sweep",
                                  description="FLOPs and device-hours of a whole sweep: colocated "
-                                             "vs disaggregated vs cohort teacher.")
+                                             "vs disaggregated vs cohort vs one replica set for the grid.")
     ap.add_argument("--sweep", required=True, help="sweep file or built-in sweep name")
     ap.add_argument("--cohort", default=None, metavar="K|auto",
                     help="at most K students per cohort (default: every compatible run of a "
@@ -140,6 +142,10 @@ def study_main(argv: list[str]) -> int:
         r["cohort_savings"] = {
             "teacher": colo["teacher_flops"] / max(coh["teacher_flops"], 1e-30),
             "total": colo["total_flops"] / coh["total_flops"]}
+        g = r["grid"]
+        g["teacher_x_lower"] = colo["teacher_flops"] / max(g["teacher_flops"], 1e-30)
+        g["bound_x_lower"] = colo["teacher_flops"] / max(g["bound"], 1e-30)
+        g["of_bound"] = g["teacher_flops"] / max(g["bound"], 1e-30)
         compiled = (check_grid(runs, teacher, a.cohort or len(runs), a.check_compile)
                     if a.check_compile else [])
         if compiled:
@@ -165,6 +171,12 @@ def study_main(argv: list[str]) -> int:
                   f"{lay['total_flops']:.3e} | {lay['device_hours']:,.0f} |")
         s = r["cohort_savings"]
         print(f"cohorts: teacher FLOPs {s['teacher']:.1f}x lower, total {s['total']:.2f}x lower")
+        g = r["grid"]
+        print(f"grid (one replica set, --teacher-replicas): teacher FLOPs {g['teacher_flops']:.4e}"
+              f", {g['teacher_x_lower']:.1f}x below colocated; bound {g['bound']:.4e} "
+              f"({g['longest_steps']:,} steps x one whole forward, {g['bound_x_lower']:.1f}x "
+              f"below colocated; grid / bound = {g['of_bound']:.4f}); replica window "
+              f"{_gb(g['replica_window_bytes'])} GB for {g['window']} steps")
         for c in compiled:
             print(f"\n{len(c['runs'])} run(s): {', '.join(c['runs'])}\n{c['text']}")
         return _compile_verdict(compiled)
@@ -186,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m hldstudy.plan",
                                  description="Memory / network planner: colocated vs "
                                              "disaggregated teacher.")
-    ap.add_argument("--teacher", required=True, help="preset (model or planner preset)")
+    ap.add_argument("--teacher", required=True, help="model preset (hldstudy.model.presets)")
     ap.add_argument("--student", required=True)
     ap.add_argument("--tokens-per-step", type=int, required=True)
     ap.add_argument("--devices", type=int, required=True, help="trainer devices")

@@ -285,3 +285,33 @@ def plan(p: PlanInputs) -> dict:
         "n_streamed_layers": n_streamed,
     }
 
+
+
+# --------------------------------------------------------------------------- #
+# The whole grid on one replica set (`python -m hldstudy.sweep --teacher-replicas`)
+# --------------------------------------------------------------------------- #
+
+
+def grid_teacher_flops(segments: list[tuple[int, int, float]]) -> dict[str, float]:
+    """Teacher FLOPs of a grid whose runs all stream from one replica set.
+
+    `segments`: (first step, end step, teacher FLOPs per step) of every run's stages
+    that need the teacher. At step s the replicas compute one forward for the union
+    of what the runs still training at s need; the teachers' needs are prefixes of one
+    forward (layers up to the deepest, the final state with the head), so the union
+    costs the largest of them. Returns {"teacher_flops": the sum over steps of that
+    largest, "bound": the longest schedule's steps x the largest per-step forward
+    (every step a whole forward), "longest_steps"}. A step recomputed for a member
+    that fell behind the window is not counted (the bound of a grid that keeps pace).
+    """
+    for lo, hi, f in segments:
+        if not (0 <= lo <= hi) or not (math.isfinite(f) and f >= 0):
+            raise ValueError(f"bad segment {(lo, hi, f)}")
+    cuts = sorted({s for lo, hi, _ in segments for s in (lo, hi)})
+    total = 0.0
+    for a, b in zip(cuts, cuts[1:], strict=False):
+        here = [f for lo, hi, f in segments if lo <= a and b <= hi]
+        total += (b - a) * max(here, default=0.0)
+    longest = max((hi for _, hi, _ in segments), default=0)
+    return {"teacher_flops": total, "longest_steps": longest,
+            "bound": longest * max((f for _, _, f in segments), default=0.0)}

@@ -1,5 +1,6 @@
 """`python -m hldstudy.sweep SWEEP [--executor local|slurm|wandb] [--parallel N] [--dry-run]
-[--json] [--workdir DIR] [--set key=value ...] [--force] [--cohort K] [--methods a,b]`.
+[--json] [--workdir DIR] [--set key=value ...] [--force] [--cohort K] [--methods a,b]
+[--teacher-replicas N]`.
 
 Expands the sweep file's grid into runs (one directory each under WORKDIR,
 default runs/<sweep name>), writes WORKDIR/sweep.json listing every expected
@@ -17,6 +18,14 @@ teacher forward per step (`hldstudy.train.cohort`); each run keeps its own
 directory, steps and FLOPs, and `--dry-run --json` gives each its `cohort` id.
 `--methods a,b` restricts the sweep to some of its methods.
 
+`--teacher-replicas N` (with `--cohort K`, local or slurm) starts N teacher replicas
+for the whole sweep (`hldstudy.sweep.gridteach`): every cohort of every method that
+still trains is one member of their fan-out cohort, with the union of the layers its
+method's stages need, so each step is computed once for the grid (the longest
+schedule's steps in all). The cohorts train at once (one process, or one submitit job,
+each); the replicas are stopped however the sweep ends, a local one that dies is
+restarted, and their counters land in WORKDIR/.sweep/teacher/stats.json.
+
 SWEEP is a sweep file or the name of a built-in one (sweeps/):
 
     python -m hldstudy.sweep cpu --dry-run
@@ -24,6 +33,7 @@ SWEEP is a sweep file or the name of a built-in one (sweeps/):
     python -m hldstudy.sweep c4_123m --executor slurm --parallel 16 \
         --slurm slurm_partition=gpu --slurm gpus_per_node=8 --set data.path=/data/tfds
     python -m hldstudy.sweep my_sweeps/grid.py --executor wandb
+    python -m hldstudy.sweep cpu --methods kd,hldf,hldc --cohort 4 --teacher-replicas 1
     python -m hldstudy.analysis runs/cpu --out runs/cpu/report
 """
 
@@ -79,6 +89,22 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "teacher forward per step (local executor); auto: the largest K whose "
                         "cohort step fits the device's available memory (hldstudy.plan's "
                         "cohort_memory)")
+    p.add_argument("--teacher-replicas", type=int, default=None, metavar="N",
+                   help="start N teacher replicas for the whole sweep: every cohort of every "
+                        "method streams its teacher from them, one forward per step for the "
+                        "grid (local processes, or submitit jobs with --executor slurm); "
+                        "stopped when the sweep ends")
+    p.add_argument("--teacher-window", type=int, default=4, metavar="W",
+                   help="with --teacher-replicas: steps each replica holds for the cohorts")
+    p.add_argument("--teacher-lag-timeout-s", type=float, default=20.0, metavar="S",
+                   help="with --teacher-replicas: a cohort that holds the window this long is "
+                        "detached (its steps then recomputed for it alone)")
+    p.add_argument("--teacher-ready-timeout-s", type=float, default=600.0, metavar="S",
+                   help="with --teacher-replicas: how long to wait for every replica to answer")
+    p.add_argument("--teacher-slurm", dest="teacher_slurm", action="append", default=[],
+                   metavar="KEY=VALUE",
+                   help="with --teacher-replicas and --executor slurm: submitit parameter of "
+                        "the replicas' jobs (their own resources), e.g. gpus_per_node=1")
     p.add_argument("--methods", default=None, metavar="A,B",
                    help="only the runs of these methods (comma-separated)")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
@@ -90,9 +116,12 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error(f"--cohort must be a number or auto, got {args.cohort!r}")
         if args.cohort < 1:
             p.error(f"--cohort must be >= 1, got {args.cohort}")
+    if args.teacher_replicas is not None and args.executor == "wandb":
+        p.error("--teacher-replicas goes with --executor local or slurm")
     if args.cohort is not None and args.cohort != 1 and args.executor != "local" \
-            and not args.dry_run:
-        p.error("--cohort goes with --executor local (slurm / wandb run one run per job)")
+            and not args.dry_run and args.teacher_replicas is None:
+        p.error("--cohort goes with --executor local, or slurm with --teacher-replicas "
+                "(otherwise slurm / wandb run one run per job)")
     if args.parallel < 1:
         p.error(f"--parallel must be >= 1, got {args.parallel}")
     if args.json and not args.dry_run:
@@ -198,6 +227,13 @@ def _main(args) -> int:
     from hldstudy.sweep.launch import prepare_workdir
     from hldstudy.sweep.spec import config_drift, expand, load_sweep, run_status
 
+    options = None
+    if args.teacher_replicas is not None:  # refused in one line before anything is read
+        from hldstudy.sweep.gridteach import ReplicaOptions
+
+        options = ReplicaOptions(args.teacher_replicas, window=args.teacher_window,
+                                 lag_timeout_s=args.teacher_lag_timeout_s,
+                                 ready_timeout_s=args.teacher_ready_timeout_s)
     sweep_file = find_builtin(args.sweep, SWEEPS)
     sweep = load_sweep(sweep_file)
     warnings: list[str] = []
@@ -254,7 +290,14 @@ def _main(args) -> int:
                     overrides=args.overrides, force=args.force)
 
     progress = not args.no_progress
-    if args.executor == "local" and args.cohort is not None and args.cohort > 1:
+    if args.teacher_replicas is not None:
+        from hldstudy.sweep.grid_exec import run_grid
+
+        out = run_grid(selected, sweep, workdir, k=args.cohort or 1, options=options,
+                       executor=args.executor, parallel=args.parallel, progress=progress,
+                       cluster=args.cluster, params=_parse_params(args.slurm_params),
+                       teacher_params=_parse_params(args.teacher_slurm))
+    elif args.executor == "local" and args.cohort is not None and args.cohort > 1:
         from hldstudy.sweep.cohort_exec import run_local_cohorts
 
         out = run_local_cohorts(selected, sweep, workdir, k=args.cohort, parallel=args.parallel,

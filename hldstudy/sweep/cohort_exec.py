@@ -44,6 +44,16 @@ def cohort_ids(runs: list[Run], k: int) -> dict[str, str]:
     return {r.run_id: cohort_id(c) for c in group(runs, k) for r in c}
 
 
+def to_train(members: list[Run], workdir: Path, eval_tasks) -> list[Run]:
+    """The members a cohort still trains: neither done, nor trained (waiting only for their
+    evaluation), nor diverged."""
+    from hldstudy.train.cohort import DIVERGED
+
+    return [r for r in members
+            if run_status(r, workdir / r.run_id, eval_tasks) not in ("done", "trained")
+            and (read_results(workdir / r.run_id) or {}).get("status") != DIVERGED]
+
+
 def run_cohort(worker, members: list[Run], workdir: Path, report, out: Outcome) -> None:
     """Trains (or resumes) one cohort and completes its members; fills `out`."""
     from hldstudy.sweep.worker import (
@@ -73,9 +83,7 @@ def run_cohort(worker, members: list[Run], workdir: Path, report, out: Outcome) 
         for r in todo:
             owned.enter_context(job_owns(workdir / r.run_id, "hldstudy.sweep"))
         cid = cohort_id(members)
-        train = [r for r in todo
-                 if run_status(r, workdir / r.run_id, worker.eval_tasks) != "trained"
-                 and (read_results(workdir / r.run_id) or {}).get("status") != DIVERGED]
+        train = to_train(todo, workdir, worker.eval_tasks)
         t0 = time.time()
         failed: dict[str, BaseException] = {}
         for r in train:
@@ -85,7 +93,8 @@ def run_cohort(worker, members: list[Run], workdir: Path, report, out: Outcome) 
         try:
             if train:
                 data = worker.data_for(train[0].config)
-                teacher = worker.teacher_for(train[0].config, data.tokenizer if data else None)
+                teacher = worker.teacher_for(train[0].config, data.tokenizer if data else None,
+                                             member=cid)
                 CohortTrainer([r.config for r in train], [workdir / r.run_id for r in train],
                               teacher=teacher, data=data).run()
         except Interrupted as e:
@@ -159,12 +168,15 @@ def _cohort_worker(index: int, kwargs: dict, tasks, results, log_path: str) -> N
 
 
 def run_local_cohorts(runs: list[Run], sweep, workdir: Path, *, k: int, parallel: int = 1,
-                      progress: bool = True) -> Outcome:
-    """The local executor with cohorts of at most `k` (`parallel` processes)."""
+                      progress: bool = True, grid_teacher: dict | None = None,
+                      cohorts: list[list[Run]] | None = None) -> Outcome:
+    """The local executor with cohorts of at most `k` (`parallel` processes; `cohorts`:
+    that grouping, in that order, instead of `group(runs, k)`). `grid_teacher`: the
+    sweep's replica set every cohort streams its teacher from (`hldstudy.sweep.grid_exec`)."""
     from hldstudy.sweep.executors import Progress
 
-    kwargs = worker_kwargs(sweep, workdir)
-    cohorts = group(runs, k)
+    kwargs = {**worker_kwargs(sweep, workdir), "grid_teacher": grid_teacher}
+    cohorts = cohorts if cohorts is not None else group(runs, k)
     with Progress(runs, workdir, enabled=progress) as prog, _Stop() as stop:
         if parallel <= 1 or len(cohorts) <= 1:
             out = _run_cohorts_here(cohorts, kwargs, prog.event, stop)
@@ -213,6 +225,6 @@ def run_local_cohorts(runs: list[Run], sweep, workdir: Path, *, k: int, parallel
         for i, p in enumerate(procs):
             if p.exitcode not in (0, None) and out.signum is None:
                 out.failed[f"cohort worker{i}"] = f"exited with code {p.exitcode}"
-        if stop.signum is not None and out.signum is None:
+        if stop.signum is not None:  # the sweep's own signal, not the one it forwarded
             out.signum = stop.signum
         return out

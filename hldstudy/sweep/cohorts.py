@@ -17,7 +17,9 @@ summed over the grid, for three layouts:
 - colocated: every run runs its own teacher forward inside its step;
 - disaggregated: the same forwards, on teacher replicas (the layout moves the
   teacher's work off the trainer, it does not remove it);
-- cohort: one teacher forward per step per cohort, serving all its members.
+- cohort: one teacher forward per step per cohort, serving all its members;
+- grid: one replica set for every cohort of every method (`--teacher-replicas`):
+  one forward per step of the longest schedule.
 
 Student FLOPs (training, regressors) are the same in every layout. FLOPs are
 model FLOPs (`hldstudy.flops.step_flops`): what the budget counts.
@@ -31,11 +33,15 @@ from dataclasses import dataclass
 
 from hldstudy.config import ModelConfig, config_to_dict, field_rules, flatten
 from hldstudy.distill import methods
+from hldstudy.distill.base import make_strategy
 from hldstudy.flops import step_flops
+from hldstudy.plan.layouts import grid_teacher_flops
 from hldstudy.plan.step_memory import cohort_memory, largest_cohort
+from hldstudy.plan.terms import dtype_bytes, fanout_window_bytes
 from hldstudy.sweep.spec import Run
+from hldstudy.teacher.base import method_needs
 
-LAYOUTS = ("colocated", "disaggregated", "cohort")
+LAYOUTS = ("colocated", "disaggregated", "cohort", "grid")
 
 
 def _shared_fields() -> frozenset[str]:
@@ -117,24 +123,62 @@ def run_flops(run: Run, teacher_model) -> RunFlops:
     return RunFlops(run.run_id, student, teacher)
 
 
-def study_flops(runs: list[Run], teacher_model, cohort: int) -> dict:
-    """{"layouts": {layout: {"teacher_flops", "student_flops", "total_flops"}}, "cohorts": n}.
+def teacher_segments(run: Run, teacher_model) -> list[tuple[int, int, float]]:
+    """(first step, end step, teacher FLOPs per step) of each of the run's stages that
+    needs the teacher, in the run's step numbering."""
+    out, pos = [], 0
+    for stage, steps in run.stage_steps.items():
+        b = step_flops(run.config, run.method, stage, teacher_model)
+        if b.teacher > 0:
+            out.append((pos, pos + steps, float(b.teacher)))
+        pos += steps
+    return out
+
+
+def grid_window_bytes(runs: list[Run], teacher_model, window: int) -> float:
+    """Host memory of one grid replica's window (`plan.terms.fanout_window_bytes`): `window`
+    steps of the union of every method's streamed tensors, in the teacher's dtype."""
+    taught = [r for r in runs if methods.get(r.method).needs_teacher]
+    if not taught or teacher_model is None:
+        return 0.0
+    final, layers = False, set()
+    for r in {r.method: r for r in taught}.values():
+        needs = method_needs(make_strategy(r.config, r.config.model, teacher_model),
+                             teacher_model)
+        final |= needs.final
+        layers |= set(needs.layers)
+    cfg = taught[0].config
+    return fanout_window_bytes(window, cfg.data.batch_size * cfg.data.seq_len,
+                               int(final) + len(layers), teacher_model.d_model,
+                               dtype_bytes(cfg.teacher.dtype))
+
+
+def study_flops(runs: list[Run], teacher_model, cohort: int, window: int = 4) -> dict:
+    """{"layouts": {layout: {"teacher_flops", "student_flops", "total_flops"}}, "cohorts": n,
+    "grid": {...}}.
 
     In the cohort layout a cohort pays for one member's teacher forwards: its
-    members run the same stages for the same steps on the same batches.
+    members run the same stages for the same steps on the same batches. In the grid
+    layout (`python -m hldstudy.sweep --teacher-replicas`) one replica set serves every
+    cohort of every method: one forward per step of the longest schedule, for the
+    union of the layers the runs still training need (`plan.layouts.grid_teacher_flops`,
+    with its bound); "grid" also gives a replica's window memory for `window` steps.
     """
     per_run = {r.run_id: run_flops(r, teacher_model) for r in runs}
     student = sum(f.student for f in per_run.values())
     teacher = sum(f.teacher for f in per_run.values())
     cohorts = group(runs, cohort)
     teacher_cohort = sum(max(per_run[r.run_id].teacher for r in c) for c in cohorts)
+    grid = grid_teacher_flops([seg for r in runs for seg in teacher_segments(r, teacher_model)])
     layouts = {}
     for layout, t in (("colocated", teacher), ("disaggregated", teacher),
-                      ("cohort", teacher_cohort)):
+                      ("cohort", teacher_cohort), ("grid", grid["teacher_flops"])):
         layouts[layout] = {"teacher_flops": t, "student_flops": student,
                            "total_flops": t + student}
+    grid.update(window=window,
+                replica_window_bytes=grid_window_bytes(runs, teacher_model, window))
     return {"layouts": layouts, "runs": len(runs), "cohorts": len(cohorts),
-            "cohort_size": cohort,
+            "cohort_size": cohort, "grid": grid,
             "cohort_members": [[r.run_id for r in c] for c in cohorts]}
 
 

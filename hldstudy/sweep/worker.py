@@ -46,8 +46,12 @@ class EvalUnavailable(RuntimeError):
 
 class Worker:
     def __init__(self, workdir: str | Path, *, sweep_name: str = "", eval_tasks=(),
-                 eval_limit=None, eval_batch_size: int = 8, eval_offline_data=None):
+                 eval_limit=None, eval_batch_size: int = 8, eval_offline_data=None,
+                 grid_teacher: dict | None = None):
         self.workdir = Path(workdir)
+        # The sweep's replica set ({"spec": "remote://h:p,...", "token_file"}), serving
+        # every cohort of the grid (`hldstudy.sweep.gridteach`); None: each loads its own.
+        self.grid_teacher = grid_teacher
         self.sweep_name = sweep_name
         self.eval_tasks = tuple(eval_tasks)
         self.eval_limit = eval_limit
@@ -70,9 +74,18 @@ class Worker:
             self._data[cfg.data] = prepare_data(cfg.data, self.workdir / CACHE_DIR)
         return self._data[cfg.data]
 
-    def teacher_for(self, cfg, tokenizer):
+    def teacher_for(self, cfg, tokenizer, member: str | None = None):
+        """The run's teacher, loaded once per worker; with the sweep's replica set and a
+        cohort `member` id, that member's stream of the replicas (the run's config keeps
+        its local checkpoint: the replicas serve that teacher)."""
         if not methods.get(cfg.distill.method).needs_teacher:
             return None
+        if self.grid_teacher is not None and member is not None:
+            import dataclasses
+
+            cfg = dataclasses.replace(cfg, teacher=dataclasses.replace(
+                cfg.teacher, checkpoint=f"{self.grid_teacher['spec']}?member={member}",
+                token_file=self.grid_teacher.get("token_file")))
         key = (cfg.teacher.checkpoint, cfg.teacher.dtype)
         if key not in self._teachers:
             from hldstudy.teacher import load_teacher

@@ -647,7 +647,7 @@ class RemoteTeacher:
         return proto.expected_tensors(proto.tensor_names(layers, final), shape, self.dtype)
 
     def embedding(self, stop=None) -> np.ndarray:
-        """The teacher's tied embedding `[V, D]` in the stream dtype (fetched once). A replica
+        """The teacher's head `[V, D]` (the tied embedding, or an untied head transposed) in the stream dtype (fetched once). A replica
         that fails, hangs (no chunk for teacher.timeout_s) or sends another layout is skipped
         for the next; when every replica is only busy (all its head slots taken, e.g. by the
         other runs of a sweep) the round is retried for up to teacher.timeout_s. `stop()`

@@ -8,8 +8,11 @@ when the trainer wants it, i.e. synchronous). A request is a credit on the
 replica's stream, so replicas never run further ahead than the ring allows
 (backpressure), and the trainer's memory for streamed steps is bounded by K.
 
-Ownership is interleaved: step s belongs to replica (s - start) mod n; if
-that replica is down, to the (s - start) mod m-th of the m live ones. A
+Ownership is interleaved: step s belongs to replica s mod n; if that
+replica is down, to the (s mod m)-th of the m live ones. Absolute, not counted
+from the stream's start: every trainer a replica set serves (cohort members of
+different methods, an HLDF stage 2, a resumed run) sends step s to the same
+replica, whose window then computes it once for all of them. A
 replica whose stream breaks, or that holds a requested step longer than
 `timeout_s` without answering, is declared dead: its stream is cancelled,
 its outstanding steps go back to the queue and are reissued (first, being
@@ -143,9 +146,8 @@ class PrefetchRing:
         live = self._live()
         if not live:
             return None
-        k = step - self.start
-        preferred = k % len(self._reps)
-        return preferred if self._reps[preferred].live else live[k % len(live)]
+        preferred = step % len(self._reps)
+        return preferred if self._reps[preferred].live else live[step % len(live)]
 
     def _assign(self, step: int) -> bool:
         i = self._owner(step)

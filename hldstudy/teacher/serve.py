@@ -43,6 +43,12 @@ which steps each replica computes; start one process per replica.
                  recomputing its steps alone (default 20; below the trainers'
                  teacher.timeout_s)
 
+  --address-file once serving, HOST:PORT is written there (atomically): the
+                 address trainers dial (this machine's name when --host binds
+                 every interface); how a sweep finds the replicas it started
+  --parent-pid   stop (exit 3) when that process is gone: a sweep's replicas
+                 never outlive it, even when it is killed with SIGKILL
+
 SIGTERM / SIGINT stop the replica (exit 128+N); a temporary --workdir is
 removed on exit.
 """
@@ -59,6 +65,7 @@ import ipaddress
 import json
 import logging
 import math
+import os
 import queue
 import re
 import shutil
@@ -80,6 +87,7 @@ from hldstudy.config import apply_overrides, load_experiment, read_config
 from hldstudy.data import prepare_data
 from hldstudy.distill.base import make_strategy
 from hldstudy.errors import ConfigError, HLDError, InputError, user_errors
+from hldstudy.fileio import write_text_atomic
 from hldstudy.model.loading import load_model
 from hldstudy.teacher import protocol as proto
 from hldstudy.teacher.base import check_layers, method_needs, stage_needs
@@ -723,6 +731,24 @@ def load_student_config(spec: str, overrides: list[str]):
     return apply_overrides(cfg, overrides)
 
 
+def dial_address(host: str, port: int) -> str:
+    """The HOST:PORT a trainer dials: the bound host, or this machine's name when the
+    replica binds every interface."""
+    if host in ("0.0.0.0", "::", ""):
+        host = socket.gethostname()
+    return _bind_address(host, port)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process: alive
+        return True
+    return True
+
+
 def _raise_exit(signum, frame):
     """SIGTERM / SIGINT: unwind (the replica stops, its temporary directory goes), exit 128+N."""
     raise SystemExit(128 + signum)
@@ -759,6 +785,10 @@ def main(argv: list[str] | None = None, server_cls: type[TeacherServer] = Teache
                         help="detach a cohort member that holds the window this long")
     parser.add_argument("--workdir", default=None, help="data cache directory (default: temp)")
     parser.add_argument("--no-warmup", action="store_true", help="compile on the first request")
+    parser.add_argument("--address-file", default=None,
+                        help="write HOST:PORT here once serving")
+    parser.add_argument("--parent-pid", type=int, default=None,
+                        help="stop when this process is gone")
     parser.add_argument("--debug", action="store_true")
     args = parser.parse_args(argv)
     quiet_libraries()
@@ -825,8 +855,13 @@ def main(argv: list[str] | None = None, server_cls: type[TeacherServer] = Teache
         print(f"serving teacher {server.fingerprint} ({checkpoint}, {server.dtype}, layers "
               f"{format_layers(server.final, server.layers)}{cohort_note}) on "
               f"{args.host}:{port}{' (TLS)' if tls else ''}", flush=True)
+        if args.address_file:
+            write_text_atomic(args.address_file, f"{dial_address(args.host, port)}\n")
         while not server.wait(0.5):
-            pass
+            if args.parent_pid is not None and not _alive(args.parent_pid):
+                print(f"hldstudy.teacher.serve: its parent process {args.parent_pid} is gone; "
+                      "stopping", file=sys.stderr, flush=True)
+                return 3
         return 0
     finally:
         if server is not None:
