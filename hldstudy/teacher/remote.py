@@ -647,9 +647,9 @@ class RemoteTeacher:
         return proto.expected_tensors(proto.tensor_names(layers, final), shape, self.dtype)
 
     def embedding(self, stop=None) -> np.ndarray:
-        """The teacher's head `[V, D]` (the tied embedding, or an untied head transposed) in the stream dtype (fetched once). A replica
-        that fails, hangs (no chunk for teacher.timeout_s) or sends another layout is skipped
-        for the next; when every replica is only busy (all its head slots taken, e.g. by the
+        """The teacher's head `[V, D]` (the tied embedding, or an untied head transposed) in
+        the stream dtype (fetched once). A replica that fails, hangs (no chunk for
+        teacher.timeout_s) or sends another layout is skipped for the next; when every replica is only busy (all its head slots taken, e.g. by the
         other runs of a sweep) the round is retried for up to teacher.timeout_s. `stop()`
         returning a signal ends the wait (StopRequested)."""
         if self._embedding is not None:
