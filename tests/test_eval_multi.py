@@ -7,6 +7,7 @@ import json
 import shutil
 from pathlib import Path
 
+import jax
 import jax.monitoring
 import pytest
 
@@ -57,14 +58,18 @@ def _sweep_folder(root: Path, n: int) -> Path:
 def _compiles_once(tmp_path, n):
     runs = _sweep_folder(tmp_path / "sweep", n)
     kw = dict(limit=2, offline_data=FIXTURES_DIR, progress=False, batch_size=4)
-    with BackendCompiles() as all_compiles:
-        before = compiled_scorers()
-        first = evaluate_checkpoints([runs / "run00"], TASKS, **kw)
-        first_scorers = compiled_scorers() - before
+    # Another test in this process may have compiled the same tiny shapes already: start
+    # from empty jit caches, so that the first checkpoint compiles here.
+    jax.clear_caches()
+    with BackendCompiles() as probe:  # the listener sees a compile (a shape no test uses)
+        jax.jit(lambda x: x * 3.0)(jax.numpy.ones((1, 4099 + n)))
+    before = compiled_scorers()
+    first = evaluate_checkpoints([runs / "run00"], TASKS, **kw)
+    first_scorers = compiled_scorers() - before
     # The rest of the folder (run00 again, by path resolution, is not evaluated twice).
     with BackendCompiles() as later:
         table = evaluate_checkpoints([runs, runs / "run00"], TASKS, out_dir=tmp_path / "out", **kw)
-    assert all_compiles.count > 0 and first_scorers >= 2  # the counters do see compiles
+    assert probe.count >= 1 and first_scorers >= 2  # the counters do see compiles
     assert first.rows[0]["compiled_scorers"] == first_scorers
     assert [r["label"] for r in table.rows] == [f"run{i:02d}" for i in range(n)]
     assert [r["compiled_scorers"] for r in table.rows] == [0] * n

@@ -97,7 +97,10 @@ def score_bytes_per_token_layer(m: PlanModel, seq_len: int, compute_bytes: int,
 # decay, system and attention rows), and the state entering each chunk (K x V / C). An MoE
 # layer adds the router's float32 probabilities (`MOE_COPIES["router"]` x E) and the routed
 # rows gathered by expert (`["rows"]` x k x d).
-DELTANET_COPIES = {"conv": 6, "value": 3, "key": 8, "head_v": 8, "chunk": 8}
+# Refitted when the chunk's triangular solve became a matmul-only inverse (deltanet.
+# unit_lower_inverse keeps one [2s, 2s] block per level for its backward: ~2C more per token
+# and head than LAPACK's solve did).
+DELTANET_COPIES = {"conv": 6, "value": 3, "key": 6, "head_v": 4, "chunk": 19}
 MOE_COPIES = {"router": 2, "rows": 2}
 
 
