@@ -132,3 +132,23 @@ def test_sharded_mosaic_loss_lowers_for_tpu_over_an_abstract_2x2_mesh():
     assert "manual_computation" in text or "shard_map" in text
     # The kernels run per shard: their operands carry a quarter of the rows.
     assert re.search(rf"tensor<{B * 64 // 4}x{D_S * 4}xbf16>", text)
+
+
+@pytest.mark.slow
+def test_kd_training_on_a_2x2_mesh_matches_one_device(tmp_path, teacher_dir, tokenizer_path):
+    """The trainer traces its step under its mesh (jax.set_mesh), so the fused loss runs
+    per batch shard there too; the losses match one device's."""
+    import dataclasses
+
+    from helpers.runs import losses, student_config
+
+    from hldstudy.train.loop import Trainer
+
+    cfg = student_config("kd", teacher_dir, steps=4, tokenizer=tokenizer_path, loss_impl="fused")
+    Trainer(cfg, tmp_path / "one", devices=jax.devices()[:1]).run()
+    sharded = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, mesh_data=2,
+                                                                 mesh_fsdp=2))
+    Trainer(sharded, tmp_path / "four", devices=jax.devices()[:4]).run()
+    one, four = losses(tmp_path / "one"), losses(tmp_path / "four")
+    np.testing.assert_allclose([four[s] for s in sorted(four)], [one[s] for s in sorted(one)],
+                               rtol=2e-5)
