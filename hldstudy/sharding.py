@@ -36,9 +36,8 @@ from jax.sharding import PartitionSpec as P
 from hldstudy import distributed
 from hldstudy.config import TrainConfig, check_expert_axis
 from hldstudy.errors import ConfigError
+from hldstudy.mesh_axes import BATCH_AXES, MESH_AXES  # noqa: F401 - re-exported
 
-MESH_AXES = ("data", "fsdp", "expert")
-BATCH_AXES = MESH_AXES
 # Variable metadata naming the dimension of a parameter that indexes experts.
 EXPERT_DIM = "expert_dim"
 

@@ -44,10 +44,12 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
 from hldstudy import chips
 from hldstudy.errors import ConfigError
@@ -67,6 +69,7 @@ from hldstudy.losses.kd_chunks import (
     temperature_is_one,
     update_stats,
 )
+from hldstudy.mesh_axes import BATCH_AXES
 from hldstudy.numerics import softcap
 
 log = logging.getLogger("hldstudy.losses")
@@ -389,10 +392,11 @@ def fused_kd_loss(
         default_rows, default_vocab = kernel.row_block, kernel.vocab_block
     else:
         default_rows, default_vocab = CPU_ROW_BLOCK, CPU_VOCAB_BLOCK
-    n_tokens = h_s.shape[0]
+    mesh, axes = _batch_partition(h_s.shape[0])
+    n_rows = h_s.shape[0] // _axes_size(mesh, axes)  # rows each shard's loss sees
     row_block = int(row_block or default_rows)
     if backend == "xla":  # no point in windows taller than the input
-        row_block = max(1, min(row_block, n_tokens))
+        row_block = max(1, min(row_block, n_rows))
     vocab_block = int(vocab_block or default_vocab)
     static = isinstance(temperature, int | float) and isinstance(alpha, int | float)
     if static:
@@ -412,15 +416,78 @@ def fused_kd_loss(
         interpret=interpret,
         kernel=kernel,
     )
+    labels = labels.astype(jnp.int32)
+    h_t, w_t = lax.stop_gradient(h_t), lax.stop_gradient(w_t)
+    args = (h_s, w_s, h_t, w_t, labels, mask, lax.stop_gradient(hp))
+    if axes:
+        loss, nll, kl = _sharded_rows_loss(cfg, mesh, axes, *args)
+    else:
+        loss, nll, kl = _rows_loss(cfg, *args)
+    return loss, {"nll": lax.stop_gradient(nll), "kl": lax.stop_gradient(kl)}
 
-    # Pad tokens to whole windows; padded rows are masked (h = 0 keeps them finite).
-    n_pad = -n_tokens % row_block
+
+# ---------------------------------------------------------------------------
+# Partitioning over the batch.
+
+
+def _axes_size(mesh, axes) -> int:
+    return math.prod(mesh.shape[a] for a in axes) if axes else 1
+
+
+def _batch_partition(n_tokens: int):
+    """(mesh, axes): the mesh being traced under and its axes that shard the batch
+    (sharding.BATCH_AXES, size > 1, not already manual), or (None, ()) when the loss
+    runs whole. The tokens are flattened batch-major, so sharding the rows over these
+    axes keeps each device's own examples (no communication)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return None, ()
+    axes = tuple(a for a in BATCH_AXES
+                 if a in mesh.axis_names and mesh.shape[a] > 1 and a not in mesh.manual_axes)
+    size = _axes_size(mesh, axes)
+    if size <= 1:
+        return None, ()
+    if n_tokens % size:
+        _notice_once(f"fused KD: {n_tokens} tokens do not split over the {size} devices of "
+                     f"mesh axes {axes}; the loss is computed whole on every device")
+        return None, ()
+    return mesh, axes
+
+
+def _rows_loss(cfg, h_s, w_s, h_t, w_t, labels, mask, hp):
+    """(loss, nll, kl) over these rows: padded to whole windows (padded rows are masked;
+    h = 0 keeps them finite), then the custom_vjp."""
+    n_pad = -h_s.shape[0] % cfg.row_block
     if n_pad:
         h_s = jnp.pad(h_s, ((0, n_pad), (0, 0)))
         h_t = jnp.pad(h_t, ((0, n_pad), (0, 0)))
         labels = jnp.pad(labels, (0, n_pad))
         mask = jnp.pad(mask, (0, n_pad))
-    labels = labels.astype(jnp.int32)
-    h_t, w_t = lax.stop_gradient(h_t), lax.stop_gradient(w_t)
-    loss, nll, kl = _fused(cfg, h_s, w_s, h_t, w_t, labels, mask, lax.stop_gradient(hp))
-    return loss, {"nll": lax.stop_gradient(nll), "kl": lax.stop_gradient(kl)}
+    return _fused(cfg, h_s, w_s, h_t, w_t, labels, mask, hp)
+
+
+def _sharded_rows_loss(cfg, mesh, axes, h_s, w_s, h_t, w_t, labels, mask, hp):
+    """_rows_loss per shard of the batch (jax.shard_map): each device computes its own
+    rows' loss (the Pallas kernels cannot be partitioned automatically, and XLA would
+    otherwise gather every device's hidden states); the heads come in replicated (an
+    FSDP-sharded head is gathered once, as a data-parallel loss needs). Each shard's
+    masked mean is weighted by its share of the unmasked tokens and summed (psum), so
+    the result is the whole batch's mean; the head's gradient is summed over shards by
+    shard_map's transpose of the replicated input."""
+
+    def per_shard(h_s, w_s, h_t, w_t, labels, mask, hp):
+        count = jnp.sum(mask.astype(jnp.float32))
+        share = count / jnp.maximum(lax.psum(count, axes), 1.0)
+        out = _rows_loss(cfg, h_s, w_s, h_t, w_t, labels, mask, hp)
+        return tuple(lax.psum(x * share, axes) for x in out)
+
+    rows, whole = P(axes), P()
+    in_specs = (rows, whole, rows, whole, rows, rows, whole)
+    args = (h_s, w_s, h_t, w_t, labels, mask, hp)
+    if mesh.explicit_axes:  # explicit sharding types must already match the specs
+        args = tuple(jax.reshard(x, spec) for x, spec in zip(args, in_specs, strict=True))
+    # check_vma=False: the window scans carry a replicated-typed zero dW that turns
+    # per-shard (varying) in the body; the psums above are written out explicitly and
+    # tests/test_fused_sharded.py checks value and gradients against one device.
+    return jax.shard_map(per_shard, mesh=mesh, in_specs=in_specs,
+                         out_specs=(whole, whole, whole), check_vma=False)(*args)

@@ -508,7 +508,9 @@ def _run_stage(members, group, plan, graphdefs, optimizer, states, shardings, lo
             batch = mesh_lib.put_batch(lead.data.train.batch_at(step), lead.mesh)
             args = (packed, batch, feed.inputs(step, batch), hps, bad)
             if compiled is None:
-                compiled = train_step.lower(*args).compile()
+                # Traced under the mesh: the fused KD loss partitions itself over the batch.
+                with jax.set_mesh(lead.mesh):
+                    compiled = train_step.lower(*args).compile()
                 check_fits(compiled, lead.mesh, cfg, plan.stage.name if k == 1 else
                            f"{plan.stage.name}, cohort of {k}", hint=steps.fit_hint(k))
             packed, metrics, bad = compiled(*args)
