@@ -28,7 +28,7 @@ def _parse(path: Path) -> ast.Module:
         return ast.parse(path.read_text())
 
 FLOORS = (
-    ("__root__", "errors", "numerics", "shipped", "signals", "wandb_online"),  # import nothing of ours
+    ("__root__", "errors", "mesh_axes", "numerics", "shipped", "signals", "wandb_online"),  # import nothing of ours
     ("checkpoint", "chips", "distributed", "fileio", "runlock"),  # on errors / numerics only
     ("losses",),  # loss math; its kernels sized from the chip table
     ("distill",),  # the method registry: declarations, no config
