@@ -465,26 +465,40 @@ def run_slurm(runs: list[Run], sweep: Sweep, workdir: Path, *, parallel: int = 1
         for rid in out.skipped:
             prog.event("skipped", rid, "already done")
         for job, chunk in zip(jobs, chunks, strict=True):
-            try:
-                res = job.result()
-            except Exception as e:  # noqa: BLE001 - submitit wraps the job's exception
-                for r in chunk:
-                    if run_status(r, workdir / r.run_id, sweep.eval_tasks) != "done":
-                        out.failed[r.run_id] = f"job {job.job_id}: {str(e).splitlines()[-1][:200]}"
-                        prog.event("failed", r.run_id, out.failed[r.run_id])
-                continue
-            for rid in res["done"]:
-                out.done.append(rid)
-                prog.event("done", rid, "")
-            out.skipped += res["skipped"]
-            out.merge(res)
-            for rid in res["interrupted"]:
-                prog.event("interrupted", rid, "checkpointed; rerun to resume")
-            if res.get("signal") is not None:
-                out.signum = res["signal"]
-            out.no_eval += res["no_eval"]
-            out.teacher_loads += res["teacher_loads"]
+            fold_job_result(out, prog, job, chunk, job_outcome(job), sweep, workdir)
     return out
+
+
+def job_outcome(job):
+    """A submitit job's result, or the exception it raised (submitit wraps the job's)."""
+    try:
+        return job.result()
+    except Exception as e:  # noqa: BLE001 - reported per run by fold_job_result
+        return e
+
+
+def fold_job_result(out: Outcome, prog: Progress, job, runs: list[Run], res, sweep: Sweep,
+                    workdir: Path) -> None:
+    """One submitit job's outcome (a worker's result dict, or its exception) into the
+    sweep's: a failed job fails each of its runs that is not done; the one place the SLURM
+    paths (one job per chunk of runs, one per cohort) read a job's result."""
+    if isinstance(res, Exception):
+        for r in runs:
+            if run_status(r, workdir / r.run_id, sweep.eval_tasks) != "done":
+                out.failed[r.run_id] = f"job {job.job_id}: {str(res).splitlines()[-1][:200]}"
+                prog.event("failed", r.run_id, out.failed[r.run_id])
+        return
+    for rid in res["done"]:
+        out.done.append(rid)
+        prog.event("done", rid, "")
+    out.skipped += res["skipped"]
+    out.merge(res)
+    for rid in res.get("interrupted", ()):
+        prog.event("interrupted", rid, "checkpointed; rerun to resume")
+    if res.get("signal") is not None:
+        out.signum = res["signal"]
+    out.no_eval += res["no_eval"]
+    out.teacher_loads += res["teacher_loads"]
 
 
 # --------------------------------------------------------------------------- #

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from hldstudy.cli_common import quiet_libraries
 from hldstudy.errors import ConfigError, InputError
+from hldstudy.fileio import write_json_atomic
 from hldstudy.signals import Interrupted
 from hldstudy.sweep.cohort_exec import (
     _run_cohorts_here,
@@ -26,7 +27,15 @@ from hldstudy.sweep.cohort_exec import (
     to_train,
 )
 from hldstudy.sweep.cohorts import group
-from hldstudy.sweep.executors import INTERNAL, Outcome, Progress, _Stop, worker_kwargs
+from hldstudy.sweep.executors import (
+    INTERNAL,
+    Outcome,
+    Progress,
+    _Stop,
+    fold_job_result,
+    job_outcome,
+    worker_kwargs,
+)
 from hldstudy.sweep.gridteach import ReplicaOptions, ReplicaSet, check_grid, grid_members
 from hldstudy.sweep.replica_launch import LocalLauncher, SlurmLauncher
 from hldstudy.sweep.spec import Run, run_status, teacher_model_config
@@ -153,45 +162,22 @@ def run_slurm_cohorts(cohorts: list[list[Run]], runs: list[Run], sweep, workdir:
         raise InputError(f"--slurm: {e}") from None
     job_fn = CohortJob({**worker_kwargs(sweep, workdir), "grid_teacher": grid_teacher})
     jobs = [executor.submit(job_fn, c) for c in pending]
-    import json
-
-    (workdir / INTERNAL / "jobs.json").write_text(json.dumps(
-        [{"job_id": str(j.job_id), "cohort": cohort_id(c), "runs": [r.run_id for r in c]}
-         for j, c in zip(jobs, pending, strict=True)], indent=2) + "\n")
+    write_json_atomic(workdir / INTERNAL / "jobs.json", [
+        {"job_id": str(j.job_id), "cohort": cohort_id(c), "runs": [r.run_id for r in c]}
+        for j, c in zip(jobs, pending, strict=True)])
     with Progress(runs, workdir, enabled=progress) as prog:
         for rid in out.skipped:
             prog.event("skipped", rid, "already done")
         try:
             with _Raise():
-                results = [(job, c, _result(job)) for job, c in zip(jobs, pending, strict=True)]
+                results = [(job, c, job_outcome(job)) for job, c in zip(jobs, pending, strict=True)]
         except Interrupted as e:
             for job in jobs:
                 job.cancel(check=False)
             out.signum = e.signum
             for job in jobs:
-                _result(job)  # each job checkpoints on its SIGTERM before it ends
+                job_outcome(job)  # each job checkpoints on its SIGTERM before it ends
             return out
         for job, c, res in results:
-            if isinstance(res, Exception):
-                for r in c:
-                    if run_status(r, workdir / r.run_id, sweep.eval_tasks) != "done":
-                        out.failed[r.run_id] = f"job {job.job_id}: {str(res).splitlines()[-1][:200]}"
-                        prog.event("failed", r.run_id, out.failed[r.run_id])
-                continue
-            for rid in res["done"]:
-                out.done.append(rid)
-                prog.event("done", rid, "")
-            out.skipped += res["skipped"]
-            out.merge(res)
-            if res.get("signal") is not None:
-                out.signum = res["signal"]
-            out.no_eval += res["no_eval"]
-            out.teacher_loads += res["teacher_loads"]
+            fold_job_result(out, prog, job, c, res, sweep, workdir)
     return out
-
-
-def _result(job):
-    try:
-        return job.result()
-    except Exception as e:  # noqa: BLE001 - submitit wraps the job's exception
-        return e
