@@ -438,14 +438,7 @@ def run_slurm(runs: list[Run], sweep: Sweep, workdir: Path, *, parallel: int = 1
     if not pending:
         return out
     folder = workdir / INTERNAL / "submitit"
-    executor = submitit.AutoExecutor(folder=folder, cluster=cluster)
-    defaults = {"name": f"hldstudy-{sweep.name}", "timeout_min": 24 * 60}
-    if executor.cluster == "slurm":
-        defaults["slurm_signal_delay_s"] = 120
-    try:
-        executor.update_parameters(**{**defaults, **(params or {})})
-    except (ValueError, TypeError) as e:
-        raise InputError(f"--slurm: {e}") from None
+    executor = submitit_executor(submitit, sweep, workdir, cluster, params)
     n = max(1, min(parallel, len(pending)))
     chunks = [pending[i::n] for i in range(n)]
     job_fn = SweepJob(worker_kwargs(sweep, workdir))
@@ -467,6 +460,21 @@ def run_slurm(runs: list[Run], sweep: Sweep, workdir: Path, *, parallel: int = 1
         for job, chunk in zip(jobs, chunks, strict=True):
             fold_job_result(out, prog, job, chunk, job_outcome(job), sweep, workdir)
     return out
+
+
+def submitit_executor(submitit, sweep: Sweep, workdir: Path, cluster, params: dict | None):
+    """The sweep's submitit executor (its folder under the sweep's internal directory, a day's
+    limit, SLURM's signal 120 s before it), `--slurm` parameters over those defaults; a
+    parameter submitit rejects is one line naming --slurm."""
+    executor = submitit.AutoExecutor(folder=workdir / INTERNAL / "submitit", cluster=cluster)
+    defaults = {"name": f"hldstudy-{sweep.name}", "timeout_min": 24 * 60}
+    if executor.cluster == "slurm":
+        defaults["slurm_signal_delay_s"] = 120
+    try:
+        executor.update_parameters(**{**defaults, **(params or {})})
+    except (ValueError, TypeError) as e:
+        raise InputError(f"--slurm: {e}") from None
+    return executor
 
 
 def job_outcome(job):

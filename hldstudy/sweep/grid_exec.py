@@ -34,6 +34,7 @@ from hldstudy.sweep.executors import (
     _Stop,
     fold_job_result,
     job_outcome,
+    submitit_executor,
     worker_kwargs,
 )
 from hldstudy.sweep.gridteach import ReplicaOptions, ReplicaSet, check_grid, grid_members
@@ -152,14 +153,7 @@ def run_slurm_cohorts(cohorts: list[list[Run]], runs: list[Run], sweep, workdir:
     out = Outcome(skipped=[r.run_id for c in cohorts if c not in pending for r in c])
     if not pending:
         return out
-    executor = submitit.AutoExecutor(folder=workdir / INTERNAL / "submitit", cluster=cluster)
-    defaults = {"name": f"hldstudy-{sweep.name}", "timeout_min": 24 * 60}
-    if executor.cluster == "slurm":
-        defaults["slurm_signal_delay_s"] = 120
-    try:
-        executor.update_parameters(**{**defaults, **(params or {})})
-    except (ValueError, TypeError) as e:
-        raise InputError(f"--slurm: {e}") from None
+    executor = submitit_executor(submitit, sweep, workdir, cluster, params)
     job_fn = CohortJob({**worker_kwargs(sweep, workdir), "grid_teacher": grid_teacher})
     jobs = [executor.submit(job_fn, c) for c in pending]
     write_json_atomic(workdir / INTERNAL / "jobs.json", [
