@@ -383,7 +383,7 @@ def test_handshake_refuses_mismatches(env, tmp_path):
     from hldstudy.data.tokenizer import train_tokenizer
 
     other = train_tokenizer(generate_documents(300, seed=7)[::-1], VOCAB, tmp_path / "other")
-    with pytest.raises(ConfigError, match=r"teacher.checkpoint: .*different tokenizer"):
+    with pytest.raises(ConfigError, match=r"teacher.checkpoint: the teacher replicas tokenize differently: .* both have \d+ pieces but different ones"):
         connect(_student("kd", remote, tok)).check_tokenizer(other)
 
 

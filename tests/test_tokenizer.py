@@ -75,3 +75,13 @@ def test_errors(tmp_path):
         train_tokenizer(["hello world"], 100, tmp_path / "s")
     with pytest.raises(InputError, match="tokenizer_vocab_size.*SentencePiece"):
         train_tokenizer(["".join(chr(0x4E00 + i) for i in range(200))], 300, tmp_path / "t")
+
+
+def test_a_tokenizer_mismatch_says_whether_size_or_pieces_differ():
+    from hldstudy.data.tokenizer import mismatch
+
+    assert mismatch(512, "aa", 512, "aa") is None
+    assert mismatch(512, "aa", 384, "bb") == (
+        "the student's tokenizer has 512 pieces, the teacher's 384 pieces")
+    same_size = mismatch(512, "aa", 512, "bb")
+    assert "both have 512 pieces but different ones" in same_size and "aa vs bb" in same_size

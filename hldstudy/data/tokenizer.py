@@ -206,6 +206,19 @@ class JsonTokenizer:
         return f"JsonTokenizer(vocab_size={self.vocab_size}, model_path={self.model_path})"
 
 
+def mismatch(student_size: int, student_fp: str, teacher_size: int, teacher_fp: str) -> str | None:
+    """How the student's tokenizer differs from the teacher's, or None when they agree.
+    Two tokenizers of one size can still differ (other pieces, other order): the
+    message says which of the two it is, so nobody goes looking for a size mismatch."""
+    if student_size != teacher_size:
+        return (f"the student's tokenizer has {student_size} pieces, the teacher's "
+                f"{teacher_size} pieces")
+    if student_fp != teacher_fp:
+        return (f"the student's and the teacher's tokenizers both have {student_size} pieces "
+                f"but different ones (fingerprints {student_fp} vs {teacher_fp})")
+    return None
+
+
 def _set_prefix(proto: bytes, prefix: str) -> bytes:
     try:
         from sentencepiece import sentencepiece_model_pb2 as pb

@@ -19,6 +19,7 @@ from flax import nnx
 
 from hldstudy import sharding
 from hldstudy.config import ModelConfig
+from hldstudy.data.tokenizer import mismatch as tokenizer_mismatch
 from hldstudy.distill.base import Batch, Strategy, TeacherOutputs
 from hldstudy.distill.methods import Stage
 from hldstudy.errors import ConfigError
@@ -80,12 +81,11 @@ class ColocatedTeacher:
     def check_tokenizer(self, student_tokenizer) -> None:
         if self.tokenizer is None:
             return
-        if self.tokenizer.vocab_size != student_tokenizer.vocab_size or \
-                self.tokenizer.fingerprint() != student_tokenizer.fingerprint():
+        differs = tokenizer_mismatch(student_tokenizer.vocab_size, student_tokenizer.fingerprint(),
+                                     self.tokenizer.vocab_size, self.tokenizer.fingerprint())
+        if differs:
             raise ConfigError(
-                "data.tokenizer",
-                f"the student's tokenizer ({student_tokenizer.vocab_size} pieces) is not the "
-                f"teacher's ({self.tokenizer.vocab_size} pieces, from {self.source})",
+                "data.tokenizer", f"{differs} (teacher: {self.source})",
                 "leave data.tokenizer unset to use the teacher's, or point it at the teacher's file")
 
     def forward_fn(self, layers: tuple[int, ...], needs_head: bool) -> TeacherForward:

@@ -55,6 +55,7 @@ import numpy as np
 
 from hldstudy import rundir, sharding
 from hldstudy.config import Config, ModelConfig, config_from_dict
+from hldstudy.data.tokenizer import mismatch as tokenizer_mismatch
 from hldstudy.distill.base import Batch, Strategy, TeacherOutputs, make_strategy
 from hldstudy.distill.methods import Stage
 from hldstudy.errors import ConfigError, InputError
@@ -607,12 +608,11 @@ class RemoteTeacher:
 
     def check_tokenizer(self, student_tokenizer) -> None:
         tok = self.tokenizer_info
-        if tok["vocab_size"] != student_tokenizer.vocab_size or \
-                tok["fingerprint"] != student_tokenizer.fingerprint():
-            raise ConfigError(
-                FIELD, f"the teacher replicas tokenize with a different tokenizer "
-                f"({tok['vocab_size']} pieces) than the student ({student_tokenizer.vocab_size})",
-                "set data.tokenizer to the teacher's tokenizer file")
+        differs = tokenizer_mismatch(student_tokenizer.vocab_size, student_tokenizer.fingerprint(),
+                                     tok["vocab_size"], tok["fingerprint"])
+        if differs:
+            raise ConfigError(FIELD, f"the teacher replicas tokenize differently: {differs}",
+                              "set data.tokenizer to the teacher's tokenizer file")
 
     def check_run_record(self, workdir: Path) -> None:
         """A resumed run must keep its teacher: records the fingerprint, refuses another."""
