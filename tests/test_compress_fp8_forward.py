@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 from types import SimpleNamespace
 
 import jax
@@ -212,3 +213,51 @@ def test_chip_table_decides_fp8_hardware():
         == "h100"
     assert fp8.chip_of(SimpleNamespace(platform="tpu", device_kind="TPU v5 lite")) == "v5e"
     assert fp8.chip_of(SimpleNamespace(platform="cpu", device_kind="cpu")) is None
+
+
+def _fp8_widenings(hlo: str) -> int:
+    """How many converts of the compiled program take an FP8 value to a wider type (what
+    a dequantizing, simulated matmul compiles to)."""
+    types = {}
+    for line in hlo.splitlines():
+        if m := re.match(r"\s*(?:ROOT )?(%[\w.\-]+) = (\w+)\[", line):
+            types[m.group(1)] = m.group(2)
+        if m := re.match(r"^%?[\w.\-]+ \((.*)\) -> ", line):  # a computation's parameters
+            for p in re.finditer(r"([\w.\-]+): (\w+)\[", m.group(1)):
+                types["%" + p.group(1)] = p.group(2)
+    widened = 0
+    for line in hlo.splitlines():
+        m = re.match(r"\s*(?:ROOT )?%[\w.\-]+ = (\w+)\[.*? convert\((%[\w.\-]+)\)", line)
+        widened += bool(m and types.get(m.group(2)) == "f8e4m3fn" and m.group(1) != "f8e4m3fn")
+    return widened
+
+
+@pytest.mark.aot
+@pytest.mark.skipif(not _HAVE_CUDA_PLUGIN, reason="needs the aot extra (pip install -e '.[aot]')")
+@pytest.mark.skipif(os.environ.get("JAX_PLATFORMS") != "cpu",
+                    reason="run with JAX_PLATFORMS=cpu (make test-aot)")
+def test_fp8_moe_model_compiles_for_the_h100_without_dequantizing_a_weight():
+    """The whole tiny Qwen3.5 MoE, compiled for the H100: the real FP8 forward widens no
+    FP8 value (every quantized weight, experts included, meets FP8 activations in a GEMM);
+    the simulated one widens each quantized parameter once (26 linears + 12 experts)."""
+    from jax.sharding import SingleDeviceSharding
+
+    from hldstudy.aot.targets import devices, parse_target
+
+    model, quantized = _quantized("tiny-qwen-moe")
+    n_params = len({Target.from_key(k).param_key for k in quantized})
+    sharding = SingleDeviceSharding(devices(parse_target("h100"))[0])
+    tokens = jax.ShapeDtypeStruct((2, 64), jnp.int32, sharding=sharding)
+    for real in (True, False):
+        graphdef, state = nnx.split(fp8_model(model, quantized, real=real))
+        abstract = jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), state)
+        fn = jax.jit(lambda st, t, g=graphdef: nnx.merge(g, st)(t).logits)
+        hlo = fn.trace(abstract, tokens).lower(lowering_platforms=("cuda",)).compile().as_text()
+        gemms = [c.strip() for c in hlo.split("\n\n") if " dot(" in c]
+        fp8_gemms = [c for c in gemms if c.splitlines()[0].count("f8e4m3fn[") >= 2]
+        if real:
+            assert _fp8_widenings(hlo) == 0 and fp8_gemms
+            print(f"h100: {len(fp8_gemms)} FP8 GEMMs of {len(gemms)}")
+        else:
+            assert _fp8_widenings(hlo) == n_params == 38 and not fp8_gemms
