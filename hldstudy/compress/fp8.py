@@ -16,9 +16,19 @@ On CPU the forward is *simulated*: weights are dequantized to float32 before
 the matmul. `fp8_dot` runs a real FP8 x FP8 dot (activations quantized per
 tensor, float32 accumulation) where the backend has FP8 matmuls (the
 `fp8_matmul` column of hldstudy/chips.py); elsewhere it falls back to the
-simulated path. The Transformer's own forward always runs the simulated path
-(its einsums are the model package's); `fp8_dot` is the kernel-level path for
-a device benchmark.
+simulated path. `fp8_ragged_dot` is the same for a mixture of experts' grouped
+matmul (`jax.lax.ragged_dot` with FP8 operands, float32 accumulation, the row's
+expert's scales applied after). `compress/fp8_forward.py` puts both in the
+model's forward.
+
+What XLA makes of the FP8 grouped matmul for an H100 (the JAX CUDA plugin
+0.10.2, compiled on a CPU host: tests/test_compress_fp8_forward.py, marker
+aot): the FP8 operands reach the GEMM (a Triton `__triton_nested_gemm_fusion`
+with f8e4m3fn x f8e4m3fn -> f32), but `ragged_dot` is expanded densely: the
+rows are masked per expert ([M, E, in]) and multiplied by every expert's
+weights, then summed over experts - E times the dropless FLOPs, for bfloat16
+operands as for FP8 (it is XLA's lowering of ragged_dot on GPU, not an FP8
+limitation). A grouped GEMM kernel (megablox-style) is what would remove it.
 
 Why not qwix (v0.1.8, evaluated for this): `qwix.quantize` on one matrix
 (e4m3, channelwise on the output axis) gives bit-identical values and scales
@@ -150,6 +160,16 @@ def backend_has_fp8_matmul() -> bool:
     return False
 
 
+def quantize_activations(x, act_format: str = "e4m3"):
+    """(x in the FP8 dtype, its float32 per-tensor scale): the activation side of the
+    real FP8 matmuls (dynamic, per tensor: x's absmax mapped to the format's fmax)."""
+    f = fp8_format(act_format)
+    x = jnp.asarray(x, jnp.float32)
+    amax = jnp.max(jnp.abs(x))
+    x_scale = jnp.where(amax > 0, amax / f.fmax, 1.0)
+    return jnp.clip(x / x_scale, -f.fmax, f.fmax).astype(f.dtype), x_scale
+
+
 def fp8_dot(x, q, w_scale, *, real: bool | None = None, act_format: str = "e4m3"):
     """y = x @ (q * w_scale) for x [..., in], q [in, out] FP8, w_scale [out] or [].
 
@@ -163,11 +183,36 @@ def fp8_dot(x, q, w_scale, *, real: bool | None = None, act_format: str = "e4m3"
         real = backend_has_fp8_matmul()
     if not real:
         return jnp.asarray(x, jnp.float32) @ dequantize_fp8(q, w_scale)
-    f = fp8_format(act_format)
-    x = jnp.asarray(x, jnp.float32)
-    amax = jnp.max(jnp.abs(x))
-    x_scale = jnp.where(amax > 0, amax / f.fmax, 1.0)
-    xq = jnp.clip(x / x_scale, -f.fmax, f.fmax).astype(f.dtype)
-    y = jax.lax.dot_general(xq, q, (((x.ndim - 1,), (0,)), ((), ())),
+    xq, x_scale = quantize_activations(x, act_format)
+    y = jax.lax.dot_general(xq, q, (((xq.ndim - 1,), (0,)), ((), ())),
                             preferred_element_type=jnp.float32)
     return y * x_scale * jnp.asarray(w_scale, jnp.float32)
+
+
+def expert_scales(w_scale, n_experts: int) -> jax.Array:
+    """Per-expert scales as [E, out] (per output channel) or [E, 1] (one per expert)."""
+    return jnp.asarray(w_scale, jnp.float32).reshape(n_experts, -1)
+
+
+def fp8_ragged_dot(x, q, w_scale, group_sizes, *, real: bool | None = None,
+                   act_format: str = "e4m3"):
+    """y [M, out] = each row of x [M, in] times its group's `q[e] * w_scale[e]`, rows
+    grouped by expert in order (`group_sizes` [E] as `jax.lax.ragged_dot`), q [E, in, out]
+    FP8, w_scale [E, out] (per expert and output channel) or [E] (per expert).
+
+    `real` as in `fp8_dot`: the real path is `ragged_dot` with FP8 operands (x quantized
+    per tensor) and float32 accumulation, then x's scale and each row's expert's scales;
+    the simulated path dequantizes the weights and runs the float32 `ragged_dot`.
+    """
+    if real is None:
+        real = backend_has_fp8_matmul()
+    n_experts = q.shape[0]
+    scales = expert_scales(w_scale, n_experts)
+    if not real:
+        return jax.lax.ragged_dot(jnp.asarray(x, jnp.float32),
+                                  dequantize_fp8(q, scales[:, None, :]), group_sizes)
+    xq, x_scale = quantize_activations(x, act_format)
+    y = jax.lax.ragged_dot(xq, q, group_sizes, preferred_element_type=jnp.float32)
+    # the expert of each row (rows past sum(group_sizes) are zero in y: any scale will do)
+    row_expert = jnp.repeat(jnp.arange(n_experts), group_sizes, total_repeat_length=x.shape[0])
+    return y * x_scale * jnp.take(scales, row_expert, axis=0)

@@ -11,8 +11,12 @@ simulated path (weights dequantized, float32 matmul: the same numbers as the pip
 dequantized model) elsewhere. `real=True` forces the FP8 dot (XLA emulates it on CPU:
 how the tests check its numbers), `real=False` the simulation.
 
-Mixture-of-experts weights stay dequantized (the grouped `ragged_dot` has no FP8 form
-here); every other target linear (layout.py) runs in FP8.
+A mixture of experts' stacked weights (`gate`, `up` [E, D, F], `down` [E, F, D]: one
+quantized target per expert, layout.py) become one `FP8Experts` each (the experts' FP8
+values stacked, their scales [E, out] or [E]); the MoE's grouped matmul
+(model/moe.py) runs its `grouped_matmul`: `fp8.fp8_ragged_dot`, FP8 operands in
+`jax.lax.ragged_dot` where the chip has FP8 matmuls, the simulated path elsewhere.
+Every target layout.py lists then runs in FP8.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from hldstudy.compress.fp8 import fp8_dot
+from hldstudy.compress.fp8 import fp8_dot, fp8_ragged_dot
 from hldstudy.compress.layout import Target
 
 
@@ -63,15 +67,60 @@ class FP8Weight:
         return fp8_dot(x, self.q, self.scale, real=self.real).astype(x.dtype)
 
 
+@jax.tree_util.register_pytree_node_class
+class FP8Experts(FP8Weight):
+    """A stacked expert weight: FP8 values q [E, in, out] and float32 scales [E, out] (per
+    expert and output channel) or [E] (per expert); read whole by the MoE's forward and
+    multiplied by its grouped matmul hook."""
+
+    def reshape(self, *shape):
+        raise TypeError("stacked FP8 experts are multiplied by grouped_matmul, not reshaped")
+
+    def __rmatmul__(self, x):
+        raise TypeError("stacked FP8 experts are multiplied by grouped_matmul, not @")
+
+    def grouped_matmul(self, rows, group_sizes):
+        """rows [M, in] grouped by expert (as `jax.lax.ragged_dot`) -> [M, out]."""
+        return fp8_ragged_dot(rows, self.q, self.scale, group_sizes,
+                              real=self.real).astype(rows.dtype)
+
+
+def _stacked_experts(quantized: dict) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """{parameter key: (q [E, in, out], scales [E, out] or [E])} of the stacked expert
+    weights among the pipeline's per-expert targets; every expert must be there."""
+    by_param: dict[str, dict[int, tuple]] = {}
+    for key, qs in quantized.items():
+        t = Target.from_key(key)
+        if t.expert is not None:
+            by_param.setdefault(t.param_key, {})[t.expert] = qs
+    out = {}
+    for param_key, experts in by_param.items():
+        if sorted(experts) != list(range(len(experts))):
+            raise ValueError(f"{param_key}: FP8 values for experts {sorted(experts)} only; "
+                             "the grouped matmul needs every expert")
+        q = np.stack([np.asarray(experts[e][0]) for e in range(len(experts))])
+        scale = np.stack([np.asarray(experts[e][1], np.float32) for e in range(len(experts))])
+        out[param_key] = (q, scale)
+    return out
+
+
 def fp8_model(model, quantized: dict, *, real: bool | None = None):
     """A copy of `model` whose quantized linears (`{target key: (q, scale)}` from the
-    pipeline's FP8 stage) multiply in FP8; `real` as in `fp8.fp8_dot`."""
+    pipeline's FP8 stage) multiply in FP8, the experts of an MoE included; `real` as in
+    `fp8.fp8_dot`."""
     out = nnx.clone(model)
     for key, (q, scale) in quantized.items():
         t = Target.from_key(key)
         if t.expert is not None:
-            continue  # stacked experts keep their dequantized values (module doc)
+            continue  # stacked below, one FP8Experts per parameter
         module = getattr(out.blocks[t.layer], t.module)
         setattr(module, t.name, nnx.Param(FP8Weight(jnp.asarray(q), jnp.asarray(
             np.asarray(scale, np.float32)), real)))
+    for param_key, (q, scale) in _stacked_experts(quantized).items():
+        t = Target.from_key(param_key)
+        module = getattr(out.blocks[t.layer], t.module)
+        if tuple(getattr(module, t.name)[...].shape) != q.shape:
+            raise ValueError(f"{param_key}: FP8 values {q.shape} do not match the model's "
+                             f"{tuple(getattr(module, t.name)[...].shape)}")
+        setattr(module, t.name, nnx.Param(FP8Experts(jnp.asarray(q), jnp.asarray(scale), real)))
     return out

@@ -21,9 +21,33 @@ one scale repeated over the channels (the same numbers). The HF layout of each s
 found by exporting a copy of the model whose quantized weights are replaced by their
 scales broadcast over the input axis (so fused or permuted HF tensors, e.g. Qwen3.5's
 interleaved q/gate projection, get their scales by the same code as their weights).
-A linear that is partly quantized in its HF tensor, or any non-`nn.Linear` tensor
-(transformers fuses the MoE experts into 3-D parameters), is written dense
-(dequantized: the same values) and listed in `ignore`.
+A linear that is partly quantized in its HF tensor is written dense (dequantized: the
+same values) and listed in `ignore`.
+
+Mixture-of-experts experts (Qwen3.5 MoE) are FP8 too, in the per-expert layout
+llm-compressor writes for MoE models and vLLM's loader reads:
+`model.layers.L.mlp.experts.N.{gate,up,down}_proj.weight` float8_e4m3fn + `weight_scale`
+[out, 1] (importers.export_hf already writes one 2-D tensor per expert). Checked with
+transformers 5.24 / compressed-tensors 0.20.1 (tests/test_compress_export_ct.py, optional
+tier): its loader dequantizes each expert's (weight, weight_scale) and stacks them into its
+fused `experts.gate_up_proj` [E, 2F, D] / `experts.down_proj` [E, D, F]
+(integrations/compressed_tensors.CompressedTensorsDequantize + the qwen3_5_moe conversion
+mapping): bit-identical to our dequantized experts; logits within 3.5e-5 of ours on the
+tiny MoE (max |logit| 4.2). The
+experts get a config group of their own (`group_1`, target EXPERTS_TARGET, a `re:` target
+naming "experts", which is how transformers finds the experts' scheme) with the same
+weights and dynamic per-token FP8 input activations (W8A8, llm-compressor's FP8_DYNAMIC
+for experts), because vLLM has no FP8 weight-only MoE method: its
+CompressedTensorsMoEMethod.get_moe_method (model_executor/layers/quantization/
+compressed_tensors/compressed_tensors_moe.py) accepts FP8 experts only with quantized
+input activations (`_is_fp8_w8a8` returns False when `input_activations` is None) and
+raises "RuntimeError: Unsupported FusedMoe scheme: <weights>, None" for W8A16 experts,
+while W8A16 FP8 dense linears have a kernel (CompressedTensorsW8A16Fp8). So vLLM runs the
+experts with per-token FP8 activations (read from its source, not run here: vLLM is not
+installed on this CPU machine), transformers weight-only as the pipeline measured them
+(the weights stored are the same either way). vLLM wants gate, up and down of an MoE
+under one scheme: an FP8 stage that quantizes only some of them writes a file transformers
+loads and vLLM refuses ("All MoE projections need to have same quantization scheme").
 
 Needs torch and compressed-tensors (`pip install 'hldstudy[export]'`).
 """
@@ -31,6 +55,7 @@ Needs torch and compressed-tensors (`pip install 'hldstudy[export]'`).
 from __future__ import annotations
 
 import json
+import re
 import tempfile
 from pathlib import Path
 
@@ -46,6 +71,11 @@ from hldstudy.fileio import write_json_atomic
 from hldstudy.model.importers import export_hf
 
 FORMAT_NAME = "compressed-tensors"
+# A routed expert's projection in the HF per-expert layout, and the config group target
+# that names them (a `re:` target mentioning "experts": how transformers tells the
+# experts' group from the dense one, integrations/compressed_tensors.get_experts_scheme).
+EXPERT_MODULE = re.compile(r".*\.mlp\.experts\.\d+\.(gate|up|down)_proj")
+EXPERTS_TARGET = r"re:.*mlp\.experts\.\d+\.(gate|up|down)_proj$"
 
 
 def check_available() -> None:
@@ -108,6 +138,7 @@ def write(model, tokenizer, quantized: dict, sparse_keys, nm: tuple[int, int],
     args = QuantizationArgs(num_bits=8, type="float", strategy="channel", symmetric=True,
                             dynamic=False)
     scheme = QuantizationScheme(targets=["Linear"], weights=args, format="float-quantized")
+    groups = {"group_0": scheme}
     tensors = {}
     for name, w in dense.items():
         if name in scales:
@@ -121,10 +152,15 @@ def write(model, tokenizer, quantized: dict, sparse_keys, nm: tuple[int, int],
     linears = sorted(n[: -len(".weight")] for n, w in dense.items()
                      if w.ndim == 2 and n.endswith(".weight") and "embed_tokens" not in n)
     fp8_modules = {n[: -len(".weight")] for n in scales}
+    if any(EXPERT_MODULE.fullmatch(n) for n in fp8_modules):
+        groups["group_1"] = QuantizationScheme(
+            targets=[EXPERTS_TARGET], weights=args, format="float-quantized",
+            input_activations=QuantizationArgs(num_bits=8, type="float", strategy="token",
+                                               symmetric=True, dynamic=True))
     ignore = [n for n in linears if n not in fp8_modules]
     if "lm_head" not in ignore and model.cfg.tie_embeddings:
         ignore.append("lm_head")  # the tied head is the (dense) embedding
-    qconfig = QuantizationConfig(config_groups={"group_0": scheme}, format="float-quantized",
+    qconfig = QuantizationConfig(config_groups=groups, format="float-quantized",
                                  quantization_status="compressed", ignore=ignore)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     ModelCompressor(quantization_config=qconfig).update_config(str(out))

@@ -44,6 +44,13 @@ def load_balancing_loss(probs_MxE: jax.Array, experts_MxK: jax.Array) -> jax.Arr
     return n_experts * jnp.sum(share * jnp.mean(probs_MxE, axis=0)[None])
 
 
+def _ragged_dot(rows_MxI, w_ExIxO, sizes_E) -> jax.Array:
+    """`jax.lax.ragged_dot`, or the weight's own grouped matmul where it brings one (an
+    FP8-compressed model's experts: hldstudy.compress.fp8_forward.FP8Experts)."""
+    own = getattr(w_ExIxO, "grouped_matmul", None)
+    return jax.lax.ragged_dot(rows_MxI, w_ExIxO, sizes_E) if own is None else own(rows_MxI, sizes_E)
+
+
 def grouped_swiglu(x_MxD, experts_MxK, gate_ExDxF, up_ExDxF, down_ExFxD):
     """Each (token, slot) row through its expert's SwiGLU, dropless: [M, k, D]."""
     m, d = x_MxD.shape
@@ -53,9 +60,8 @@ def grouped_swiglu(x_MxD, experts_MxK, gate_ExDxF, up_ExDxF, down_ExFxD):
     order = jnp.argsort(flat, stable=True)  # rows grouped by expert, token order within
     rows = jnp.take(x_MxD, order // k, axis=0)
     sizes = jnp.bincount(flat, length=n_experts).astype(jnp.int32)
-    h = jax.nn.silu(jax.lax.ragged_dot(rows, gate_ExDxF, sizes)) * \
-        jax.lax.ragged_dot(rows, up_ExDxF, sizes)
-    out_sorted = jax.lax.ragged_dot(h, down_ExFxD, sizes)
+    h = jax.nn.silu(_ragged_dot(rows, gate_ExDxF, sizes)) * _ragged_dot(rows, up_ExDxF, sizes)
+    out_sorted = _ragged_dot(h, down_ExFxD, sizes)
     out = jnp.zeros_like(out_sorted).at[order].set(out_sorted, unique_indices=True)
     return out.reshape(m, k, d)
 
