@@ -18,6 +18,7 @@ from hldstudy.chips import CHIPS
 from hldstudy.config import load_experiment
 from hldstudy.errors import ConfigError
 from hldstudy.model.presets import preset
+from hldstudy.model.transformer import Transformer
 
 HAVE_LIBTPU = importlib.util.find_spec("libtpu") is not None
 
@@ -107,3 +108,70 @@ def test_the_trainers_kd_step_lowers_for_the_target(target, marker):
     cfg, teacher, _ = resolve_for_target(cfg, teacher, tg)
     text = lower_train(cfg, teacher, "kd", "main", tg).as_text()
     assert marker in text
+
+
+# --------------------------------------------------------------------------- #
+# The teacher replica's forward and the eval step, compiled as the run runs them
+# --------------------------------------------------------------------------- #
+
+
+def test_the_teacher_replica_forward_is_one_device_holding_the_whole_batch():
+    """`hldstudy.teacher.serve` runs its forward on one device for the whole global
+    batch (params and inputs on its default device, no mesh): compiled so on this
+    host's devices, its arguments are the teacher's params plus the whole batch's
+    tokens, positions and segment ids, not a mesh's share of them."""
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    from hldstudy.aot.compile import compile_teacher_forward
+
+    cfg, teacher = _tiny()
+    assert len(jax.devices()) > 1 and cfg.data.batch_size % len(jax.devices()) == 0
+    step = compile_teacher_forward(cfg, teacher, "kd", jax.devices())
+    abstract = nnx.eval_shape(lambda: Transformer(teacher, rngs=nnx.Rngs(0)))
+    n_params = sum(int(np.prod(x.shape)) for x in
+                   jax.tree_util.tree_leaves(nnx.state(abstract, nnx.Param)))
+    batch = 3 * cfg.data.batch_size * cfg.data.seq_len * 4  # int32 tokens, positions, segments
+    param_bytes = n_params * np.dtype(cfg.teacher.dtype).itemsize
+    assert step.memory["argument_bytes"] == param_bytes + batch
+
+
+def test_the_trainers_eval_step_is_traced_under_its_mesh(monkeypatch):
+    """Trainer.evaluate traces its step under the mesh (`jax.set_mesh`) as the train step
+    is and as hldstudy.aot compiles it, so what `auto` decides sees the mesh's chip."""
+    from types import SimpleNamespace
+
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    from hldstudy import sharding as mesh_lib
+    from hldstudy.train import loop
+    from hldstudy.train.step import make_eval_step, split_params
+
+    seen = []
+
+    def spying_make_eval_step(graphdefs):  # test double: records the mesh seen while tracing
+        step = make_eval_step(graphdefs)
+
+        def traced(params, batch):
+            seen.append(dict(jax.sharding.get_abstract_mesh().shape))
+            return step(params, batch)
+
+        return traced
+
+    monkeypatch.setattr(loop, "make_eval_step", spying_make_eval_step)
+    cfg, _ = _tiny()
+    mesh = mesh_lib.make_mesh(cfg.train, jax.devices())
+    graphdefs, params = split_params(Transformer(cfg.model, rngs=nnx.Rngs(0)), None)
+    b, t = len(jax.devices()), 16
+    tokens = np.arange(b * t, dtype=np.int32).reshape(b, t) % cfg.model.vocab_size
+    batch = {"tokens": tokens, "positions": np.tile(np.arange(t, dtype=np.int32), (b, 1)),
+             "segment_ids": np.ones((b, t), np.int32), "targets": tokens,
+             "mask": np.ones((b, t), np.int32)}
+    fake = SimpleNamespace(_eval_steps={}, mesh=mesh,
+                           data=SimpleNamespace(valid_batches=lambda n: [batch] * n))
+    out = loop.Trainer.evaluate(fake, graphdefs, params, 2)
+    assert out["valid_tokens"] == 2 * b * t
+    assert seen == [dict(mesh.shape)]  # traced once, under the run's mesh

@@ -21,8 +21,9 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from hldstudy import sharding as mesh_lib
@@ -212,10 +213,20 @@ def compile_train(cfg: Config, teacher_model, method: str, stage: str, mesh,
     return _compile(name, "train", method, stage, jitted, args, mesh)
 
 
+def replica_mesh(devices) -> Mesh:
+    """The one device a teacher replica runs on: `hldstudy.teacher.serve` places the
+    teacher's params and each step's whole global batch on its default device and jits
+    its forward there, with no mesh. A one-device mesh over the target's first device
+    lets `chips.traced_target` see the target chip while tracing, as the replica's own
+    default device does."""
+    return Mesh(np.asarray(list(devices)[:1]), ("replica",))
+
+
 def compile_teacher_forward(cfg: Config, teacher_model: ModelConfig, method: str,
-                            mesh) -> CompiledStep:
-    """A teacher replica's forward (`hldstudy.teacher.serve`): the hidden states every
-    stage of `method` asks for, in the teacher's inference dtype, over the mesh."""
+                            devices) -> CompiledStep:
+    """A teacher replica's forward as `hldstudy.teacher.serve` runs it: the hidden states
+    every stage of `method` asks for, in the teacher's inference dtype, for the whole
+    global batch (`data.batch_size` sequences) on one device of the target."""
     spec = methods.get(method)
     strategy = make_strategy(dataclasses.replace(
         cfg, distill=dataclasses.replace(cfg.distill, method=spec.name)), cfg.model,
@@ -231,10 +242,13 @@ def compile_teacher_forward(cfg: Config, teacher_model: ModelConfig, method: str
         out = forward(params, batch)
         return out.final_hidden, out.hidden
 
-    params = _placed(params, mesh_lib.tree_shardings(mesh, params))
-    batch = _abstract_batch(cfg, mesh)
-    return _compile("teacher forward", "teacher", spec.name, None, jax.jit(run),
-                    (params, batch), mesh)
+    mesh = replica_mesh(devices)
+    one = mesh_lib.replicated(mesh)
+    params = _placed(params, jax.tree_util.tree_map(lambda _: one, params))
+    batch = {k: v for k, v in _abstract_batch(cfg, one).items()
+             if k in ("tokens", "positions", "segment_ids")}  # what TeacherServer.compute sends
+    return _compile("teacher forward (one replica, whole batch)", "teacher", spec.name, None,
+                    jax.jit(run), (params, batch), mesh)
 
 
 def compile_eval(cfg: Config, method: str, teacher_model, mesh) -> CompiledStep:
@@ -244,16 +258,16 @@ def compile_eval(cfg: Config, method: str, teacher_model, mesh) -> CompiledStep:
     graphdefs, _ = split_params(*nnx.eval_shape(lambda: (_transformer(cfg.model, 0), None)))
     params = _placed(state["params"], mesh_lib.tree_shardings(mesh, state["params"]))
     return _compile("eval", "eval", method, stage, jax.jit(make_eval_step(graphdefs)),
-                    (params, _abstract_batch(cfg, mesh)), mesh)
+                    (params, _abstract_batch(cfg, mesh_lib.batch_sharding(mesh))), mesh)
 
 
 def _transformer(model_cfg: ModelConfig, seed: int):
     return Transformer(model_cfg, rngs=nnx.Rngs(seed))
 
 
-def _abstract_batch(cfg: Config, mesh) -> dict:
+def _abstract_batch(cfg: Config, sh) -> dict:
+    """The global batch's arrays, abstract, placed by the sharding `sh`."""
     shape = (cfg.data.batch_size, cfg.data.seq_len)
-    sh = mesh_lib.batch_sharding(mesh)
     i32 = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sh)
     return {"tokens": i32, "positions": i32, "segment_ids": i32, "targets": i32,
             "mask": jax.ShapeDtypeStruct(shape, jnp.bool_, sharding=sh)}
@@ -273,7 +287,7 @@ def compile_run(cfg: Config, teacher_model: ModelConfig | None, method: str, dev
         for stage in stage_names(cfg, method, teacher_model):
             out.append(compile_train(cfg, teacher_model, spec.name, stage, mesh, cohort, mode))
     if "teacher" in parts and spec.needs_teacher:
-        out.append(compile_teacher_forward(cfg, teacher_model, spec.name, mesh))
+        out.append(compile_teacher_forward(cfg, teacher_model, spec.name, devices))
     if "eval" in parts:
         out.append(compile_eval(cfg, spec.name, teacher_model, mesh))
     return out

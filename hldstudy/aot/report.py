@@ -67,14 +67,15 @@ def predicted_train_memory(cfg: Config, teacher_model: ModelConfig | None, metho
 def flop_model(cfg: Config, teacher_model: ModelConfig | None, step: CompiledStep,
                n_devices: int, cohort: int | None = None) -> float | None:
     """The FLOP model's executed FLOPs of `step` per device (None for the eval step,
-    which the model does not count). A cohort runs the teacher once, K students."""
+    which the model does not count). A cohort runs the teacher once, K students; a
+    teacher replica's forward is the whole batch on its one device."""
     if step.kind == "eval":
         return None
     bd = step_flops(cfg, step.method, step.stage if step.kind == "train" else None,
                     teacher_model)
     teacher = bd.hardware.get("teacher", 0.0)
-    if step.kind == "teacher":
-        return teacher / n_devices
+    if step.kind == "teacher":  # a replica runs the whole global batch on one device
+        return teacher
     total = bd.hardware_flops("colocated")
     if cohort:
         total = cohort * (total - teacher) + teacher
