@@ -6,6 +6,7 @@ step for TPU and CUDA at tiny shapes (no compiler installed: `lowering_platforms
 The full compiles (libtpu, the CUDA plugin) are tests/test_aot_compile.py (marker aot).
 """
 
+import dataclasses
 import importlib.util
 import re
 
@@ -175,3 +176,29 @@ def test_the_trainers_eval_step_is_traced_under_its_mesh(monkeypatch):
     out = loop.Trainer.evaluate(fake, graphdefs, params, 2)
     assert out["valid_tokens"] == 2 * b * t
     assert seen == [dict(mesh.shape)]  # traced once, under the run's mesh
+
+
+def test_where_the_memory_goes_names_the_ops_live_at_a_compiled_steps_peak():
+    """The buffers live at the peak of a compiled train step (here on this host's CPU
+    devices), read from the buffer assignment the compiler dumps: the step's arguments
+    in one group, the rest by the JAX operation that made them; the table says so in
+    its "Where the memory goes" lines."""
+    import jax
+
+    from hldstudy.aot.compile import compile_train, mesh_for
+    from hldstudy.aot.report import where_the_memory_goes
+
+    cfg, teacher = _tiny()
+    cfg = dataclasses.replace(cfg, distill=dataclasses.replace(cfg.distill, loss_impl="materialized"))
+    step = compile_train(cfg, teacher, "kd", "main", mesh_for(cfg, jax.devices()))
+    groups = {g.op: g for g in step.peak}
+    assert step.peak_bytes >= sum(g.bytes for g in step.peak) > 0
+    assert [g.bytes for g in step.peak] == sorted((g.bytes for g in step.peak), reverse=True)
+    # The arguments live at the peak: all of them but a few scalars (the step counters).
+    assert 0 <= step.memory["argument_bytes"] - groups["arguments"].bytes <= 64
+    # The rest by the JAX operation (the differentiated forward's, here), none by an HLO name.
+    assert any(op.startswith("jvp(") for op in groups)
+    assert not [op for op in groups if re.search(r"fusion|^param|\.\d+$", op)]
+    lines = where_the_memory_goes([{"step": step.name, "peak": {
+        "bytes": step.peak_bytes, "largest": [dataclasses.asdict(g) for g in step.peak]}}])
+    assert lines[1].startswith("Where the memory goes") and lines[2].startswith("- train kd")

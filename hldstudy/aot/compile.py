@@ -5,8 +5,10 @@ devices), lowered and compiled by the target's compiler (libtpu, the CUDA plugin
 
 Per step it keeps what that compiler says: `memory_analysis()` per device (argument,
 output, temporary, alias bytes) and on TPU `cost_analysis()` FLOPs (the GPU compiler
-gives none). The planner's and the FLOP model's figures for the same step are set
-beside them by `hldstudy.aot.report`.
+gives none), and the buffers live at the program's peak by the JAX operation that made
+them (`hldstudy.aot.peak`, from the buffer assignment the compiler dumps). The planner's
+and the FLOP model's figures for the same step are set beside them by
+`hldstudy.aot.report`.
 
 Everything `auto` decides is resolved against the target (`resolve_for_target`): the
 attention path, the fused KD loss's kernel family (Mosaic on TPU, Triton on GPU) and
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import tempfile
 import time
 
 import jax
@@ -27,6 +30,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from hldstudy import sharding as mesh_lib
+from hldstudy.aot.peak import DUMP_OPTIONS, PeakGroup, peak_groups
 from hldstudy.aot.targets import Target, device_kind
 from hldstudy.config import Config, ModelConfig
 from hldstudy.distill import methods
@@ -40,6 +44,9 @@ from hldstudy.teacher.colocated import teacher_forward_fn
 from hldstudy.train.cohort import cohort_step_probe, default_mode
 from hldstudy.train.probe import cost_analysis, train_step_probe
 from hldstudy.train.step import make_eval_step, split_params, with_finite_record
+
+# How many of the peak's largest groups a CompiledStep keeps.
+PEAK_GROUPS = 6
 
 # `distill.fused_backend` auto / pallas -> the kernel family the target runs.
 FUSED_FAMILY = {"tpu": "pallas_mosaic", "gpu": "pallas_triton"}
@@ -71,6 +78,11 @@ class CompiledStep:
     # does: "Ran out of memory on HBM ..."), and the bytes it said the step needs.
     refused: str | None = None
     needs_bytes: float | None = None
+    # The buffers live at the compiled program's peak, grouped by the JAX operation that
+    # made them, largest first (hldstudy.aot.peak); None / () where the compiler dumps
+    # no live ranges or refused the step.
+    peak_bytes: int | None = None
+    peak: tuple[PeakGroup, ...] = ()
 
 
 def _attention_for(model: ModelConfig, seq_len: int, target: Target) -> tuple[str, str | None]:
@@ -141,12 +153,15 @@ def _compile(name, kind, method, stage, jitted, args, mesh) -> CompiledStep:
     said it needs, where it says); any other refusal (a kernel it cannot partition or
     lower) is a RuntimeFault naming the step and the compiler's first line."""
     t0 = time.perf_counter()
+    dump = tempfile.TemporaryDirectory(prefix="hldstudy-aot-")
     try:
         # Traced under the target's mesh: what sizes itself for the chip being traced
         # for (the fused loss's kernel blocks, chips.traced_target) sees the target.
         with jax.set_mesh(mesh):
-            compiled = jitted.trace(*args).lower().compile()
+            compiled = jitted.trace(*args).lower().compile(
+                {"xla_dump_to": dump.name, **DUMP_OPTIONS})
     except Exception as e:  # noqa: BLE001 - the target compiler's refusals are its own types
+        dump.cleanup()
         text = str(e)
         first = next((ln.strip() for ln in text.splitlines() if ln.strip()), type(e).__name__)
         if "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower():
@@ -161,8 +176,14 @@ def _compile(name, kind, method, stage, jitted, args, mesh) -> CompiledStep:
         raise RuntimeFault(f"the {name} step does not compile for the target: "
                            f"{type(e).__name__}: {first[:400]}{hint}") from e
     flops = cost_analysis(compiled).get("flops") if _reports_flops(compiled) else None
+    with dump:
+        try:
+            peak_bytes, groups = peak_groups(dump.name)
+        except (OSError, ValueError):  # a compiler that dumps no live ranges: no breakdown
+            peak_bytes, groups = None, []
     return CompiledStep(name, kind, method, stage, xla_memory(compiled),
-                        None if flops is None else float(flops), time.perf_counter() - t0)
+                        None if flops is None else float(flops), time.perf_counter() - t0,
+                        peak_bytes=peak_bytes, peak=tuple(groups[:PEAK_GROUPS]))
 
 
 def _reports_flops(compiled) -> bool:
