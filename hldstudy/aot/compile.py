@@ -299,7 +299,7 @@ def compile_run(cfg: Config, teacher_model: ModelConfig | None, method: str, dev
                 parts: tuple[str, ...] = ("train", "teacher", "eval")) -> list[CompiledStep]:
     """Every program of one run on `devices`: the train step of each stage of `method`
     (the cohort step of K with `cohort`), the teacher replica's forward (a method with a
-    teacher), and the eval step. `cfg` and `teacher_model` come resolved for the target
+    teacher; on one of `devices`, as a replica runs it), and the eval step. `cfg` and `teacher_model` come resolved for the target
     (`resolve_for_target`)."""
     mesh = mesh_for(cfg, devices)
     spec = methods.get(method)
