@@ -6,6 +6,7 @@ step for TPU and CUDA at tiny shapes (no compiler installed: `lowering_platforms
 The full compiles (libtpu, the CUDA plugin) are tests/test_aot_compile.py (marker aot).
 """
 
+import dataclasses
 import importlib.util
 import re
 
@@ -18,6 +19,7 @@ from hldstudy.chips import CHIPS
 from hldstudy.config import load_experiment
 from hldstudy.errors import ConfigError
 from hldstudy.model.presets import preset
+from hldstudy.model.transformer import Transformer
 
 HAVE_LIBTPU = importlib.util.find_spec("libtpu") is not None
 
@@ -107,3 +109,96 @@ def test_the_trainers_kd_step_lowers_for_the_target(target, marker):
     cfg, teacher, _ = resolve_for_target(cfg, teacher, tg)
     text = lower_train(cfg, teacher, "kd", "main", tg).as_text()
     assert marker in text
+
+
+# --------------------------------------------------------------------------- #
+# The teacher replica's forward and the eval step, compiled as the run runs them
+# --------------------------------------------------------------------------- #
+
+
+def test_the_teacher_replica_forward_is_one_device_holding_the_whole_batch():
+    """`hldstudy.teacher.serve` runs its forward on one device for the whole global
+    batch (params and inputs on its default device, no mesh): compiled so on this
+    host's devices, its arguments are the teacher's params plus the whole batch's
+    tokens, positions and segment ids, not a mesh's share of them."""
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    from hldstudy.aot.compile import compile_teacher_forward
+
+    cfg, teacher = _tiny()
+    assert len(jax.devices()) > 1 and cfg.data.batch_size % len(jax.devices()) == 0
+    step = compile_teacher_forward(cfg, teacher, "kd", jax.devices())
+    abstract = nnx.eval_shape(lambda: Transformer(teacher, rngs=nnx.Rngs(0)))
+    n_params = sum(int(np.prod(x.shape)) for x in
+                   jax.tree_util.tree_leaves(nnx.state(abstract, nnx.Param)))
+    batch = 3 * cfg.data.batch_size * cfg.data.seq_len * 4  # int32 tokens, positions, segments
+    param_bytes = n_params * np.dtype(cfg.teacher.dtype).itemsize
+    assert step.memory["argument_bytes"] == param_bytes + batch
+
+
+def test_the_trainers_eval_step_is_traced_under_its_mesh(monkeypatch):
+    """Trainer.evaluate traces its step under the mesh (`jax.set_mesh`) as the train step
+    is and as hldstudy.aot compiles it, so what `auto` decides sees the mesh's chip."""
+    from types import SimpleNamespace
+
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    from hldstudy import sharding as mesh_lib
+    from hldstudy.train import loop
+    from hldstudy.train.step import make_eval_step, split_params
+
+    seen = []
+
+    def spying_make_eval_step(graphdefs):  # test double: records the mesh seen while tracing
+        step = make_eval_step(graphdefs)
+
+        def traced(params, batch):
+            seen.append(dict(jax.sharding.get_abstract_mesh().shape))
+            return step(params, batch)
+
+        return traced
+
+    monkeypatch.setattr(loop, "make_eval_step", spying_make_eval_step)
+    cfg, _ = _tiny()
+    mesh = mesh_lib.make_mesh(cfg.train, jax.devices())
+    graphdefs, params = split_params(Transformer(cfg.model, rngs=nnx.Rngs(0)), None)
+    b, t = len(jax.devices()), 16
+    tokens = np.arange(b * t, dtype=np.int32).reshape(b, t) % cfg.model.vocab_size
+    batch = {"tokens": tokens, "positions": np.tile(np.arange(t, dtype=np.int32), (b, 1)),
+             "segment_ids": np.ones((b, t), np.int32), "targets": tokens,
+             "mask": np.ones((b, t), np.int32)}
+    fake = SimpleNamespace(_eval_steps={}, mesh=mesh,
+                           data=SimpleNamespace(valid_batches=lambda n: [batch] * n))
+    out = loop.Trainer.evaluate(fake, graphdefs, params, 2)
+    assert out["valid_tokens"] == 2 * b * t
+    assert seen == [dict(mesh.shape)]  # traced once, under the run's mesh
+
+
+def test_where_the_memory_goes_names_the_ops_live_at_a_compiled_steps_peak():
+    """The buffers live at the peak of a compiled train step (here on this host's CPU
+    devices), read from the buffer assignment the compiler dumps: the step's arguments
+    in one group, the rest by the JAX operation that made them; the table says so in
+    its "Where the memory goes" lines."""
+    import jax
+
+    from hldstudy.aot.compile import compile_train, mesh_for
+    from hldstudy.aot.report import where_the_memory_goes
+
+    cfg, teacher = _tiny()
+    cfg = dataclasses.replace(cfg, distill=dataclasses.replace(cfg.distill, loss_impl="materialized"))
+    step = compile_train(cfg, teacher, "kd", "main", mesh_for(cfg, jax.devices()))
+    groups = {g.op: g for g in step.peak}
+    assert step.peak_bytes >= sum(g.bytes for g in step.peak) > 0
+    assert [g.bytes for g in step.peak] == sorted((g.bytes for g in step.peak), reverse=True)
+    # The arguments live at the peak: all of them but a few scalars (the step counters).
+    assert 0 <= step.memory["argument_bytes"] - groups["arguments"].bytes <= 64
+    # The rest by the JAX operation (the differentiated forward's, here), none by an HLO name.
+    assert any(op.startswith("jvp(") for op in groups)
+    assert not [op for op in groups if re.search(r"fusion|^param|\.\d+$", op)]
+    lines = where_the_memory_goes([{"step": step.name, "peak": {
+        "bytes": step.peak_bytes, "largest": [dataclasses.asdict(g) for g in step.peak]}}])
+    assert lines[1].startswith("Where the memory goes") and lines[2].startswith("- train kd")

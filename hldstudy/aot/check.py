@@ -84,13 +84,20 @@ def check_compile(cfg, method: str, teacher, target_text: str, *, cohort: int | 
                 else "its compiler refused it")
         if r.get("refused") and need is not None:
             what += " in temporaries alone (its compiler refused it)"
+        if "peak" in r:  # the compiler's own: what is live at the compiled peak
+            largest = "largest buffers at the compiled peak: " + ", ".join(
+                f"{g['op']} {g['bytes'] / 2**30:.2f} GiB" for g in r["peak"]["largest"][:3])
+        else:
+            largest = ("largest buffers by the planner: "
+                       f"{largest_terms(cfg, teacher, r, len(devs), choices, cohort)}")
+        fix = (f"lower data.batch_size (now {cfg.data.batch_size}), turn on model.remat, or "
+               "use more devices") if r["kind"] != "teacher" else (
+            f"a replica runs the whole batch on one device: lower data.batch_size (now "
+            f"{cfg.data.batch_size}), serve in bfloat16 (teacher.dtype, now "
+            f"{cfg.teacher.dtype}), or use a device with more memory")
         report["does_not_fit"] = (
             f"the {r['step']} step does not fit {target.spec}: {what}, the device has "
-            f"{target.chip.device_memory_bytes / 2**30:.2f} GiB (largest "
-            f"buffers by the planner: "
-            f"{largest_terms(cfg, teacher, r, len(devs), choices, cohort)}); lower "
-            f"data.batch_size (now {cfg.data.batch_size}), turn on model.remat, or use more "
-            "devices")
+            f"{target.chip.device_memory_bytes / 2**30:.2f} GiB ({largest}); {fix}")
     return report
 
 

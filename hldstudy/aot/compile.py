@@ -5,8 +5,10 @@ devices), lowered and compiled by the target's compiler (libtpu, the CUDA plugin
 
 Per step it keeps what that compiler says: `memory_analysis()` per device (argument,
 output, temporary, alias bytes) and on TPU `cost_analysis()` FLOPs (the GPU compiler
-gives none). The planner's and the FLOP model's figures for the same step are set
-beside them by `hldstudy.aot.report`.
+gives none), and the buffers live at the program's peak by the JAX operation that made
+them (`hldstudy.aot.peak`, from the buffer assignment the compiler dumps). The planner's
+and the FLOP model's figures for the same step are set beside them by
+`hldstudy.aot.report`.
 
 Everything `auto` decides is resolved against the target (`resolve_for_target`): the
 attention path, the fused KD loss's kernel family (Mosaic on TPU, Triton on GPU) and
@@ -17,15 +19,18 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import tempfile
 import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from hldstudy import sharding as mesh_lib
+from hldstudy.aot.peak import DUMP_OPTIONS, PeakGroup, peak_groups
 from hldstudy.aot.targets import Target, device_kind
 from hldstudy.config import Config, ModelConfig
 from hldstudy.distill import methods
@@ -39,6 +44,9 @@ from hldstudy.teacher.colocated import teacher_forward_fn
 from hldstudy.train.cohort import cohort_step_probe, default_mode
 from hldstudy.train.probe import cost_analysis, train_step_probe
 from hldstudy.train.step import make_eval_step, split_params, with_finite_record
+
+# How many of the peak's largest groups a CompiledStep keeps.
+PEAK_GROUPS = 6
 
 # `distill.fused_backend` auto / pallas -> the kernel family the target runs.
 FUSED_FAMILY = {"tpu": "pallas_mosaic", "gpu": "pallas_triton"}
@@ -70,6 +78,11 @@ class CompiledStep:
     # does: "Ran out of memory on HBM ..."), and the bytes it said the step needs.
     refused: str | None = None
     needs_bytes: float | None = None
+    # The buffers live at the compiled program's peak, grouped by the JAX operation that
+    # made them, largest first (hldstudy.aot.peak); None / () where the compiler dumps
+    # no live ranges or refused the step.
+    peak_bytes: int | None = None
+    peak: tuple[PeakGroup, ...] = ()
 
 
 def _attention_for(model: ModelConfig, seq_len: int, target: Target) -> tuple[str, str | None]:
@@ -140,12 +153,15 @@ def _compile(name, kind, method, stage, jitted, args, mesh) -> CompiledStep:
     said it needs, where it says); any other refusal (a kernel it cannot partition or
     lower) is a RuntimeFault naming the step and the compiler's first line."""
     t0 = time.perf_counter()
+    dump = tempfile.TemporaryDirectory(prefix="hldstudy-aot-")
     try:
         # Traced under the target's mesh: what sizes itself for the chip being traced
         # for (the fused loss's kernel blocks, chips.traced_target) sees the target.
         with jax.set_mesh(mesh):
-            compiled = jitted.trace(*args).lower().compile()
+            compiled = jitted.trace(*args).lower().compile(
+                {"xla_dump_to": dump.name, **DUMP_OPTIONS})
     except Exception as e:  # noqa: BLE001 - the target compiler's refusals are its own types
+        dump.cleanup()
         text = str(e)
         first = next((ln.strip() for ln in text.splitlines() if ln.strip()), type(e).__name__)
         if "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower():
@@ -160,8 +176,14 @@ def _compile(name, kind, method, stage, jitted, args, mesh) -> CompiledStep:
         raise RuntimeFault(f"the {name} step does not compile for the target: "
                            f"{type(e).__name__}: {first[:400]}{hint}") from e
     flops = cost_analysis(compiled).get("flops") if _reports_flops(compiled) else None
+    with dump:
+        try:
+            peak_bytes, groups = peak_groups(dump.name)
+        except (OSError, ValueError):  # a compiler that dumps no live ranges: no breakdown
+            peak_bytes, groups = None, []
     return CompiledStep(name, kind, method, stage, xla_memory(compiled),
-                        None if flops is None else float(flops), time.perf_counter() - t0)
+                        None if flops is None else float(flops), time.perf_counter() - t0,
+                        peak_bytes=peak_bytes, peak=tuple(groups[:PEAK_GROUPS]))
 
 
 def _reports_flops(compiled) -> bool:
@@ -212,10 +234,20 @@ def compile_train(cfg: Config, teacher_model, method: str, stage: str, mesh,
     return _compile(name, "train", method, stage, jitted, args, mesh)
 
 
+def replica_mesh(devices) -> Mesh:
+    """The one device a teacher replica runs on: `hldstudy.teacher.serve` places the
+    teacher's params and each step's whole global batch on its default device and jits
+    its forward there, with no mesh. A one-device mesh over the target's first device
+    lets `chips.traced_target` see the target chip while tracing, as the replica's own
+    default device does."""
+    return Mesh(np.asarray(list(devices)[:1]), ("replica",))
+
+
 def compile_teacher_forward(cfg: Config, teacher_model: ModelConfig, method: str,
-                            mesh) -> CompiledStep:
-    """A teacher replica's forward (`hldstudy.teacher.serve`): the hidden states every
-    stage of `method` asks for, in the teacher's inference dtype, over the mesh."""
+                            devices) -> CompiledStep:
+    """A teacher replica's forward as `hldstudy.teacher.serve` runs it: the hidden states
+    every stage of `method` asks for, in the teacher's inference dtype, for the whole
+    global batch (`data.batch_size` sequences) on one device of the target."""
     spec = methods.get(method)
     strategy = make_strategy(dataclasses.replace(
         cfg, distill=dataclasses.replace(cfg.distill, method=spec.name)), cfg.model,
@@ -231,10 +263,13 @@ def compile_teacher_forward(cfg: Config, teacher_model: ModelConfig, method: str
         out = forward(params, batch)
         return out.final_hidden, out.hidden
 
-    params = _placed(params, mesh_lib.tree_shardings(mesh, params))
-    batch = _abstract_batch(cfg, mesh)
-    return _compile("teacher forward", "teacher", spec.name, None, jax.jit(run),
-                    (params, batch), mesh)
+    mesh = replica_mesh(devices)
+    one = mesh_lib.replicated(mesh)
+    params = _placed(params, jax.tree_util.tree_map(lambda _: one, params))
+    batch = {k: v for k, v in _abstract_batch(cfg, one).items()
+             if k in ("tokens", "positions", "segment_ids")}  # what TeacherServer.compute sends
+    return _compile("teacher forward (one replica, whole batch)", "teacher", spec.name, None,
+                    jax.jit(run), (params, batch), mesh)
 
 
 def compile_eval(cfg: Config, method: str, teacher_model, mesh) -> CompiledStep:
@@ -244,16 +279,16 @@ def compile_eval(cfg: Config, method: str, teacher_model, mesh) -> CompiledStep:
     graphdefs, _ = split_params(*nnx.eval_shape(lambda: (_transformer(cfg.model, 0), None)))
     params = _placed(state["params"], mesh_lib.tree_shardings(mesh, state["params"]))
     return _compile("eval", "eval", method, stage, jax.jit(make_eval_step(graphdefs)),
-                    (params, _abstract_batch(cfg, mesh)), mesh)
+                    (params, _abstract_batch(cfg, mesh_lib.batch_sharding(mesh))), mesh)
 
 
 def _transformer(model_cfg: ModelConfig, seed: int):
     return Transformer(model_cfg, rngs=nnx.Rngs(seed))
 
 
-def _abstract_batch(cfg: Config, mesh) -> dict:
+def _abstract_batch(cfg: Config, sh) -> dict:
+    """The global batch's arrays, abstract, placed by the sharding `sh`."""
     shape = (cfg.data.batch_size, cfg.data.seq_len)
-    sh = mesh_lib.batch_sharding(mesh)
     i32 = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sh)
     return {"tokens": i32, "positions": i32, "segment_ids": i32, "targets": i32,
             "mask": jax.ShapeDtypeStruct(shape, jnp.bool_, sharding=sh)}
@@ -264,7 +299,7 @@ def compile_run(cfg: Config, teacher_model: ModelConfig | None, method: str, dev
                 parts: tuple[str, ...] = ("train", "teacher", "eval")) -> list[CompiledStep]:
     """Every program of one run on `devices`: the train step of each stage of `method`
     (the cohort step of K with `cohort`), the teacher replica's forward (a method with a
-    teacher), and the eval step. `cfg` and `teacher_model` come resolved for the target
+    teacher; on one of `devices`, as a replica runs it), and the eval step. `cfg` and `teacher_model` come resolved for the target
     (`resolve_for_target`)."""
     mesh = mesh_for(cfg, devices)
     spec = methods.get(method)
@@ -273,7 +308,7 @@ def compile_run(cfg: Config, teacher_model: ModelConfig | None, method: str, dev
         for stage in stage_names(cfg, method, teacher_model):
             out.append(compile_train(cfg, teacher_model, spec.name, stage, mesh, cohort, mode))
     if "teacher" in parts and spec.needs_teacher:
-        out.append(compile_teacher_forward(cfg, teacher_model, spec.name, mesh))
+        out.append(compile_teacher_forward(cfg, teacher_model, spec.name, devices))
     if "eval" in parts:
         out.append(compile_eval(cfg, spec.name, teacher_model, mesh))
     return out

@@ -67,14 +67,15 @@ def predicted_train_memory(cfg: Config, teacher_model: ModelConfig | None, metho
 def flop_model(cfg: Config, teacher_model: ModelConfig | None, step: CompiledStep,
                n_devices: int, cohort: int | None = None) -> float | None:
     """The FLOP model's executed FLOPs of `step` per device (None for the eval step,
-    which the model does not count). A cohort runs the teacher once, K students."""
+    which the model does not count). A cohort runs the teacher once, K students; a
+    teacher replica's forward is the whole batch on its one device."""
     if step.kind == "eval":
         return None
     bd = step_flops(cfg, step.method, step.stage if step.kind == "train" else None,
                     teacher_model)
     teacher = bd.hardware.get("teacher", 0.0)
-    if step.kind == "teacher":
-        return teacher / n_devices
+    if step.kind == "teacher":  # a replica runs the whole global batch on one device
+        return teacher
     total = bd.hardware_flops("colocated")
     if cohort:
         total = cohort * (total - teacher) + teacher
@@ -106,6 +107,9 @@ def step_rows(cfg: Config, teacher_model, target: Target, choices: Choices, step
         row = {"step": s.name, "kind": s.kind, "method": s.method, "stage": s.stage,
                "compile_s": round(s.seconds, 2), "device_memory_bytes": limit,
                "compiled": dict(s.memory)}
+        if s.peak:
+            row["peak"] = {"bytes": s.peak_bytes, "largest": [dataclasses.asdict(g)
+                                                               for g in s.peak]}
         if s.refused:
             # The compiler refused it: the total is at least what it said the temporaries
             # need (TPU), and it does not fit.
@@ -177,11 +181,29 @@ def format_table(head: str, rows: list[dict], choices: Choices, note: str,
     for r in rows:
         if r.get("refused"):
             lines.append(f"The compiler refused {r['step']}: {r['refused']}")
+    lines.extend(where_the_memory_goes(rows))
     if any("xla_flops" in r for r in rows) and note:
         lines.append(f"FLOPs: {note}.")
     if platform == "cuda":
         lines.append("FLOPs: the GPU compiler gives no cost analysis (memory only).")
     return "\n".join(lines)
+
+
+def where_the_memory_goes(rows: list[dict], top: int = 5) -> list[str]:
+    """Per step, the largest groups of buffers live at the compiled program's peak, by the
+    JAX operation that made them (`transpose(...)`: the backward; `checkpoint/
+    rematted_computation`: a remat recomputation); none where the compiler gave none."""
+    out = []
+    for r in rows:
+        if "peak" not in r:
+            continue
+        if not out:
+            out += ["", "Where the memory goes (buffers live at the peak, by the JAX "
+                        "operation that made them; GiB per device):"]
+        groups = "; ".join(f"{g['op']} {_g(g['bytes'])} ({g['values']})"
+                           for g in r["peak"]["largest"][:top])
+        out.append(f"- {r['step']}: peak {_g(r['peak']['bytes'])}: {groups}")
+    return out
 
 
 def largest_terms(cfg: Config, teacher_model, row: dict, n_devices: int, choices: Choices,

@@ -216,7 +216,10 @@ class Trainer:
             eval_step = self._eval_steps[graphdefs.student] = jax.jit(make_eval_step(graphdefs))
         total, count = 0.0, 0.0
         for batch in self.data.valid_batches(n_batches):
-            s, c = eval_step(params, mesh_lib.put_batch(batch, self.mesh))
+            # Traced under the mesh as the train step is (and as hldstudy.aot compiles
+            # it): what `auto` decides while tracing sees the mesh's chip.
+            with jax.set_mesh(self.mesh):
+                s, c = eval_step(params, mesh_lib.put_batch(batch, self.mesh))
             total += float(s)
             count += float(c)
         if count == 0:
