@@ -83,12 +83,12 @@ def check_compile(cfg, method: str, teacher, target_text: str, *, cohort: int | 
         what = (f"it needs {need / 2**30:.2f} GiB per device" if need is not None
                 else "its compiler refused it")
         if r.get("refused") and need is not None:
-            what += " in temporaries alone (its compiler refused it)"
+            what += " (its compiler refused it)"
         report["does_not_fit"] = (
             f"the {r['step']} step does not fit {target.spec}: {what}, the device has "
             f"{target.chip.device_memory_bytes / 2**30:.2f} GiB (largest "
             f"buffers by the planner: "
-            f"{largest_terms(cfg, teacher, r, len(devs), choices, cohort)}); lower "
+            f"{largest_terms(cfg, teacher, r, len(devs), choices, cohort, compiler=target.backend)}); lower "
             f"data.batch_size (now {cfg.data.batch_size}), turn on model.remat, or use more "
             "devices")
     return report
