@@ -15,8 +15,8 @@ at the peak), not derived; they hold for every chip of the platform (chip facts 
   for K = 4, vs the solo step's 13.3 MB of which 9.6 MB activations), a colocated
   teacher's forward keeps the whole training working set of its largest block plus
   `TEACHER_LIVE_COPIES` residual-stream buffers.
-- XLA GPU ("gpu"): the CPU row (the 123M KD step on 8 x H100: planner / compiled 1.01;
-  no GPU cohort compile has been measured).
+- XLA GPU ("gpu"): the CPU row (the 123M KD step on 8 x H100, Triton loss: planner 46.33
+  GiB / compiled 51.92 = 0.89; no GPU cohort compile has been measured).
 - libtpu ("tpu", compile-only v5e:2x4 topology, libtpu 0.0.42; the 123M KD step of
   experiments/c4_123m_kd.py, XLA loss, dense attention, no FSDP): it schedules against the
   device memory and rematerializes what does not fit, so a step's peak is where its own
@@ -30,6 +30,10 @@ at the peak), not derived; they hold for every chip of the platform (chip facts 
     holds the MLP's gate and up products and two residual-stream buffers, 2 F + 2 d float32
     values per token, 0.22 of the block's training working set (its attention scores are
     not live then); of its outputs only the kept ones stay (no extra residual copies).
+  Planner / compiled with this row (tests/test_aot_compile.py): K = 4 cohort 15.15 / 14.85
+  GiB (1.02, both fit; the CPU row said 16.61, does not fit), the default batch 22.98 /
+  22.76 (1.01, neither fits; CPU row 46.33), the solo step at 2 sequences per chip 8.40 /
+  9.33 (0.90: with 6 GiB to spare libtpu keeps recomputed MLP products it need not).
 """
 
 from __future__ import annotations
