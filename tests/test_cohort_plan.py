@@ -193,3 +193,32 @@ def get_sweep():
         for r in listing:
             sizes[r["cohort"]] = sizes.get(r["cohort"], 0) + 1
         assert max(sizes.values()) == want
+
+
+def test_tpu_counts_the_largest_working_set_not_their_sum():
+    """The compilers differ only in temporaries: libtpu's peak is the larger of the
+    forward/backward turn and the end of the backward (hldstudy.plan.compilers), XLA CPU
+    keeps gradients, activations and logits together, and a colocated teacher's forward
+    adds only where its working set exceeds the student's peak."""
+    from hldstudy.config import DistillConfig
+    from hldstudy.errors import ConfigError
+    from hldstudy.plan import cohort_memory, predict_step_memory
+
+    cfg = Config(model=preset("tiny", remat=True), data=DataConfig(batch_size=8, seq_len=128),
+                 distill=DistillConfig(method="kd", loss_impl="fused", fused_backend="xla"))
+    cpu = predict_step_memory(cfg, TEACHER, compiler="cpu")
+    tpu = predict_step_memory(cfg, TEACHER, compiler="tpu")
+    for key in ("argument_bytes", "output_bytes", "alias_bytes"):
+        assert tpu[key] == cpu[key]
+    t = tpu["terms"]
+    assert 0 < t["block_working"] <= t["activations"]
+    turn, end = t["activations"] + t["logits"], t["grads"] + t["block_working"]
+    student = t["grads"] + t["activations"] + t["logits"]
+    assert cpu["temp_bytes"] >= student
+    assert max(turn, end) <= tpu["temp_bytes"] < cpu["temp_bytes"]
+    # A vmapped cohort on the TPU: K members' peaks, the teacher once.
+    k4 = cohort_memory(cfg, TEACHER, 4, compiler="tpu")
+    assert k4["temp_bytes"] >= 4 * max(turn, end) + t["teacher_outputs"]
+    assert k4["temp_bytes"] < cohort_memory(cfg, TEACHER, 4, compiler="cpu")["temp_bytes"]
+    with pytest.raises(ConfigError, match="compiler"):
+        predict_step_memory(cfg, TEACHER, compiler="npu")

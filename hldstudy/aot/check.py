@@ -83,13 +83,14 @@ def check_compile(cfg, method: str, teacher, target_text: str, *, cohort: int | 
         what = (f"it needs {need / 2**30:.2f} GiB per device" if need is not None
                 else "its compiler refused it")
         if r.get("refused") and need is not None:
-            what += " in temporaries alone (its compiler refused it)"
+            what += " (its compiler refused it)"
         if "peak" in r:  # the compiler's own: what is live at the compiled peak
             largest = "largest buffers at the compiled peak: " + ", ".join(
                 f"{g['op']} {g['bytes'] / 2**30:.2f} GiB" for g in r["peak"]["largest"][:3])
         else:
-            largest = ("largest buffers by the planner: "
-                       f"{largest_terms(cfg, teacher, r, len(devs), choices, cohort)}")
+            terms = largest_terms(cfg, teacher, r, len(devs), choices, cohort,
+                                  compiler=target.backend)
+            largest = f"largest buffers by the planner: {terms}"
         fix = (f"lower data.batch_size (now {cfg.data.batch_size}), turn on model.remat, or "
                "use more devices") if r["kind"] != "teacher" else (
             f"a replica runs the whole batch on one device: lower data.batch_size (now "

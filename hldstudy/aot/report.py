@@ -34,11 +34,13 @@ def per_device_config(cfg: Config, n_devices: int) -> Config:
 
 def predicted_train_memory(cfg: Config, teacher_model: ModelConfig | None, method: str,
                            stage: str, n_devices: int, fsdp: int, choices: Choices,
-                           cohort: int | None = None) -> dict[str, float]:
-    """The planner's `memory_analysis()` of one device's share of the train step."""
+                           cohort: int | None = None, compiler: str = "cpu") -> dict[str, float]:
+    """The planner's `memory_analysis()` of one device's share of the train step, as the
+    target's compiler (`compiler`: its backend, hldstudy.plan.compilers) schedules it."""
     local = per_device_config(cfg, n_devices)
     attention = PLANNER_ATTENTION.get(choices.attention, "flash")
-    kw = dict(method=method, stage=stage, layout="colocated", attention=attention)
+    kw = dict(method=method, stage=stage, layout="colocated", attention=attention,
+              compiler=compiler)
     if cohort is None:
         pred = predict_step_memory(local, teacher_model, **kw)
         terms = pred["terms"]
@@ -111,24 +113,22 @@ def step_rows(cfg: Config, teacher_model, target: Target, choices: Choices, step
             row["peak"] = {"bytes": s.peak_bytes, "largest": [dataclasses.asdict(g)
                                                                for g in s.peak]}
         if s.refused:
-            # The compiler refused it: the total is at least what it said the temporaries
-            # need (TPU), and it does not fit.
+            # The compiler refused it: it does not fit. libtpu's "memory required for HLO
+            # temporaries (X)" counts the arguments too (the 123M step: 22.76 GiB =
+            # arguments 13.62 + the buffer assignment's temporaries 9.14): X is the total.
             row.update(refused=s.refused, fits=False)
             if s.needs_bytes is not None:
-                row["compiled"] = {"temp_bytes": s.needs_bytes}
+                row["compiled"] = {"total_bytes": s.needs_bytes}
         else:
             row["fits"] = s.memory["total_bytes"] <= limit
         if s.kind == "train":
             pred = predicted_train_memory(cfg, teacher_model, s.method, s.stage, n_devices,
-                                          fsdp, choices, cohort)
+                                          fsdp, choices, cohort, target.backend)
             row["planner"] = pred
             row["planner_fits"] = pred["total_bytes"] <= limit
             if "total_bytes" in row["compiled"]:
                 row["planner_over_compiled"] = (pred["total_bytes"]
                                                 / max(row["compiled"]["total_bytes"], 1))
-            elif "temp_bytes" in row["compiled"]:  # refused: the temporaries it named
-                row["planner_temp_over_compiled_temp"] = (pred["temp_bytes"]
-                                                          / row["compiled"]["temp_bytes"])
         if s.flops is not None:
             model = flop_model(cfg, teacher_model, s, n_devices, cohort if s.kind == "train"
                                else None)
@@ -159,9 +159,7 @@ def format_table(head: str, rows: list[dict], choices: Choices, note: str,
             return _g(c[key]) if key in c else "-"
 
         ratio = ("-" if not p else f"{r['planner_over_compiled']:.3f}"
-                 if "planner_over_compiled" in r else
-                 f"{r['planner_temp_over_compiled_temp']:.3f} (temporaries)"
-                 if "planner_temp_over_compiled_temp" in r else "-")
+                 if "planner_over_compiled" in r else "-")
         temp = cell("temp_bytes") + (" (refused)" if r.get("refused") else "")
         cells = [r["step"], cell("argument_bytes"), cell("output_bytes"), temp,
                  cell("alias_bytes"), f"**{cell('total_bytes')}**",
@@ -207,13 +205,14 @@ def where_the_memory_goes(rows: list[dict], top: int = 5) -> list[str]:
 
 
 def largest_terms(cfg: Config, teacher_model, row: dict, n_devices: int, choices: Choices,
-                  cohort: int | None, top: int = 3) -> str:
+                  cohort: int | None, top: int = 3, compiler: str = "cpu") -> str:
     """The largest buffers of a step per device by the planner's terms (XLA's memory
     analysis gives totals only), for the message of a step that does not fit."""
     local = per_device_config(cfg, n_devices)
     attention = PLANNER_ATTENTION.get(choices.attention, "flash")
     terms = predict_step_memory(local, teacher_model, method=row["method"], stage=row["stage"],
-                                attention=attention)["terms"]
+                                attention=attention, compiler=compiler)["terms"]
+    terms.pop("block_working", None)  # a part of "activations", not a buffer of its own
     k = cohort or 1
     scaled = {n: v * (k if n in ("params", "optimizer", "grads", "activations", "logits")
                       else 1) for n, v in terms.items()}

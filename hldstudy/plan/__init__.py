@@ -11,7 +11,8 @@ teacher runtime or the sweep:
 - `layouts`: the per-device plan of one run, colocated vs disaggregated, with
   step times, the link it needs and verdicts;
 - `step_memory`: XLA's `memory_analysis()` of one compiled step (solo or a
-  cohort of K students), predicted.
+  cohort of K students), predicted, as each target compiler schedules it
+  (`compilers`: what XLA CPU, XLA GPU and libtpu keep live at a step's peak).
 
 The command line (`python -m hldstudy.plan`, `plan/__main__.py`) prints the
 tables; its `--sweep` mode also reads a grid (`hldstudy.sweep`), which sits
@@ -24,6 +25,7 @@ teacher module uses it. It sits on the floor above flops/ and model/ (whose
 counts and presets it reads), beside teacher/, below sweep/ (tests/test_structure.py).
 """
 
+from hldstudy.plan.compilers import COMPILERS, PeakHabits, peak_habits
 from hldstudy.plan.layouts import PlanInputs, plan
 from hldstudy.plan.presets import plan_model
 from hldstudy.plan.step_memory import (
@@ -54,11 +56,11 @@ from hldstudy.plan.terms import (
 )
 
 __all__ = [
-    "DTYPE_BYTES", "GB", "VMAP_ACT_EXTRA", "PlanInputs", "PlanModel",
+    "COMPILERS", "DTYPE_BYTES", "GB", "VMAP_ACT_EXTRA", "PeakHabits", "PlanInputs", "PlanModel",
     "cohort_memory", "dtype_bytes", "fanout_window_bytes", "fsdp_gather_bytes",
     "inference_activation_bytes", "largest_cohort", "layer_activation_bytes_per_token",
     "logits_bytes_fused", "logits_bytes_materialized", "network_bytes_per_step",
-    "optimizer_bytes", "plan", "plan_model", "predict_step_memory",
+    "optimizer_bytes", "peak_habits", "plan", "plan_model", "predict_step_memory",
     "predict_teacher_forward_memory", "ring_bytes",
     "score_bytes_per_token_layer", "train_activation_bytes", "weights_bytes", "xla_memory",
 ]

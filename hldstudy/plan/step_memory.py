@@ -16,8 +16,8 @@ from hldstudy.distill import methods
 from hldstudy.errors import ConfigError
 from hldstudy.flops import step_flops, trainable_params
 from hldstudy.flops.layers_qwen import grouped_matmuls_run_dense
+from hldstudy.plan.compilers import CPU, peak_habits
 from hldstudy.plan.terms import (
-    TEACHER_LIVE_COPIES,
     dtype_bytes,
     grouped_dense_bytes,
     layer_activation_bytes_per_token,
@@ -31,8 +31,9 @@ from hldstudy.shapes import ModelShape as PlanModel
 def predict_step_memory(cfg: Config, teacher_model: ModelConfig | None = None, *,
                         method: str | None = None, stage: str | None = None,
                         layout: str = "colocated", donate: bool = True,
-                        attention: str = "dense") -> dict:
-    """Predicted `compiled.memory_analysis()` of one train step on one device.
+                        attention: str = "dense", compiler: str = "cpu") -> dict:
+    """Predicted `compiled.memory_analysis()` of one train step on one device, as
+    `compiler` ("cpu", "gpu", "tpu": `hldstudy.plan.compilers`) schedules it.
 
     Terms map onto XLA's report:
       argument_bytes: the train state (student params + regressors, AdamW mu
@@ -42,9 +43,12 @@ def predict_step_memory(cfg: Config, teacher_model: ModelConfig | None = None, *
         states and head (disaggregated).
       output_bytes: the new state (+ a few scalar metrics).
       alias_bytes: the state again when it is donated (the trainer donates).
-      temp_bytes: gradients + saved activations of the layers run + the logits
-        peak + the teacher's kept outputs (colocated; its forward's working
-        set only where it exceeds the student's peak, as it runs first).
+      temp_bytes: the student's peak + the teacher's kept outputs (colocated; its
+        forward's working set only where it exceeds the student's peak, as it runs
+        first). The student's peak: gradients + saved activations of the layers run
+        + the logits peak where the compiler keeps them together (XLA CPU, GPU); on
+        the TPU the larger of activations + logits (the forward/backward turn) and
+        gradients + one block's working set (the end of the backward).
       total_bytes: argument + output - alias + temp (resident at the peak).
 
     method / stage default to the config's; layout: "colocated" or
@@ -76,10 +80,13 @@ def predict_step_memory(cfg: Config, teacher_model: ModelConfig | None = None, *
         logits = logits_bytes_fused(tok, m.vocab_size, m.d_model, 64, 1 << 20)
     else:
         logits = logits_bytes_materialized(tok, m.vocab_size, with_teacher=True)
+    habits = peak_habits(compiler)
+    block = tok * max((layer_activation_bytes_per_token(s, seq, cb, attention, i)
+                       for i in range(bd.student_layers)), default=0.0)
     terms = {"params": params, "optimizer": 2 * trainable, "batch": batch, "grads": trainable,
-             "activations": acts, "logits": logits}
+             "activations": acts, "logits": logits, "block_working": min(block, acts)}
     argument = state + batch
-    temp = trainable + acts + logits
+    temp, overlap = _member_peak(terms, habits)
     working = 0.0
     if spec.needs_teacher:
         t = PlanModel.from_model_config(teacher_model, "teacher")
@@ -90,9 +97,10 @@ def predict_step_memory(cfg: Config, teacher_model: ModelConfig | None = None, *
             # jit drops unused arguments: HLDF stage 1 passes only the blocks it runs.
             terms["teacher_params"] = trainable_params(
                 teacher_model, None if bd.teacher_head else bd.teacher_layers) * tpb
-            working = tok * layer_activation_bytes_per_token(t, seq, tpb, attention)
-            terms["teacher_outputs"] = max(kept, TEACHER_LIVE_COPIES * tok * d_t * tpb)
-            terms["teacher_activations"] = max(0.0, working - acts - logits)
+            working = habits.teacher_forward_share * tok * \
+                layer_activation_bytes_per_token(t, seq, tpb, attention)
+            terms["teacher_outputs"] = max(kept, habits.teacher_live_copies * tok * d_t * tpb)
+            terms["teacher_activations"] = max(0.0, working - overlap)
             argument += terms["teacher_params"]
             temp += terms["teacher_outputs"] + terms["teacher_activations"]
         elif layout == "disaggregated":
@@ -107,20 +115,33 @@ def predict_step_memory(cfg: Config, teacher_model: ModelConfig | None = None, *
             "state_bytes": state, "teacher_working_bytes": working if layout == "colocated" else 0.0}
 
 
-# Measured, not derived: XLA (CPU) keeps ~25% more activation bytes per member in the
-# vmapped cohort step than K solo steps would (batched-dot operand layouts; per-member
-# temporaries of the tiny KD step: 12.7 MB for K <= 3, 14.3 MB for K = 4, 8 vs the solo
-# step's 13.3 MB, of which 9.6 MB activations). Calibrated on tests/test_cohort_plan.py's
-# shapes (K = 2..8 within 10%).
-VMAP_ACT_EXTRA = 0.25
+# XLA CPU's (hldstudy.plan.compilers): calibrated on tests/test_cohort_plan.py's shapes
+# (K = 2..8 within 10%).
+VMAP_ACT_EXTRA = CPU.vmap_activation_extra
+
+
+def _member_peak(terms: dict, habits, vmap_extra: float = 0.0) -> tuple[float, float]:
+    """(bytes of one student's step at its peak, the part of it that a colocated teacher's
+    forward working set overlaps: it runs before the student's backward).
+
+    grads_beside_activations (XLA CPU, GPU): gradients + activations (+ `vmap_extra` of
+    them) + logits, of which activations + logits overlap the teacher's forward. TPU: the
+    larger of the forward/backward turn (activations + logits) and the end of the backward
+    (gradients + one block's working set); the teacher overlaps all of it."""
+    acts = terms["activations"] * (1.0 + vmap_extra)
+    turn = acts + terms["logits"]
+    if habits.grads_beside_activations:
+        return terms["grads"] + turn, terms["activations"] + terms["logits"]
+    peak = max(turn, terms["grads"] + terms["block_working"])
+    return peak, peak
 
 
 def cohort_memory(cfg: Config, teacher_model: ModelConfig | None, k: int, *,
                   method: str | None = None, stage: str | None = None,
                   layout: str = "colocated", varying: int = 2, donate: bool = True,
-                  attention: str = "dense", mode: str = "vmap") -> dict:
+                  attention: str = "dense", mode: str = "vmap", compiler: str = "cpu") -> dict:
     """Predicted `compiled.memory_analysis()` of one cohort step (`hldstudy.train.cohort`):
-    K students, one teacher.
+    K students, one teacher, as `compiler` schedules it (`hldstudy.plan.compilers`).
 
     mode "vmap" (batched members, the accelerator default): every member's gradients,
     activations and logits are live at once. mode "map" (`jax.lax.map`, one member after
@@ -139,14 +160,15 @@ def cohort_memory(cfg: Config, teacher_model: ModelConfig | None, k: int, *,
     if k < 1:
         raise ConfigError("cohort", f"a cohort has at least one member, got {k}")
     one = predict_step_memory(cfg, teacher_model, method=method, stage=stage, layout=layout,
-                              donate=donate, attention=attention)
+                              donate=donate, attention=attention, compiler=compiler)
+    habits = peak_habits(compiler)
     t = one["terms"]
     state = one["state_bytes"]
-    member_temp = t["grads"] + t["activations"] + t["logits"]
     if mode not in ("vmap", "map"):
         raise ConfigError("mode", f"{mode!r} is not one of vmap, map")
-    if k > 1 and mode == "vmap":  # batched layers: XLA keeps more of each member's activations
-        member_temp += VMAP_ACT_EXTRA * t["activations"]
+    # batched layers: the compiler may keep more of each member's activations
+    extra = habits.vmap_activation_extra if k > 1 and mode == "vmap" else 0.0
+    member_temp, overlap = _member_peak(t, habits, extra)
     small = k * (4 * varying + 4)  # hyperparameters and the divergence record
     argument = k * state + t["batch"] + t.get("teacher_params", 0.0) \
         + t.get("teacher_inputs", 0.0) + small
@@ -154,7 +176,7 @@ def cohort_memory(cfg: Config, teacher_model: ModelConfig | None, k: int, *,
     alias = k * state if donate else 0.0
     live = k if mode == "vmap" else 1  # members whose working set is live at the peak
     teacher_temp = t.get("teacher_outputs", 0.0) \
-        + max(0.0, one["teacher_working_bytes"] - live * (t["activations"] + t["logits"]))
+        + max(0.0, one["teacher_working_bytes"] - live * overlap)
     if mode == "vmap":
         temp = k * member_temp + teacher_temp
         per_member = 2 * state + member_temp - (state if donate else 0.0)
