@@ -94,6 +94,7 @@ from hldstudy.teacher.base import check_layers, method_needs, stage_needs
 from hldstudy.teacher.colocated import ColocatedTeacher
 from hldstudy.teacher.fanout import CohortSpec, MemberGone, StepWindow, parse_cohort
 from hldstudy.teacher.load import with_teacher_tokenizer
+from hldstudy.teacher.microbatch import device_memory, micro_batched, pick_replica_batch
 
 log = logging.getLogger("hldstudy.teacher.serve")
 
@@ -309,6 +310,15 @@ class TeacherServer:
         return {"cohort": {"members": sorted(self.cohort.members), "window": self.window.window,
                            "lag_timeout_s": self.window.lag_s}}
 
+    def replica_batch(self, final: bool, layers: tuple[int, ...]) -> int:
+        """Sequences per micro-batch of the forward serving (final, layers):
+        teacher.replica_batch, or the largest that fits this device (`pick_replica_batch`)."""
+        d = self.cfg.data
+        return pick_replica_batch(self.cfg.teacher.replica_batch, self.model_cfg,
+                                  d.batch_size, d.seq_len, layers=layers, head=final,
+                                  dtype=self.dtype, backend=jax.default_backend(),
+                                  memory_bytes=device_memory(jax.devices()[0]))
+
     def _forward(self, final: bool, layers: tuple[int, ...]):
         key = (final, layers)
         if key not in self._jits:
@@ -318,7 +328,8 @@ class TeacherServer:
                 out = fn(params, batch)
                 return out.final_hidden, out.hidden
 
-            self._jits[key] = jax.jit(run)
+            n = self.cfg.data.batch_size // self.replica_batch(final, layers)
+            self._jits[key] = jax.jit(micro_batched(run, n))
         return self._jits[key]
 
     def compute(self, step: int, final: bool, layers: tuple[int, ...]):
@@ -852,8 +863,11 @@ def main(argv: list[str] | None = None, server_cls: type[TeacherServer] = Teache
                                 max_streams=args.max_streams, idle_s=args.idle_timeout_s)
         cohort_note = (f", cohort {','.join(sorted(server.cohort.members))} window "
                        f"{server.window.window}") if server.cohort is not None else ""
+        micro = server.replica_batch(server.final, server.layers)
+        batch = server.cfg.data.batch_size
         print(f"serving teacher {server.fingerprint} ({checkpoint}, {server.dtype}, layers "
-              f"{format_layers(server.final, server.layers)}{cohort_note}) on "
+              f"{format_layers(server.final, server.layers)}{cohort_note}, forward "
+              f"{batch // micro} x {micro} sequences) on "
               f"{args.host}:{port}{' (TLS)' if tls else ''}", flush=True)
         if args.address_file:
             write_text_atomic(args.address_file, f"{dial_address(args.host, port)}\n")
