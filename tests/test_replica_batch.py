@@ -130,3 +130,57 @@ def test_aot_compiles_the_replica_in_its_micro_batches():
     assert micro.memory["argument_bytes"] == whole.memory["argument_bytes"]
     assert micro.memory["output_bytes"] == whole.memory["output_bytes"]
     assert micro.memory["temp_bytes"] < whole.memory["temp_bytes"]
+
+
+def _with_replica_batch(cfg, rb):
+    return dataclasses.replace(cfg, teacher=dataclasses.replace(cfg.teacher, replica_batch=rb))
+
+
+def test_a_replica_serves_the_same_step_in_micro_batches(teacher_dir, tokenizer_path, tmp_path):
+    """`TeacherServer.compute` with teacher.replica_batch = half the batch sends what the
+    whole-batch forward (auto on the CPU) sends, bitwise."""
+    from helpers.runs import student_config
+
+    from hldstudy.teacher.serve import TeacherServer
+
+    cfg = student_config("kd", teacher_dir, tokenizer=tokenizer_path)
+    b = cfg.data.batch_size
+    sent = {}
+    for rb in (0, b // 2):
+        server = TeacherServer(_with_replica_batch(cfg, rb), str(teacher_dir), layers="final,3",
+                               workdir=tmp_path / f"w{rb}")
+        assert server.replica_batch(server.final, server.layers) == (rb or b)
+        sent[rb] = server.compute(2, server.final, server.layers)
+        server.cleanup()
+    (d0, t0), (d1, t1) = sent[0], sent[b // 2]
+    assert d0 == d1 and [n for n, _ in t0] == [n for n, _ in t1] == ["final", "layer:3"]
+    for (_, a), (_, c) in zip(t0, t1):
+        assert a.shape[0] == b
+        np.testing.assert_array_equal(a, c)
+
+
+@pytest.mark.timeout(300)
+def test_the_replicas_start_up_line_names_its_micro_batches(teacher_dir, tokenizer_path,
+                                                            tmp_path):
+    import signal
+    import subprocess
+    import sys
+
+    from helpers.runs import student_config
+
+    from hldstudy.config import save_config
+
+    cfg = student_config("kd", teacher_dir, tokenizer=tokenizer_path)
+    b = cfg.data.batch_size
+    save_config(cfg, tmp_path / "student.json")
+    proc = subprocess.Popen([sys.executable, "-m", "hldstudy.teacher.serve", "--config",
+                             str(tmp_path / "student.json"), "--set",
+                             f"teacher.replica_batch={b // 2}", "--no-warmup", "--port", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert f"forward 2 x {b // 2} sequences" in line, line or proc.stderr.read()[-2000:]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+    finally:
+        proc.kill()
