@@ -114,6 +114,32 @@ def test_auto_picks_the_largest_divisor_whose_forward_fits():
     assert pick_replica_batch(0, big, 256, 2048, memory_bytes=GiB, **kw) == 1
 
 
+def test_the_compiler_has_the_last_word_on_the_pick():
+    """`compiler_checked` over real CPU compiles: a device one byte short of the whole
+    batch's compiled program gets the next divisor whose program fits."""
+    from hldstudy.plan import xla_memory
+    from hldstudy.teacher.microbatch import compiled_fits, compiler_checked, divisors_from
+
+    run, params, cfg = _tiny_forward()
+    batch = _batch(8, 32, cfg.vocab_size)
+    compiled = {m: jax.jit(micro_batched(run, 8 // m)).lower(params, batch).compile()
+                for m in (8, 4)}
+    totals = {m: xla_memory(c)["total_bytes"] for m, c in compiled.items()}
+    assert totals[4] < totals[8]
+    limit = int(totals[8]) - 1
+    seen = []
+
+    def compile_micro(m):
+        seen.append(m)
+        return jax.jit(micro_batched(run, 8 // m)).lower(params, batch).compile()
+
+    micro, c = compiler_checked(divisors_from(8, 8), compile_micro,
+                                lambda c: compiled_fits(c, limit))
+    assert (micro, seen) == (4, [8, 4]) and xla_memory(c)["total_bytes"] == totals[4]
+    # what fits nowhere comes back as the last (smallest) one, for the compiler to report
+    assert compiler_checked([8, 4], compile_micro, lambda c: False)[0] == 4
+
+
 def test_aot_compiles_the_replica_in_its_micro_batches():
     """The replica's forward compiled as the server runs it: a named micro-batch is in
     the step's label; the arguments (params + the whole batch) are the same, the
@@ -154,7 +180,7 @@ def test_a_replica_serves_the_same_step_in_micro_batches(teacher_dir, tokenizer_
         server.cleanup()
     (d0, t0), (d1, t1) = sent[0], sent[b // 2]
     assert d0 == d1 and [n for n, _ in t0] == [n for n, _ in t1] == ["final", "layer:3"]
-    for (_, a), (_, c) in zip(t0, t1):
+    for (_, a), (_, c) in zip(t0, t1, strict=True):
         assert a.shape[0] == b
         np.testing.assert_array_equal(a, c)
 
@@ -184,3 +210,40 @@ def test_the_replicas_start_up_line_names_its_micro_batches(teacher_dir, tokeniz
         assert proc.wait(timeout=60) == 128 + signal.SIGTERM
     finally:
         proc.kill()
+
+
+def test_a_replica_steps_down_to_the_micro_batch_its_compiler_fits(teacher_dir, tokenizer_path,
+                                                                  tmp_path, monkeypatch):
+    """Where the device's memory is known, the replica compiles its pick ahead and steps
+    down a divisor while the compiled program (`memory_analysis()`) does not fit. The CPU
+    reports no memory: the test gives this one the compiled whole-batch forward's total
+    less one byte (the compiles and their figures are real)."""
+    from helpers.runs import student_config
+
+    from hldstudy.plan import xla_memory
+    from hldstudy.teacher import serve
+    from hldstudy.teacher.microbatch import forward_bytes
+
+    cfg = student_config("kd", teacher_dir, tokenizer=tokenizer_path)
+    b = cfg.data.batch_size
+    monkeypatch.setattr(serve, "device_memory", lambda device: 2**50)  # everything fits
+    whole = serve.TeacherServer(cfg, str(teacher_dir), layers="final,3", workdir=tmp_path / "a")
+    fwd, micro = whole._forward(whole.final, whole.layers)
+    assert micro == b
+    total = xla_memory(fwd)["total_bytes"]
+    limit = int(total) - 1
+    planned = forward_bytes(whole.model_cfg, b, b, cfg.data.seq_len, layers=whole.layers,
+                            head=whole.final, dtype=whole.dtype, backend="cpu")
+    monkeypatch.setattr(serve, "device_memory", lambda device: limit)
+    small = serve.TeacherServer(cfg, str(teacher_dir), layers="final,3", workdir=tmp_path / "b")
+    fwd2, micro2 = small._forward(small.final, small.layers)
+    assert micro2 < b and b % micro2 == 0
+    assert xla_memory(fwd2)["total_bytes"] <= limit
+    got, want = (s.compute(1, s.final, s.layers) for s in (small, whole))
+    for (n1, a), (n2, c) in zip(got[1], want[1], strict=True):
+        assert n1 == n2
+        np.testing.assert_array_equal(a, c)
+    print(f"whole batch compiled {total:.0f} B, planner {planned:.0f} B; limit {limit} -> "
+          f"{b // micro2} x {micro2}")
+    whole.cleanup()
+    small.cleanup()
