@@ -295,7 +295,7 @@ def compile_teacher_forward(cfg: Config, teacher_model: ModelConfig, method: str
     checked = memory is not None and not cfg.teacher.replica_batch
     return compiler_checked(
         divisors_from(b, micro) if checked else [micro], compile_micro,
-        lambda st: not st.refused and st.memory["total_bytes"] <= memory)[1]
+        lambda st: not checked or (not st.refused and st.memory["total_bytes"] <= memory))[1]
 
 
 def compile_eval(cfg: Config, method: str, teacher_model, mesh) -> CompiledStep:

@@ -6,8 +6,9 @@ and step numbering: `batch_at(step)`), runs the teacher's forward exactly as
 the colocated teacher does (`ColocatedTeacher.forward_fn`, same params, same
 compute dtype; in micro-batches of `teacher.replica_batch` sequences, by default the
 largest that fits the device: `hldstudy.teacher.microbatch`) and streams the
-requested hidden states over gRPC, never logits. The trainer (`teacher.checkpoint=remote://host:port,...`) decides
-which steps each replica computes; start one process per replica.
+requested hidden states over gRPC, never logits. The trainer
+(`teacher.checkpoint=remote://host:port,...`) decides which steps each replica
+computes; start one process per replica.
 
   --checkpoint   teacher: hldstudy run dir, .gguf or HF dir (default: the
                  student config's teacher.checkpoint)
