@@ -457,6 +457,12 @@ class TeacherConfig:
     ring_size: int = knob(4, operational=True,
                           domain=Domain(">= 0", note="0 = request each step when it is needed"))
     timeout_s: float = knob(30.0, operational=True, domain=POSITIVE)
+    # Sequences per forward on a teacher replica (`hldstudy.teacher.serve`): the global
+    # batch runs as data.batch_size / replica_batch micro-batches inside one compiled
+    # forward, so the replica's peak is one micro-batch's; 0 = the largest divisor of
+    # data.batch_size whose forward fits the replica's device (hldstudy.teacher.microbatch).
+    replica_batch: int = knob(0, operational=True,
+                              domain=Domain(">= 0", note="0 = auto: the largest that fits"))
     # Shared secret every call to a replica carries (the replicas' --token-file).
     token_file: str | None = knob(None, operational=True)
     # TLS: the root certificate (PEM) the replicas' --tls-cert chains to; None = plaintext.
@@ -625,6 +631,10 @@ def validate(cfg: Config, *, check_paths: bool = True, need_teacher: bool = True
     if need_teacher and spec.needs_teacher and not cfg.teacher.checkpoint:
         raise ConfigError("teacher.checkpoint", f"method {k.method!r} needs a teacher",
                           "pass --set teacher.checkpoint=RUN_DIR (an hldstudy run) or a Gemma path")
+    rb = cfg.teacher.replica_batch
+    if rb and d.batch_size % rb:
+        raise ConfigError("teacher.replica_batch", f"{rb} does not divide data.batch_size="
+                          f"{d.batch_size}", "give a divisor of the batch, or 0 (auto)")
     if (cfg.teacher.checkpoint or "").startswith("remote://"):
         _check_remote_ports(cfg.teacher.checkpoint)
     return cfg

@@ -93,9 +93,10 @@ def check_compile(cfg, method: str, teacher, target_text: str, *, cohort: int | 
             largest = f"largest buffers by the planner: {terms}"
         fix = (f"lower data.batch_size (now {cfg.data.batch_size}), turn on model.remat, or "
                "use more devices") if r["kind"] != "teacher" else (
-            f"a replica runs the whole batch on one device: lower data.batch_size (now "
-            f"{cfg.data.batch_size}), serve in bfloat16 (teacher.dtype, now "
-            f"{cfg.teacher.dtype}), or use a device with more memory")
+            f"a replica runs the whole batch on one device: lower teacher.replica_batch "
+            f"(sequences per forward, now {cfg.teacher.replica_batch or 'auto'}), serve in "
+            f"bfloat16 (teacher.dtype, now {cfg.teacher.dtype}), or use a device with more "
+            "memory")
         report["does_not_fit"] = (
             f"the {r['step']} step does not fit {target.spec}: {what}, the device has "
             f"{target.chip.device_memory_bytes / 2**30:.2f} GiB ({largest}); {fix}")

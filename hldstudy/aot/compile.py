@@ -32,6 +32,7 @@ from jax.sharding import PartitionSpec as P
 from hldstudy import sharding as mesh_lib
 from hldstudy.aot.peak import DUMP_OPTIONS, PeakGroup, peak_groups
 from hldstudy.aot.targets import Target, device_kind
+from hldstudy.chips import traced_target
 from hldstudy.config import Config, ModelConfig
 from hldstudy.distill import methods
 from hldstudy.distill.base import make_strategy
@@ -41,6 +42,13 @@ from hldstudy.model.transformer import Transformer
 from hldstudy.plan.step_memory import xla_memory
 from hldstudy.teacher.base import method_needs
 from hldstudy.teacher.colocated import teacher_forward_fn
+from hldstudy.teacher.microbatch import (
+    compiler_checked,
+    device_memory,
+    divisors_from,
+    micro_batched,
+    pick_replica_batch,
+)
 from hldstudy.train.cohort import cohort_step_probe, default_mode
 from hldstudy.train.probe import cost_analysis, train_step_probe
 from hldstudy.train.step import make_eval_step, split_params, with_finite_record
@@ -248,7 +256,10 @@ def compile_teacher_forward(cfg: Config, teacher_model: ModelConfig, method: str
                             devices) -> CompiledStep:
     """A teacher replica's forward as `hldstudy.teacher.serve` runs it: the hidden states
     every stage of `method` asks for, in the teacher's inference dtype, for the whole
-    global batch (`data.batch_size` sequences) on one device of the target."""
+    global batch (`data.batch_size` sequences) on one device of the target, in the
+    micro-batches the replica picks there (teacher.replica_batch, or
+    `pick_replica_batch` against the target chip's memory, checked by the target's
+    compiler as the replica checks it: `compiler_checked`)."""
     spec = methods.get(method)
     strategy = make_strategy(dataclasses.replace(
         cfg, distill=dataclasses.replace(cfg.distill, method=spec.name)), cfg.model,
@@ -265,12 +276,27 @@ def compile_teacher_forward(cfg: Config, teacher_model: ModelConfig, method: str
         return out.final_hidden, out.hidden
 
     mesh = replica_mesh(devices)
+    with jax.set_mesh(mesh):
+        backend = traced_target()[0]
+    b = cfg.data.batch_size
+    memory = device_memory(mesh.devices.flat[0])
+    micro = pick_replica_batch(cfg.teacher.replica_batch, tcfg, b, cfg.data.seq_len,
+                               layers=needs.layers, head=needs.final, dtype=cfg.teacher.dtype,
+                               backend=backend, memory_bytes=memory)
     one = mesh_lib.replicated(mesh)
     params = _placed(params, jax.tree_util.tree_map(lambda _: one, params))
     batch = {k: v for k, v in _abstract_batch(cfg, one).items()
              if k in ("tokens", "positions", "segment_ids")}  # what TeacherServer.compute sends
-    return _compile("teacher forward (one replica, whole batch)", "teacher", spec.name, None,
-                    jax.jit(run), (params, batch), mesh)
+
+    def compile_micro(m: int) -> CompiledStep:
+        return _compile(f"teacher forward (one replica, {b // m} x {m} sequences)", "teacher",
+                        spec.name, None, jax.jit(micro_batched(run, b // m)), (params, batch),
+                        mesh)
+
+    checked = memory is not None and not cfg.teacher.replica_batch
+    return compiler_checked(
+        divisors_from(b, micro) if checked else [micro], compile_micro,
+        lambda st: not checked or (not st.refused and st.memory["total_bytes"] <= memory))[1]
 
 
 def compile_eval(cfg: Config, method: str, teacher_model, mesh) -> CompiledStep:

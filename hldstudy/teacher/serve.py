@@ -4,9 +4,11 @@ One teacher replica of a disaggregated run: it loads the teacher, rebuilds
 the student's deterministic batch sequence (the student's data config, seed
 and step numbering: `batch_at(step)`), runs the teacher's forward exactly as
 the colocated teacher does (`ColocatedTeacher.forward_fn`, same params, same
-compute dtype) and streams the requested hidden states over gRPC, never
-logits. The trainer (`teacher.checkpoint=remote://host:port,...`) decides
-which steps each replica computes; start one process per replica.
+compute dtype; in micro-batches of `teacher.replica_batch` sequences, by default the
+largest that fits the device: `hldstudy.teacher.microbatch`) and streams the
+requested hidden states over gRPC, never logits. The trainer
+(`teacher.checkpoint=remote://host:port,...`) decides which steps each replica
+computes; start one process per replica.
 
   --checkpoint   teacher: hldstudy run dir, .gguf or HF dir (default: the
                  student config's teacher.checkpoint)
@@ -94,6 +96,14 @@ from hldstudy.teacher.base import check_layers, method_needs, stage_needs
 from hldstudy.teacher.colocated import ColocatedTeacher
 from hldstudy.teacher.fanout import CohortSpec, MemberGone, StepWindow, parse_cohort
 from hldstudy.teacher.load import with_teacher_tokenizer
+from hldstudy.teacher.microbatch import (
+    compiled_fits,
+    compiler_checked,
+    device_memory,
+    divisors_from,
+    micro_batched,
+    pick_replica_batch,
+)
 
 log = logging.getLogger("hldstudy.teacher.serve")
 
@@ -309,7 +319,15 @@ class TeacherServer:
         return {"cohort": {"members": sorted(self.cohort.members), "window": self.window.window,
                            "lag_timeout_s": self.window.lag_s}}
 
+    def replica_batch(self, final: bool, layers: tuple[int, ...]) -> int:
+        """Sequences per micro-batch of the forward serving (final, layers)."""
+        return self._forward(final, layers)[1]
+
     def _forward(self, final: bool, layers: tuple[int, ...]):
+        """(forward, sequences per micro-batch) for (final, layers): teacher.replica_batch,
+        or the largest divisor of the batch that fits this device by the planner
+        (`pick_replica_batch`) and by the compiler (`compiler_checked`: compiled ahead
+        for the step's shapes where the device's memory is known)."""
         key = (final, layers)
         if key not in self._jits:
             fn = self.teacher.forward_fn(layers, final)
@@ -318,8 +336,27 @@ class TeacherServer:
                 out = fn(params, batch)
                 return out.final_hidden, out.hidden
 
-            self._jits[key] = jax.jit(run)
+            d, device = self.cfg.data, jax.devices()[0]
+            b, memory = d.batch_size, device_memory(device)
+            micro = pick_replica_batch(self.cfg.teacher.replica_batch, self.model_cfg, b,
+                                       d.seq_len, layers=layers, head=final, dtype=self.dtype,
+                                       backend=jax.default_backend(), memory_bytes=memory)
+            if memory is None or self.cfg.teacher.replica_batch:
+                self._jits[key] = jax.jit(micro_batched(run, b // micro)), micro
+            else:
+                inputs = self._inputs(self.data.train.batch_at(0))
+                abstract = jax.tree_util.tree_map(
+                    lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (self.params, inputs))
+                micro, compiled = compiler_checked(
+                    divisors_from(b, micro),
+                    lambda m: jax.jit(micro_batched(run, b // m)).lower(*abstract).compile(),
+                    lambda c: compiled_fits(c, memory))
+                self._jits[key] = compiled, micro
         return self._jits[key]
+
+    @staticmethod
+    def _inputs(batch) -> dict:
+        return {k: jnp.asarray(batch[k]) for k in ("tokens", "positions", "segment_ids")}
 
     def compute(self, step: int, final: bool, layers: tuple[int, ...]):
         """(digest, [(name, array)]) of one step, in protocol order (IndexError: a step
@@ -328,9 +365,9 @@ class TeacherServer:
             raise IndexError(step)
         batch = self.data.train.batch_at(step)
         digest = proto.batch_digest(batch["tokens"], batch["segment_ids"])
-        inputs = {k: jnp.asarray(batch[k]) for k in ("tokens", "positions", "segment_ids")}
+        inputs = self._inputs(batch)
         with self._lock:
-            final_h, hidden = self._forward(final, layers)(self.params, inputs)
+            final_h, hidden = self._forward(final, layers)[0](self.params, inputs)
             tensors = ([("final", np.asarray(final_h))] if final else []) + \
                 [(f"layer:{i}", np.asarray(hidden[i])) for i in sorted(layers)]
         return digest, tensors
@@ -852,8 +889,11 @@ def main(argv: list[str] | None = None, server_cls: type[TeacherServer] = Teache
                                 max_streams=args.max_streams, idle_s=args.idle_timeout_s)
         cohort_note = (f", cohort {','.join(sorted(server.cohort.members))} window "
                        f"{server.window.window}") if server.cohort is not None else ""
+        micro = server.replica_batch(server.final, server.layers)
+        batch = server.cfg.data.batch_size
         print(f"serving teacher {server.fingerprint} ({checkpoint}, {server.dtype}, layers "
-              f"{format_layers(server.final, server.layers)}{cohort_note}) on "
+              f"{format_layers(server.final, server.layers)}{cohort_note}, forward "
+              f"{batch // micro} x {micro} sequences) on "
               f"{args.host}:{port}{' (TLS)' if tls else ''}", flush=True)
         if args.address_file:
             write_text_atomic(args.address_file, f"{dial_address(args.host, port)}\n")

@@ -1,0 +1,127 @@
+"""A teacher replica's forward in micro-batches, and how many sequences each one holds.
+
+A replica (`hldstudy.teacher.serve`) computes each step's whole global batch on one
+device. For a large teacher that does not fit: the float32 3.4B teacher over 256 x 2048
+tokens compiles to ~90 GiB on an 80 GB H100, mostly the dense attention scores. So the
+forward runs over [n, B/n, T] micro-batches with `jax.lax.map` inside one compiled
+program: its working set is one micro-batch's, its outputs are the whole batch's,
+reshaped back, so what is served does not change.
+
+`teacher.replica_batch` sets the micro-batch (sequences); 0 picks the largest divisor of
+the global batch whose forward the planner (`predict_teacher_forward_memory`, the one
+estimate of a teacher forward's memory) says fits the replica's device, and then, where
+the device's memory is known, lets the compiler have the last word (`compiler_checked`):
+the planner's forward share is fitted on XLA CPU and under-counts the dense attention of
+XLA GPU's forward (float32 3.4B teacher, 256 x 2048 on an H100: planner 61.8 GiB,
+compiled 90.3 GiB), so a pick the compiled program does not fit steps down to the next
+divisor. Where the memory is unknown (a CPU) nothing is compiled ahead: the whole batch.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from hldstudy.config import ModelConfig
+from hldstudy.errors import ConfigError
+from hldstudy.model.attention import resolve_implementation
+from hldstudy.plan import predict_teacher_forward_memory, xla_memory
+
+
+def micro_batched(forward, n: int):
+    """`forward(params, batch) -> outputs` (arrays with the batch leading) as `n`
+    micro-batches looped inside one program; n = 1: `forward` itself."""
+    if n == 1:
+        return forward
+
+    def run(params, batch):
+        def split(x):
+            if x.shape[0] % n:
+                raise ConfigError("teacher.replica_batch", f"a batch of {x.shape[0]} "
+                                  f"sequences does not split into {n} micro-batches")
+            return x.reshape(n, x.shape[0] // n, *x.shape[1:])
+
+        out = jax.lax.map(lambda b: forward(params, b), jax.tree_util.tree_map(split, batch))
+        return jax.tree_util.tree_map(lambda y: y.reshape(-1, *y.shape[2:]), out)
+
+    return run
+
+
+def device_memory(device) -> int | None:
+    """Bytes one replica's device gives its programs: the allocator's limit where JAX
+    reports one (`memory_stats()['bytes_limit']`: GPU, TPU), else our chip table's row
+    for the device kind; None on a CPU (no limit to plan against: the whole batch)."""
+    from hldstudy import chips
+
+    if device.platform == "cpu":
+        return None
+    try:
+        limit = (device.memory_stats() or {}).get("bytes_limit")
+    except Exception:  # noqa: BLE001 - a backend without memory statistics
+        limit = None
+    if limit:
+        return int(limit)
+    row = chips.for_device_kind(device.device_kind)
+    return row.device_memory_bytes if row is not None else None
+
+
+def forward_bytes(teacher_model: ModelConfig, batch_size: int, micro: int, seq_len: int, *,
+                  layers: tuple[int, ...], head: bool, dtype: str, backend: str) -> float:
+    """The planner's total for a replica's forward of `batch_size` sequences run as
+    micro-batches of `micro`: params, the whole batch's inputs and outputs, one
+    micro-batch's working set."""
+    impl = resolve_implementation(teacher_model.attention, dtype=dtype,
+                                  softcap=teacher_model.attn_softcap,
+                                  head_dim=teacher_model.head_dim, seq_len=seq_len,
+                                  backend=backend)
+    # The planner models the dense path and the memory-efficient ones (chunked, cuDNN,
+    # splash: no [T, T] scores kept) as "flash".
+    kw = dict(layers=layers, head=head, dtype=dtype,
+              attention="dense" if impl == "dense" else "flash")
+    whole = predict_teacher_forward_memory(teacher_model, batch_size, seq_len, **kw)
+    one = whole if micro == batch_size else \
+        predict_teacher_forward_memory(teacher_model, micro, seq_len, **kw)
+    return whole["argument_bytes"] + whole["output_bytes"] + one["temp_bytes"]
+
+
+def pick_replica_batch(requested: int, teacher_model: ModelConfig, batch_size: int,
+                       seq_len: int, *, layers: tuple[int, ...], head: bool, dtype: str,
+                       backend: str, memory_bytes: int | None) -> int:
+    """Sequences per micro-batch: `requested` (teacher.replica_batch) when set; else the
+    largest divisor of `batch_size` whose forward fits `memory_bytes` by the planner
+    (the whole batch where the memory is unknown, the smallest divisor where nothing
+    fits: the compiler then says by how much)."""
+    if requested:
+        if requested < 0 or batch_size % requested:
+            raise ConfigError("teacher.replica_batch", f"{requested} does not divide the "
+                              f"batch of {batch_size}", "give a divisor of data.batch_size, "
+                              "or 0 (auto)")
+        return requested
+    if memory_bytes is None:
+        return batch_size
+    divisors = [b for b in range(batch_size, 0, -1) if batch_size % b == 0]
+    return next((b for b in divisors
+                 if forward_bytes(teacher_model, batch_size, b, seq_len, layers=layers,
+                                  head=head, dtype=dtype, backend=backend) <= memory_bytes),
+                divisors[-1])
+
+
+def divisors_from(batch_size: int, start: int) -> list[int]:
+    """The divisors of `batch_size` from `start` down, largest first."""
+    return [b for b in range(start, 0, -1) if batch_size % b == 0]
+
+
+def compiled_fits(compiled, memory_bytes: int) -> bool:
+    """Whether a compiled program's buffers (`memory_analysis()`) fit `memory_bytes`."""
+    return xla_memory(compiled)["total_bytes"] <= memory_bytes
+
+
+def compiler_checked(micro_batches, compile_micro, fits):
+    """(micro, compiled) of the first of `micro_batches` (largest first) whose program
+    `compile_micro(micro)` the compiler says `fits`; the last one where none does (what
+    it needs is then the compiler's to say)."""
+    micro = compiled = None
+    for micro in micro_batches:
+        compiled = compile_micro(micro)
+        if fits(compiled):
+            break
+    return micro, compiled
