@@ -35,7 +35,8 @@ FLOORS = (
     ("config",),  # the schema, validated against the registry
     ("cli_common", "data", "rundir", "shapes", "sharding"),  # read a config
     ("flops", "model"),  # FLOP counting and stage budgets; the model
-    ("analysis", "eval", "plan", "teacher"),  # read results; use a model or its shapes
+    ("analysis", "eval", "plan"),  # read results; use a model or its shapes
+    ("teacher",),  # the teacher's forward and service; a replica sized by the planner
     ("train",),  # the trainer: teacher, model, data, stage budgets
     ("compress", "sweep"),  # drive the trainer
     ("aot",),  # compiles a run's (or a grid's) steps for a target: trainer, planner, sweep

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import jax
 
+from hldstudy import chips
 from hldstudy.config import ModelConfig
 from hldstudy.errors import ConfigError
 from hldstudy.model.attention import resolve_implementation
@@ -50,8 +51,6 @@ def device_memory(device) -> int | None:
     """Bytes one replica's device gives its programs: the allocator's limit where JAX
     reports one (`memory_stats()['bytes_limit']`: GPU, TPU), else our chip table's row
     for the device kind; None on a CPU (no limit to plan against: the whole batch)."""
-    from hldstudy import chips
-
     if device.platform == "cpu":
         return None
     try:
