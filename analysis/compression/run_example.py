@@ -42,6 +42,9 @@ METHODS = ("magnitude", "wanda", "sparsegpt")
 # web_tasks.py's files, read by lm-eval's own task definitions (eval/overrides)
 TASKS = {"lambada_openai": "WEB cloze", "hellaswag": "WEB 4-way"}
 SMOKE_TASKS = "hellaswag,piqa,winogrande,lambada_openai,arc_easy"
+# One model length for every stage: a stage's run directory would default to its
+# calibration sequence length (128), the GGUF to 2048; every task item fits in 512.
+MAX_LENGTH = 512
 
 
 def gguf_path() -> Path:
@@ -84,14 +87,15 @@ def main(argv=None) -> int:
     t0 = time.time()
     scores = evaluate_checkpoints(list(models.values()), list(TASKS), out_dir=work / "tasks",
                                   offline_data=args.tasks_data, limit=args.task_limit,
-                                  progress=False)
+                                  max_length=MAX_LENGTH, progress=False)
     results["tasks"] = {"data": "web_tasks.py over the held-out documents",
                         "limit": args.task_limit, "wall_seconds": round(time.time() - t0, 1),
                         "rows": dict(zip(models, scores.rows, strict=True))}
     print(f"[example] tasks over {len(models)} stages: {round(time.time() - t0)} s", flush=True)
     t0 = time.time()
     smoke = evaluate_checkpoints(list(models.values()), SMOKE_TASKS, out_dir=work / "smoke",
-                                 offline_data=str(FIXTURES_DIR), progress=False)
+                                 offline_data=str(FIXTURES_DIR), max_length=MAX_LENGTH,
+                                 progress=False)
     results["smoke"] = {"note": "the shipped lm-eval fixtures (a handful of hand-written "
                                 "items per task): a check that every stage runs through "
                                 "--checkpoints, not scores",
