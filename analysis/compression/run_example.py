@@ -116,14 +116,16 @@ def compress(method: str, ckpt: str, text: str, work: Path) -> dict:
     ccfg = validate(CompressConfig(checkpoint=ckpt, out=str(work / method),
                                    prune=f"{method}-2:4", calibration_data=text,
                                    **SETTINGS, **extra))
-    done = work / method / "report.json"
+    done, timed = work / method / "report.json", work / f"{method}.wall.json"
     if done.is_file():
-        report, wall = json.loads(done.read_text()), None
+        report = json.loads(done.read_text())
+        wall = json.loads(timed.read_text())["wall_seconds"] if timed.is_file() else None
         print(f"[example] {method}: read back from {done}", flush=True)
     else:
         t0 = time.time()
         report = run(ccfg, save_stages=method == "sparsegpt")
         wall = round(time.time() - t0, 1)
+        write_json_atomic(timed, {"wall_seconds": wall})  # kept for a read-back
         print(f"[example] {method}: {round(wall)} s", flush=True)
     return {"stages": report["stages"], "seconds": report["seconds"], "wall_seconds": wall,
             "stage_models": report["stage_models"], "config": dataclasses.asdict(ccfg)}
