@@ -6,6 +6,7 @@ dots in it. And `save_stages` leaves every stage's model where eval can read it.
 from __future__ import annotations
 
 import json
+import re
 
 import jax.numpy as jnp
 import numpy as np
@@ -75,6 +76,7 @@ def _valid(run_dir, work):
     return prepare_data(cfg.data, work).valid_batches(2)
 
 
+@pytest.mark.slow  # ~80 s on a shared 2-core CPU: three compress runs of a tiny model
 def test_report_fp8_stage_is_the_fp8_forward_and_every_stage_is_saved(student, tmp_path,
                                                                       monkeypatch):
     out = tmp_path / "sim"
@@ -111,3 +113,50 @@ def test_report_fp8_stage_is_the_fp8_forward_and_every_stage_is_saved(student, t
     assert on_fp8["stages"][1]["valid_ppl"] == report["stages"][1]["valid_ppl"]
     assert not (tmp_path / "fp8" / "stages").exists()  # saved only when asked
     assert np.isfinite(real)
+
+
+def test_example_web_tasks_are_deterministic_local_lm_eval_files(tmp_path):
+    """analysis/compression/web_tasks.py: the same text and seed give the same files, in
+    the schemas `python -m hldstudy.eval --offline-data` checks, from held-out text only."""
+    import importlib.util
+    from pathlib import Path
+
+    from hldstudy.eval.tasks import check_offline_file
+
+    path = Path(__file__).parents[1] / "analysis" / "compression" / "web_tasks.py"
+    spec = importlib.util.spec_from_file_location("web_tasks", path)
+    web_tasks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(web_tasks)
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda".split()
+    docs = [" ".join(f"{words[(d + s) % 11].capitalize()} {' '.join(words[:4 + (d * s) % 6])} "
+                     f"doc{d} {words[(3 * d + s) % 11]}." for s in range(8)) for d in range(40)]
+    (tmp_path / "web.txt").write_text("\n\n".join(docs) + "\n")
+    outs = []
+    for k in range(2):
+        out = tmp_path / f"t{k}"
+        assert web_tasks.main(["--text", str(tmp_path), "--out", str(out), "--holdout", "20",
+                               "--cloze-items", "6", "--choice-items", "6",
+                               "--cloze-words", "12", "--choice-words", "10"]) == 0
+        outs.append({f: (out / f).read_bytes() for f in ("lambada_openai.jsonl",
+                                                         "hellaswag.jsonl")})
+        for task in ("lambada_openai", "hellaswag"):
+            check_offline_file(task, out)
+    assert outs[0] == outs[1]
+    cloze = [json.loads(ln) for ln in outs[0]["lambada_openai.jsonl"].splitlines()]
+    choice = [json.loads(ln) for ln in outs[0]["hellaswag.jsonl"].splitlines()]
+    assert len(cloze) == len(choice) == 6
+    held = set(range(20, 40))  # the last 20 documents only
+
+    def doc_ids(text):
+        return {int(n) for n in re.findall(r"doc(\d+)", text)}
+
+    for r in cloze:
+        assert len(doc_ids(r["text"])) == 1 and doc_ids(r["text"]) <= held
+        assert r["text"].split()[-1].isalpha()  # the final period dropped
+    for r in choice:
+        own = {20 + r["ind"]}
+        true = r["endings"][int(r["label"])]
+        assert doc_ids(r["ctx_a"]) == own == doc_ids(true)
+        others = [e for i, e in enumerate(r["endings"]) if i != int(r["label"])]
+        assert len(set(others)) == 3
+        assert all(doc_ids(e) <= held - own for e in others)
