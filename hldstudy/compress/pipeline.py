@@ -10,6 +10,9 @@ vocabulary), then runs the stages and writes, under `ccfg.out`:
     report.md          the same as a table, with the no-speed-up note
     model.safetensors  the final model (FP8 tensors + scales when quantized)
     model/             the final model as an hldstudy run directory (eval reads it)
+    stages/<stage>/    with `run(..., save_stages=True)`: every other compressed stage's
+                       model as a run directory (report.json's `stage_models` names
+                       where each stage's model is: the checkpoint itself for dense)
     recover/           the recovery run directory (metrics.jsonl), when recovering
 
 `--out` must be absent or an empty directory (an earlier output is never mixed with or
@@ -17,6 +20,10 @@ overwritten by a new one), and a refused input writes nothing: every check runs 
 anything is made. The outputs are written into a temporary sibling
 (`.<name>.partial-<id>` next to `--out`) and renamed onto `--out` when complete; a run
 that fails removes it, so `--out` only ever holds a whole output.
+
+An FP8 stage is evaluated through `fp8_forward.fp8_model`: its quantized linears multiply
+in FP8 (the real FP8 dot where the chip has FP8 matrix units, `chips.py`; the simulated
+path, the same numbers as the dequantized model, elsewhere).
 
 Bytes are those of the weights one forward reads: every parameter (the tied
 embedding / head, norms and all block linears) at its stored width.
@@ -51,6 +58,7 @@ from hldstudy.compress.config import (
     write_json_atomic,
 )
 from hldstudy.compress.export import _param_items, save_run_dir, save_safetensors
+from hldstudy.compress.fp8_forward import fp8_model
 from hldstudy.compress.layout import Target, targets
 from hldstudy.compress.prune import (
     check_prunable,
@@ -112,7 +120,12 @@ def weight_bytes(model, *, sparse_keys=(), quantized=None, nm=(2, 4)) -> dict:
     return {"weight_bytes": int(stored), "weight_bytes_packed": int(packed)}
 
 
-def _make_nll(model):
+BATCH_FIELDS = ("tokens", "positions", "segment_ids", "targets", "mask")
+
+
+def nll_program(model):
+    """(jitted f(state, *batch[BATCH_FIELDS]) -> (summed NLL, tokens), the model's state):
+    the program every stage's perplexity runs."""
     graphdef, state = nnx.split(model)
 
     @jax.jit
@@ -123,8 +136,12 @@ def _make_nll(model):
         valid = mask > 0
         return jnp.sum(jnp.where(valid, nll, 0.0)), jnp.sum(valid.astype(jnp.float32))
 
-    return lambda b: f(state, *(jnp.asarray(b[k]) for k in
-                                ("tokens", "positions", "segment_ids", "targets", "mask")))
+    return f, state
+
+
+def _make_nll(model):
+    f, state = nll_program(model)
+    return lambda b: f(state, *(jnp.asarray(b[k]) for k in BATCH_FIELDS))
 
 
 def valid_perplexity(model, batches) -> dict:
@@ -187,12 +204,20 @@ def calibration_batches(ccfg: CompressConfig, data, tokenizer, workdir: Path) ->
     return batches
 
 
+def evaluated_model(model, quantized: dict):
+    """The model a stage is evaluated as: with FP8 weights (`quantized`), the FP8 forward
+    (the real FP8 dot where the chip has one); else the model itself."""
+    return fp8_model(model, quantized) if quantized else model
+
+
 def _stage(name: str, model, *, valid, sparse_keys, quantized, nm, ccfg, tokenizer, run_cfg,
            extra=None) -> dict:
     t0 = time.time()
-    rec = {"stage": name, **valid_perplexity(model, valid)}
+    forward = evaluated_model(model, quantized)
+    rec = {"stage": name, **valid_perplexity(forward, valid)}
     if ccfg.eval:
-        rec.update(downstream(model, tokenizer, run_cfg, ccfg.eval, ccfg.eval_limit))
+        rec.update(downstream(forward, tokenizer, run_cfg, ccfg.eval, ccfg.eval_limit))
+    del forward
     rec.update(weight_bytes(model, sparse_keys=sparse_keys, quantized=quantized, nm=nm))
     sp = sparsity_report(model, prune_names(ccfg))
     rec["sparsity"] = sp["sparsity"]
@@ -287,9 +312,11 @@ def check_out(out: Path) -> None:
                           "give a directory you can write to")
 
 
-def run(ccfg: CompressConfig) -> dict:
+def run(ccfg: CompressConfig, *, save_stages: bool = False) -> dict:
     """Checks everything (`preflight`), then compresses into a temporary sibling of
-    `ccfg.out`, renamed onto it when complete (see the module doc)."""
+    `ccfg.out`, renamed onto it when complete (see the module doc). `save_stages` also
+    saves every intermediate stage's model (stages/<stage>/), for evaluating them all
+    afterwards (`python -m hldstudy.eval --checkpoints`)."""
     loaded = preflight(ccfg)
     out = Path(ccfg.out).absolute()
     made = [p for p in out.parents if not p.exists()]
@@ -297,7 +324,7 @@ def run(ccfg: CompressConfig) -> dict:
     partial = out.parent / f".{out.name}.partial-{uuid.uuid4().hex[:12]}"
     partial.mkdir()
     try:
-        report = _run_into(ccfg, partial, *loaded)
+        report = _run_into(ccfg, partial, *loaded, save_stages=save_stages)
         if out.is_dir():
             out.rmdir()  # empty (checked in preflight); a file put there since fails here
         os.rename(partial, out)
@@ -312,7 +339,8 @@ def run(ccfg: CompressConfig) -> dict:
     return report
 
 
-def _run_into(ccfg: CompressConfig, out: Path, model, tokenizer, run_cfg) -> dict:
+def _run_into(ccfg: CompressConfig, out: Path, model, tokenizer, run_cfg, *,
+              save_stages: bool = False) -> dict:
     write_json_atomic(out / "config.json", to_dict(ccfg))
     work = out / "work"
     names = prune_names(ccfg)
@@ -345,6 +373,12 @@ def _run_into(ccfg: CompressConfig, out: Path, model, tokenizer, run_cfg) -> dic
     timings = {}
     sparse_keys: tuple[str, ...] = ()
     quantized: dict = {}
+    recovering = ccfg.recover_steps > 0 or ccfg.recover_flops > 0
+    quant = (ccfg.fp8_format, ccfg.fp8_granularity) if ccfg.quantize else None
+    # dense, pruned, FP8 in the loop, recovered, FP8 after: the last one is the final model
+    planned = 1 + bool(method) + bool(quant) + recovering
+    # where each stage's model can be read (relative paths are inside `out`)
+    stage_models: dict[str, str] = {}
 
     def log(rec):
         stages.append(rec)
@@ -352,7 +386,15 @@ def _run_into(ccfg: CompressConfig, out: Path, model, tokenizer, run_cfg) -> dic
             print(f"[compress] {rec['stage']}: valid ppl {rec['valid_ppl']:.4f}, "
                   f"{rec['weight_bytes']:,} B ({rec['weight_bytes_packed']:,} B packed), "
                   f"sparsity {rec['sparsity']:.3f}", flush=True)
-        _write_report(out, ccfg, stages, timings)
+        if len(stages) == 1:
+            stage_models[rec["stage"]] = str(Path(ccfg.checkpoint).absolute())
+        elif len(stages) == planned:
+            stage_models[rec["stage"]] = "model"
+        elif save_stages:
+            save_run_dir(model, run_cfg, out / "stages" / rec["stage"], tokenizer_file=tok_file,
+                         meta={"compressed_stage": rec["stage"]})
+            stage_models[rec["stage"]] = f"stages/{rec['stage']}"
+        _write_report(out, ccfg, stages, timings, stage_models=stage_models)
 
     log(_stage("dense", model, sparse_keys=(), quantized={}, **common))
     masks = {}
@@ -364,8 +406,6 @@ def _run_into(ccfg: CompressConfig, out: Path, model, tokenizer, run_cfg) -> dic
         timings["prune_seconds"] = round(time.time() - t0, 1)
         sparse_keys = tuple(sorted(masks))
         log(_stage(f"{method}-{n}:{m}", model, sparse_keys=sparse_keys, quantized={}, **common))
-    recovering = ccfg.recover_steps > 0 or ccfg.recover_flops > 0
-    quant = (ccfg.fp8_format, ccfg.fp8_granularity) if ccfg.quantize else None
     qname = f"fp8-{ccfg.fp8_format}-{ccfg.fp8_granularity}"
 
     def do_quantize(label):
@@ -409,13 +449,14 @@ def _run_into(ccfg: CompressConfig, out: Path, model, tokenizer, run_cfg) -> dic
     if ccfg.export == hf_export.FORMAT_NAME:
         exported = hf_export.write(model, tokenizer, quantized, sparse_keys, nm,
                                    out / hf_export.FORMAT_NAME)
-    return _write_report(out, ccfg, stages, timings, exported)
+    return _write_report(out, ccfg, stages, timings, exported, stage_models=stage_models)
 
 
 def _write_report(out: Path, ccfg: CompressConfig, stages: list[dict], timings: dict,
-                  exported: dict | None = None) -> dict:
+                  exported: dict | None = None, *, stage_models: dict | None = None) -> dict:
     report = {"checkpoint": str(ccfg.checkpoint), "prune": ccfg.prune, "export": exported,
               "quantize": ccfg.quantize, "stages": stages, "seconds": timings,
+              "stage_models": dict(stage_models or {}),
               "note": NO_SPEEDUP, "backend": jax.default_backend(),
               "fp8_matmul_hardware": fp8_lib.backend_has_fp8_matmul()}
     write_json_atomic(out / "report.json", report)
