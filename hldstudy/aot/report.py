@@ -4,7 +4,9 @@ Pure arithmetic on `CompiledStep`s and configs (nothing compiles here): the plan
 prediction of a train step (`hldstudy.plan.predict_step_memory` / `cohort_memory`) is
 for one device holding the whole batch, so it is asked for the batch one device holds
 (`data.batch_size / devices`) and its sharded terms (state, gradients, the teacher's
-params) are divided by the FSDP axis, as `hldstudy.sharding` places them. A step
+params) are divided by the FSDP axis, as `hldstudy.sharding` places them. A teacher
+replica's prediction comes with its compile (`CompiledStep.planner`: the micro-batch
+compiled, the target compiler's row of `hldstudy.plan.compilers`). A step
 "fits" when its total (arguments + outputs - aliased + temporaries) is at most the
 chip's device memory (hldstudy.chips); compiler and planner are held to the same line.
 """
@@ -121,9 +123,11 @@ def step_rows(cfg: Config, teacher_model, target: Target, choices: Choices, step
                 row["compiled"] = {"total_bytes": s.needs_bytes}
         else:
             row["fits"] = s.memory["total_bytes"] <= limit
+        pred = s.planner  # a teacher replica's: the compile already asked the planner
         if s.kind == "train":
             pred = predicted_train_memory(cfg, teacher_model, s.method, s.stage, n_devices,
                                           fsdp, choices, cohort, target.backend)
+        if pred is not None:
             row["planner"] = pred
             row["planner_fits"] = pred["total_bytes"] <= limit
             if "total_bytes" in row["compiled"]:
