@@ -184,7 +184,7 @@ def test_aot_compiles_the_replica_in_its_micro_batches():
     assert micro.planner["temp_bytes"] < whole.planner["temp_bytes"]
     # aot's row of the replica stands the planner beside the compiled figures
     from hldstudy.aot.compile import Choices
-    from hldstudy.aot.report import step_rows
+    from hldstudy.aot.report import largest_terms, step_rows
     from hldstudy.aot.targets import parse_target
 
     choices = Choices("dense", "dense", "xla", "vmap", ())
@@ -193,6 +193,13 @@ def test_aot_compiles_the_replica_in_its_micro_batches():
     assert row["planner_over_compiled"] == micro.planner["total_bytes"] / \
         micro.memory["total_bytes"]
     assert row["planner_fits"] and row["fits"]
+    # and a replica that does not fit is told its own forward's largest buffers
+    terms = largest_terms(cfg2, teacher, row, 8, choices, None)
+    assert terms.split(", ")[0].startswith(max(
+        [("teacher params and batch", micro.planner["argument_bytes"]),
+         ("served hidden states", micro.planner["output_bytes"]),
+         ("one micro-batch's working set", micro.planner["temp_bytes"])],
+        key=lambda kv: kv[1])[0])
 
 
 def _with_replica_batch(cfg, rb):

@@ -211,7 +211,14 @@ def where_the_memory_goes(rows: list[dict], top: int = 5) -> list[str]:
 def largest_terms(cfg: Config, teacher_model, row: dict, n_devices: int, choices: Choices,
                   cohort: int | None, top: int = 3, compiler: str = "cpu") -> str:
     """The largest buffers of a step per device by the planner's terms (XLA's memory
-    analysis gives totals only), for the message of a step that does not fit."""
+    analysis gives totals only), for the message of a step that does not fit. A teacher
+    replica's are its own forward's (`CompiledStep.planner`), not a train step's."""
+    if row["kind"] == "teacher" and "planner" in row:
+        p = row["planner"]
+        named = {"teacher params and batch": p["argument_bytes"],
+                 "served hidden states": p["output_bytes"],
+                 "one micro-batch's working set": p["temp_bytes"]}
+        return _largest(named, top)
     local = per_device_config(cfg, n_devices)
     attention = PLANNER_ATTENTION.get(choices.attention, "flash")
     terms = predict_step_memory(local, teacher_model, method=row["method"], stage=row["stage"],
@@ -220,5 +227,9 @@ def largest_terms(cfg: Config, teacher_model, row: dict, n_devices: int, choices
     k = cohort or 1
     scaled = {n: v * (k if n in ("params", "optimizer", "grads", "activations", "logits")
                       else 1) for n, v in terms.items()}
-    big = sorted(scaled.items(), key=lambda kv: -kv[1])[:top]
+    return _largest(scaled, top)
+
+
+def _largest(named: dict[str, float], top: int) -> str:
+    big = sorted(named.items(), key=lambda kv: -kv[1])[:top]
     return ", ".join(f"{n} {_g(v)} GiB" for n, v in big)

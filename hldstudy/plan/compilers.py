@@ -43,9 +43,11 @@ working set live, plus its kept hidden states (`predict_teacher_forward_memory`)
 micro-batches of M sequences), `python -m hldstudy.aot --config experiments/c4_123m_kd.py
 --set data.path=/x --teacher-preset paper-teacher-3.4b --parts teacher --target T --set
 teacher.replica_batch=M [--set teacher.dtype=bfloat16] --json` (libtpu 0.0.42, the CUDA
-plugin 0.10.2). Totals per device, GiB; "refused": libtpu's figure for what it needed:
+plugin 0.10.2). Totals per device, GiB, then planner / compiled and the verdict against
+the chip (H100 79.65, v5e 15.75) where it changes; "refused": libtpu's figure for what
+it needed; h100 f32 M = 32 is the compile that found the gap, not re-run:
 
-  target   dtype   M    compiled (temporaries)   CPU row 0.15     this row
+  target   dtype   M    compiled (temporaries)   CPU row 0.15     this row (share)
   h100     f32   256    90.29 (73.02) no fit     61.79 0.68 fits  95.99 1.06 no fit (0.30)
   h100     f32   128    56.77 (39.50)            39.69 0.70       56.79 1.00
   h100     f32    64    36.52 (19.25)            28.64 0.78       37.19 1.02
@@ -56,12 +58,16 @@ plugin 0.10.2). Totals per device, GiB; "refused": libtpu's figure for what it n
   v5e      bf16   32    17.50 refused            12.16 0.70 fits  19.46 1.11 no fit
   v5e      bf16   16    13.58 ( 4.94)            10.48 0.77       14.13 1.04
   v5e      bf16    8    11.67 ( 3.03)             9.64 0.83       11.46 0.98
+  v5e      f32     1    24.68 refused            17.76 0.72       18.11 0.73 no fit
 
-The shares implied one point at a time: XLA GPU 0.28-0.30 in float32 (the dense
-attention's scores and probabilities of a micro-batch are live together), 0.33-0.34 in
-bfloat16 (the softmax stays float32); libtpu 0.44-0.63, falling as the micro-batch nears
-the device's memory (it schedules against it: with memory to spare it keeps more), so a
-linear share over-counts the largest micro-batches a little and under-counts small ones.
+(the last: auto's pick where nothing fits, the compiler's word on it; a refused figure is
+what libtpu needed when it gave up, not a schedule, and far from any share here.)
+
+The shares implied one point at a time: XLA GPU 0.28-0.30 in float32 (its peak: three
+dense-attention dot_general buffers of one micro-batch, 22.50 GiB at M = 128), 0.33-0.34
+in bfloat16; libtpu 0.44-0.63, falling as the micro-batch nears the device's memory (it
+schedules against it: with memory to spare it keeps more), so one share over-counts the
+largest micro-batches a little and under-counts small ones.
 """
 
 from __future__ import annotations
