@@ -1,5 +1,5 @@
-"""What each target compiler keeps live at a train step's peak: one row per compiler,
-read by `hldstudy.plan.step_memory`.
+"""What each target compiler keeps live at a train step's peak and at a teacher replica's
+forward's: one row per compiler, read by `hldstudy.plan.step_memory`.
 
 The planner's terms (`hldstudy.plan.terms`) count bytes; when those bytes are live
 together is the compiler's schedule, and the three compilers the study meets schedule
@@ -15,8 +15,9 @@ at the peak), not derived; they hold for every chip of the platform (chip facts 
   for K = 4, vs the solo step's 13.3 MB of which 9.6 MB activations), a colocated
   teacher's forward keeps the whole training working set of its largest block plus
   `TEACHER_LIVE_COPIES` residual-stream buffers.
-- XLA GPU ("gpu"): the CPU row (the 123M KD step on 8 x H100, Triton loss: planner 46.33
-  GiB / compiled 51.92 = 0.89; no GPU cohort compile has been measured).
+- XLA GPU ("gpu"): the CPU row for the train step (the 123M KD step on 8 x H100, Triton
+  loss: planner 46.33 GiB / compiled 51.92 = 0.89; no GPU cohort compile has been
+  measured); its own share of a replica's forward (below).
 - libtpu ("tpu", compile-only v5e:2x4 topology, libtpu 0.0.42; the 123M KD step of
   experiments/c4_123m_kd.py, XLA loss, dense attention, no FSDP): it schedules against the
   device memory and rematerializes what does not fit, so a step's peak is where its own
