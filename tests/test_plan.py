@@ -326,3 +326,58 @@ def test_predict_teacher_forward_memory_matches_xla_moe(model, b, t, layers, hea
     assert pred["output_bytes"] == pytest.approx(xla["output_bytes"], rel=0.01)
     assert pred["temp_bytes"] == pytest.approx(xla["temp_bytes"], rel=QWEN_TEMP_TOLERANCE)
     assert pred["total_bytes"] == pytest.approx(xla["total_bytes"], rel=QWEN_TEMP_TOLERANCE)
+
+
+# The teacher replica's forward as each target compiler compiled it (python -m hldstudy.aot
+# --config experiments/c4_123m_kd.py --set data.path=/x --teacher-preset paper-teacher-3.4b
+# --parts teacher --target T --set teacher.replica_batch=M [--set teacher.dtype=bfloat16]
+# --json; the aot extra): the 3.4B teacher, the whole batch of 256 x 2048 on one chip in
+# micro-batches of M. (compiler, dtype, M, compiled total GiB, device memory GiB); a total
+# over the device's memory is the figure libtpu refused with.
+REPLICA_COMPILES = [
+    ("gpu", "float32", 256, 90.29, 79.65),
+    ("gpu", "float32", 128, 56.77, 79.65),
+    ("gpu", "float32", 64, 36.52, 79.65),
+    ("gpu", "float32", 32, 26.65, 79.65),
+    ("gpu", "bfloat16", 256, 61.16, 79.65),
+    ("gpu", "bfloat16", 64, 22.27, 79.65),
+    ("tpu", "float32", 16, 26.60, 15.75),
+    ("tpu", "bfloat16", 32, 17.50, 15.75),
+    ("tpu", "bfloat16", 16, 13.58, 15.75),
+    ("tpu", "bfloat16", 8, 11.67, 15.75),
+]
+
+
+@pytest.mark.parametrize("compiler,dtype,micro,compiled,device", REPLICA_COMPILES)
+def test_the_replica_forward_follows_its_compilers_row(compiler, dtype, micro, compiled, device):
+    """The planner's replica forward (`replica_forward_memory`, the share of its compiler's
+    row of hldstudy.plan.compilers) within 15% of the target compiler's total, with its
+    fits / does-not-fit verdict."""
+    from hldstudy.teacher.microbatch import replica_forward_memory
+
+    pred = replica_forward_memory(preset("paper-teacher-3.4b"), 256, micro, 2048, layers=(),
+                                  head=True, dtype=dtype, backend=compiler)["total_bytes"] / 2**30
+    assert pred == pytest.approx(compiled, rel=0.15)
+    assert (pred <= device) == (compiled <= device)
+
+
+def test_the_compilers_rows_own_the_replica_forward_share():
+    """One owner: `predict_teacher_forward_memory` reads its compiler's row; the CPU row
+    keeps the share fitted on XLA CPU (the MoE teacher cases above), the GPU and TPU
+    rows keep more of a block's working set live (fitted on the compiles above), and an
+    unknown compiler is refused naming the field."""
+    from hldstudy.plan import peak_habits, predict_teacher_forward_memory
+
+    assert peak_habits("cpu").replica_forward_share == 0.15
+    assert peak_habits("cpu").replica_forward_share < peak_habits("gpu").replica_forward_share \
+        < peak_habits("tpu").replica_forward_share
+    big = preset("paper-teacher-3.4b")
+    preds = {c: predict_teacher_forward_memory(big, 8, 2048, compiler=c)
+             for c in ("cpu", "gpu", "tpu")}
+    assert predict_teacher_forward_memory(big, 8, 2048) == preds["cpu"]
+    for c in ("gpu", "tpu"):  # only the working set follows the compiler
+        assert preds[c]["argument_bytes"] == preds["cpu"]["argument_bytes"]
+        assert preds[c]["output_bytes"] == preds["cpu"]["output_bytes"]
+        assert preds[c]["temp_bytes"] > preds["cpu"]["temp_bytes"]
+    with pytest.raises(ConfigError, match="compiler"):
+        predict_teacher_forward_memory(big, 8, 2048, compiler="metal")

@@ -27,6 +27,7 @@ from hldstudy.teacher.microbatch import (
     forward_bytes,
     micro_batched,
     pick_replica_batch,
+    replica_forward_memory,
 )
 
 GiB = 2**30
@@ -114,6 +115,25 @@ def test_auto_picks_the_largest_divisor_whose_forward_fits():
     assert pick_replica_batch(0, big, 256, 2048, memory_bytes=GiB, **kw) == 1
 
 
+@pytest.mark.parametrize("chip,compiler,dtype,compiled_pick", [
+    ("h100", "gpu", "float32", 128), ("h100", "gpu", "bfloat16", 256),
+    ("v5e", "tpu", "bfloat16", 16)])
+def test_auto_picks_by_the_targets_compiler_row(chip, compiler, dtype, compiled_pick):
+    """The 3.4B teacher's replica, 256 x 2048: auto's pick by the target compiler's row of
+    hldstudy.plan.compilers is the largest micro-batch the target's compiler fits
+    (tests/test_plan.py's REPLICA_COMPILES: on an H100 float32 256 needs 90.29 GiB, 128
+    56.77; bfloat16 256 61.16; on a v5e bfloat16 32 needs 17.50, 16 13.58). By the CPU
+    row the float32 H100 pick was the whole batch (61.8 GiB by the planner)."""
+    from hldstudy import chips
+
+    big = preset("paper-teacher-3.4b")
+    memory = chips.CHIPS[chip].device_memory_bytes
+    kw = dict(layers=(), head=True, dtype=dtype, memory_bytes=memory)
+    assert pick_replica_batch(0, big, 256, 2048, backend=compiler, **kw) == compiled_pick
+    if (chip, dtype) == ("h100", "float32"):
+        assert pick_replica_batch(0, big, 256, 2048, backend="cpu", **kw) == 256
+
+
 def test_the_compiler_has_the_last_word_on_the_pick():
     """`compiler_checked` over real CPU compiles: a device one byte short of the whole
     batch's compiled program gets the next divisor whose program fits."""
@@ -156,6 +176,30 @@ def test_aot_compiles_the_replica_in_its_micro_batches():
     assert micro.memory["argument_bytes"] == whole.memory["argument_bytes"]
     assert micro.memory["output_bytes"] == whole.memory["output_bytes"]
     assert micro.memory["temp_bytes"] < whole.memory["temp_bytes"]
+    # the planner's figures for the micro-batch compiled, by this host's compiler's row
+    for step, m in ((whole, b), (micro, b // 4)):
+        assert step.planner == replica_forward_memory(
+            teacher, b, m, cfg.data.seq_len, layers=(), head=True, dtype=cfg.teacher.dtype,
+            backend="cpu")
+    assert micro.planner["temp_bytes"] < whole.planner["temp_bytes"]
+    # aot's row of the replica stands the planner beside the compiled figures
+    from hldstudy.aot.compile import Choices
+    from hldstudy.aot.report import largest_terms, step_rows
+    from hldstudy.aot.targets import parse_target
+
+    choices = Choices("dense", "dense", "xla", "vmap", ())
+    (row,) = step_rows(cfg2, teacher, parse_target("h100:8"), choices, [micro], 8, 1)
+    assert row["planner"] == micro.planner
+    assert row["planner_over_compiled"] == micro.planner["total_bytes"] / \
+        micro.memory["total_bytes"]
+    assert row["planner_fits"] and row["fits"]
+    # and a replica that does not fit is told its own forward's largest buffers
+    terms = largest_terms(cfg2, teacher, row, 8, choices, None)
+    assert terms.split(", ")[0].startswith(max(
+        [("teacher params and batch", micro.planner["argument_bytes"]),
+         ("served hidden states", micro.planner["output_bytes"]),
+         ("one micro-batch's working set", micro.planner["temp_bytes"])],
+        key=lambda kv: kv[1])[0])
 
 
 def _with_replica_batch(cfg, rb):

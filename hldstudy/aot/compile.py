@@ -48,6 +48,7 @@ from hldstudy.teacher.microbatch import (
     divisors_from,
     micro_batched,
     pick_replica_batch,
+    replica_forward_memory,
 )
 from hldstudy.train.cohort import cohort_step_probe, default_mode
 from hldstudy.train.probe import cost_analysis, train_step_probe
@@ -91,6 +92,9 @@ class CompiledStep:
     # no live ranges or refused the step.
     peak_bytes: int | None = None
     peak: tuple[PeakGroup, ...] = ()
+    # A teacher replica's forward: the planner's figures for the micro-batch compiled, as
+    # the target's compiler schedules it (`replica_forward_memory`); None for other steps.
+    planner: dict[str, float] | None = None
 
 
 def _attention_for(model: ModelConfig, seq_len: int, target: Target) -> tuple[str, str | None]:
@@ -289,9 +293,12 @@ def compile_teacher_forward(cfg: Config, teacher_model: ModelConfig, method: str
              if k in ("tokens", "positions", "segment_ids")}  # what TeacherServer.compute sends
 
     def compile_micro(m: int) -> CompiledStep:
-        return _compile(f"teacher forward (one replica, {b // m} x {m} sequences)", "teacher",
+        step = _compile(f"teacher forward (one replica, {b // m} x {m} sequences)", "teacher",
                         spec.name, None, jax.jit(micro_batched(run, b // m)), (params, batch),
                         mesh)
+        return dataclasses.replace(step, planner=replica_forward_memory(
+            tcfg, b, m, cfg.data.seq_len, layers=needs.layers, head=needs.final,
+            dtype=cfg.teacher.dtype, backend=backend))
 
     checked = memory is not None and not cfg.teacher.replica_batch
     return compiler_checked(

@@ -4,7 +4,9 @@ Pure arithmetic on `CompiledStep`s and configs (nothing compiles here): the plan
 prediction of a train step (`hldstudy.plan.predict_step_memory` / `cohort_memory`) is
 for one device holding the whole batch, so it is asked for the batch one device holds
 (`data.batch_size / devices`) and its sharded terms (state, gradients, the teacher's
-params) are divided by the FSDP axis, as `hldstudy.sharding` places them. A step
+params) are divided by the FSDP axis, as `hldstudy.sharding` places them. A teacher
+replica's prediction comes with its compile (`CompiledStep.planner`: the micro-batch
+compiled, the target compiler's row of `hldstudy.plan.compilers`). A step
 "fits" when its total (arguments + outputs - aliased + temporaries) is at most the
 chip's device memory (hldstudy.chips); compiler and planner are held to the same line.
 """
@@ -121,9 +123,11 @@ def step_rows(cfg: Config, teacher_model, target: Target, choices: Choices, step
                 row["compiled"] = {"total_bytes": s.needs_bytes}
         else:
             row["fits"] = s.memory["total_bytes"] <= limit
+        pred = s.planner  # a teacher replica's: the compile already asked the planner
         if s.kind == "train":
             pred = predicted_train_memory(cfg, teacher_model, s.method, s.stage, n_devices,
                                           fsdp, choices, cohort, target.backend)
+        if pred is not None:
             row["planner"] = pred
             row["planner_fits"] = pred["total_bytes"] <= limit
             if "total_bytes" in row["compiled"]:
@@ -207,7 +211,14 @@ def where_the_memory_goes(rows: list[dict], top: int = 5) -> list[str]:
 def largest_terms(cfg: Config, teacher_model, row: dict, n_devices: int, choices: Choices,
                   cohort: int | None, top: int = 3, compiler: str = "cpu") -> str:
     """The largest buffers of a step per device by the planner's terms (XLA's memory
-    analysis gives totals only), for the message of a step that does not fit."""
+    analysis gives totals only), for the message of a step that does not fit. A teacher
+    replica's are its own forward's (`CompiledStep.planner`), not a train step's."""
+    if row["kind"] == "teacher" and "planner" in row:
+        p = row["planner"]
+        named = {"teacher params and batch": p["argument_bytes"],
+                 "served hidden states": p["output_bytes"],
+                 "one micro-batch's working set": p["temp_bytes"]}
+        return _largest(named, top)
     local = per_device_config(cfg, n_devices)
     attention = PLANNER_ATTENTION.get(choices.attention, "flash")
     terms = predict_step_memory(local, teacher_model, method=row["method"], stage=row["stage"],
@@ -216,5 +227,9 @@ def largest_terms(cfg: Config, teacher_model, row: dict, n_devices: int, choices
     k = cohort or 1
     scaled = {n: v * (k if n in ("params", "optimizer", "grads", "activations", "logits")
                       else 1) for n, v in terms.items()}
-    big = sorted(scaled.items(), key=lambda kv: -kv[1])[:top]
+    return _largest(scaled, top)
+
+
+def _largest(named: dict[str, float], top: int) -> str:
+    big = sorted(named.items(), key=lambda kv: -kv[1])[:top]
     return ", ".join(f"{n} {_g(v)} GiB" for n, v in big)

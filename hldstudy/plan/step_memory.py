@@ -212,24 +212,22 @@ def xla_memory(compiled) -> dict[str, float]:
 
 
 
-# Measured, not derived: a forward keeps ~a quarter of what a block keeps for its backward
-# live at once (XLA CPU, fitted on the tiny MoE teacher of tests/test_plan.py).
-FORWARD_LIVE_SHARE = 0.15
-
 
 def predict_teacher_forward_memory(teacher_model: ModelConfig, batch_size: int, seq_len: int,
                                    *, layers: tuple[int, ...] = (), head: bool = True,
                                    dtype: str = "float32", attention: str = "dense",
-                                   grouped_dense: bool | None = None) -> dict:
+                                   grouped_dense: bool | None = None,
+                                   compiler: str = "cpu") -> dict:
     """Predicted `compiled.memory_analysis()` of the teacher's forward alone (what a
-    replica or the disaggregated teacher side runs: `teacher_forward_fn`), one device.
+    replica or the disaggregated teacher side runs: `teacher_forward_fn`), one device, as
+    `compiler` ("cpu", "gpu", "tpu": `hldstudy.plan.compilers`) schedules it.
 
       argument_bytes: the teacher's params in `dtype` (every expert; without the head only
         the embedding and the blocks run), the batch (tokens, positions, segment ids, int32).
       output_bytes: the streamed `TeacherOutputs`: each requested layer's hidden states,
         the final hidden states and the head weight when the head is needed.
-      temp_bytes: the forward's working set: `FORWARD_LIVE_SHARE` of the largest block's
-        training activations plus the kept hidden states, and where `ragged_dot` runs
+      temp_bytes: the forward's working set: the compiler's `replica_forward_share` of the
+        largest block's training activations plus the kept hidden states, and where `ragged_dot` runs
         dense over all experts (grouped_dense; None: the running backend's way) the
         expanded experts (`grouped_dense_bytes`).
     """
@@ -244,7 +242,8 @@ def predict_teacher_forward_memory(teacher_model: ModelConfig, batch_size: int, 
     output = n_out * tok * t.d_model * c + (t.head_params * c if head else 0.0)
     block = max(layer_activation_bytes_per_token(t, seq_len, c, attention, i)
                 for i in range(n_run))
-    temp = tok * (FORWARD_LIVE_SHARE * block + (1 + n_out) * t.d_model * c)
+    share = peak_habits(compiler).replica_forward_share
+    temp = tok * (share * block + (1 + n_out) * t.d_model * c)
     if grouped_matmuls_run_dense() if grouped_dense is None else grouped_dense:
         temp += grouped_dense_bytes(t, tok, c, n_run)
     return {"argument_bytes": float(argument), "output_bytes": float(output),

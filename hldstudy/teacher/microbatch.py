@@ -11,10 +11,10 @@ reshaped back, so what is served does not change.
 the global batch whose forward the planner (`predict_teacher_forward_memory`, the one
 estimate of a teacher forward's memory) says fits the replica's device, and then, where
 the device's memory is known, lets the compiler have the last word (`compiler_checked`):
-the planner's forward share is fitted on XLA CPU and under-counts the dense attention of
-XLA GPU's forward (float32 3.4B teacher, 256 x 2048 on an H100: planner 61.8 GiB,
-compiled 90.3 GiB), so a pick the compiled program does not fit steps down to the next
-divisor. Where the memory is unknown (a CPU) nothing is compiled ahead: the whole batch.
+the planner's share of the forward's working set is the replica's compiler's row
+(`hldstudy.plan.compilers`, fitted on a few compiles), so a pick the compiled program
+does not fit steps down to the next divisor. Where the memory is unknown (a CPU) nothing
+is compiled ahead: the whole batch.
 """
 
 from __future__ import annotations
@@ -63,10 +63,12 @@ def device_memory(device) -> int | None:
     return row.device_memory_bytes if row is not None else None
 
 
-def forward_bytes(teacher_model: ModelConfig, batch_size: int, micro: int, seq_len: int, *,
-                  layers: tuple[int, ...], head: bool, dtype: str, backend: str) -> float:
-    """The planner's total for a replica's forward of `batch_size` sequences run as
-    micro-batches of `micro`: params, the whole batch's inputs and outputs, one
+def replica_forward_memory(teacher_model: ModelConfig, batch_size: int, micro: int,
+                          seq_len: int, *, layers: tuple[int, ...], head: bool, dtype: str,
+                          backend: str) -> dict[str, float]:
+    """The planner's `memory_analysis()` of a replica's forward of `batch_size` sequences
+    run as micro-batches of `micro`, as `backend`'s compiler schedules it (its row of
+    `hldstudy.plan.compilers`): params, the whole batch's inputs and outputs, one
     micro-batch's working set."""
     impl = resolve_implementation(teacher_model.attention, dtype=dtype,
                                   softcap=teacher_model.attn_softcap,
@@ -74,12 +76,21 @@ def forward_bytes(teacher_model: ModelConfig, batch_size: int, micro: int, seq_l
                                   backend=backend)
     # The planner models the dense path and the memory-efficient ones (chunked, cuDNN,
     # splash: no [T, T] scores kept) as "flash".
-    kw = dict(layers=layers, head=head, dtype=dtype,
+    kw = dict(layers=layers, head=head, dtype=dtype, compiler=backend,
               attention="dense" if impl == "dense" else "flash")
     whole = predict_teacher_forward_memory(teacher_model, batch_size, seq_len, **kw)
     one = whole if micro == batch_size else \
         predict_teacher_forward_memory(teacher_model, micro, seq_len, **kw)
-    return whole["argument_bytes"] + whole["output_bytes"] + one["temp_bytes"]
+    out = dict(whole, temp_bytes=one["temp_bytes"])
+    out["total_bytes"] = out["argument_bytes"] + out["output_bytes"] + out["temp_bytes"]
+    return out
+
+
+def forward_bytes(teacher_model: ModelConfig, batch_size: int, micro: int, seq_len: int, *,
+                  layers: tuple[int, ...], head: bool, dtype: str, backend: str) -> float:
+    """`replica_forward_memory`'s total: what `pick_replica_batch` holds to the device."""
+    return replica_forward_memory(teacher_model, batch_size, micro, seq_len, layers=layers,
+                                  head=head, dtype=dtype, backend=backend)["total_bytes"]
 
 
 def pick_replica_batch(requested: int, teacher_model: ModelConfig, batch_size: int,
