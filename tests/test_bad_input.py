@@ -609,10 +609,10 @@ def test_compress_writes_into_a_sibling_and_renames_it_when_complete(compress_ru
     seen = {}
     real = pipeline._write_report
 
-    def spy(where, *args):
+    def spy(where, *args, **kwargs):
         seen.setdefault("dirs", set()).add(Path(where))
         assert not (out / "report.json").exists()  # nothing in --out before the end
-        return real(where, *args)
+        return real(where, *args, **kwargs)
 
     monkeypatch.setattr(pipeline, "_write_report", spy)
     code, err = _compress(["--checkpoint", str(compress_run), "--out", str(out),
