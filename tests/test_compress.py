@@ -109,6 +109,18 @@ def test_compress_schema_is_the_config_modules():
         CompressConfig(checkpoint="run", out="out")
 
 
+
+def test_save_stages_is_a_field_with_its_flag():
+    """--save-stages sets compress.save_stages, as --set does; off by default."""
+    from hldstudy.compress.__main__ import build_parser, resolve
+
+    base = ["--checkpoint", "run", "--out", "out"]
+    flagged = resolve(build_parser().parse_args(base + ["--save-stages"]))
+    assert flagged.save_stages is True
+    assert resolve(build_parser().parse_args(base)).save_stages is False
+    assert resolve(build_parser().parse_args(
+        base + ["--set", "compress.save_stages=true"])).save_stages is True
+
 def _sparsegpt_direct_f64(w, h, percdamp, n=2, m=4):
     """SparseGPT's update, written directly in float64: rows (inputs) in order; at
     each row q the inverse Hessian of the rows not yet visited, inv(H[q:, q:]), is

@@ -1,7 +1,7 @@
 """The compression report scores its FP8 stage through the FP8 forward
 (`fp8_forward.fp8_model`): on CPU the simulated path (the dequantized model's numbers),
 where the chip has FP8 matmuls the real FP8 dot, whose program lowered for CUDA has FP8
-dots in it. And `save_stages` leaves every stage's model where eval can read it."""
+dots in it. And `compress.save_stages` leaves every stage's model where eval can read it."""
 
 from __future__ import annotations
 
@@ -65,10 +65,10 @@ def student(tmp_path_factory):
     return export.save_run_dir(model, cfg, root / "student", tokenizer_file=tok.model_path)
 
 
-def _compress(student, out, **kw):
+def _compress(student, out, **fields):
     return pipeline.run(CompressConfig(checkpoint=str(student), out=str(out),
                                        prune="magnitude-2:4", quantize="fp8", eval_batches=2,
-                                       progress=False), **kw)
+                                       progress=False, **fields))
 
 
 def _valid(run_dir, work):

@@ -115,7 +115,7 @@ def compress(method: str, ckpt: str, text: str, work: Path) -> dict:
     extra = CHAIN if method == "sparsegpt" else {}
     ccfg = validate(CompressConfig(checkpoint=ckpt, out=str(work / method),
                                    prune=f"{method}-2:4", calibration_data=text,
-                                   **SETTINGS, **extra))
+                                   save_stages=method == "sparsegpt", **SETTINGS, **extra))
     done, timed = work / method / "report.json", work / f"{method}.wall.json"
     if done.is_file():
         report = json.loads(done.read_text())
@@ -123,7 +123,7 @@ def compress(method: str, ckpt: str, text: str, work: Path) -> dict:
         print(f"[example] {method}: read back from {done}", flush=True)
     else:
         t0 = time.time()
-        report = run(ccfg, save_stages=method == "sparsegpt")
+        report = run(ccfg)
         wall = round(time.time() - t0, 1)
         write_json_atomic(timed, {"wall_seconds": wall})  # kept for a read-back
         print(f"[example] {method}: {round(wall)} s", flush=True)

@@ -34,7 +34,8 @@ SHORTHANDS = {"checkpoint": "checkpoint", "prune": "prune", "out": "out",
               "divergence": "divergence", "quantize": "quantize",
               "quantize_in_loop": "quantize_in_loop", "eval": "eval", "eval_limit": "eval_limit",
               "calibration_data": "calibration_data", "calibration_tokens": "calibration_tokens",
-              "calibration_tfds": "calibration_tfds", "export": "export"}
+              "calibration_tfds": "calibration_tfds", "export": "export",
+              "save_stages": "save_stages"}
 
 
 def _choices(field: str) -> tuple:
@@ -70,6 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="quantize before recovery and recover with FP8 in the loop")
     p.add_argument("--eval", help="downstream tasks per stage, e.g. synth_mc,synth_cloze")
     p.add_argument("--eval-limit", type=int, help="items per downstream task")
+    p.add_argument("--save-stages", action="store_true", default=None,
+                   help="also save every intermediate stage's model under OUT/stages/")
     p.add_argument("--config", help="JSON file with a compress section (e.g. a previous "
                                     "DIR/config.json) or a .py with get_compress_config()")
     p.add_argument("--set", dest="overrides", action="append", default=[],

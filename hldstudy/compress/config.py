@@ -119,6 +119,9 @@ class CompressConfig:
     export: str = knob("", domain=Domain(("", "compressed-tensors"),
                                          note="compressed-tensors, or empty for none"))
     eval_limit: int = knob(0, domain=Domain(">= 0", note="0 = every item"))
+    # Also save every intermediate stage's model (stages/<stage>/ run directories), so that
+    # `python -m hldstudy.eval --checkpoints` can score them all in one process.
+    save_stages: bool = False
     eval_batches: int = knob(0, domain=Domain(">= 0", note="0 = the whole validation split"))
     seed: int = knob(0, domain=NONNEG)
     progress: bool = True

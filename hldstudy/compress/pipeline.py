@@ -10,7 +10,7 @@ vocabulary), then runs the stages and writes, under `ccfg.out`:
     report.md          the same as a table, with the no-speed-up note
     model.safetensors  the final model (FP8 tensors + scales when quantized)
     model/             the final model as an hldstudy run directory (eval reads it)
-    stages/<stage>/    with `run(..., save_stages=True)`: every other compressed stage's
+    stages/<stage>/    with `compress.save_stages` (--save-stages): every other stage's
                        model as a run directory (report.json's `stage_models` names
                        where each stage's model is: the checkpoint itself for dense)
     recover/           the recovery run directory (metrics.jsonl), when recovering
@@ -312,11 +312,9 @@ def check_out(out: Path) -> None:
                           "give a directory you can write to")
 
 
-def run(ccfg: CompressConfig, *, save_stages: bool = False) -> dict:
+def run(ccfg: CompressConfig) -> dict:
     """Checks everything (`preflight`), then compresses into a temporary sibling of
-    `ccfg.out`, renamed onto it when complete (see the module doc). `save_stages` also
-    saves every intermediate stage's model (stages/<stage>/), for evaluating them all
-    afterwards (`python -m hldstudy.eval --checkpoints`)."""
+    `ccfg.out`, renamed onto it when complete (see the module doc)."""
     loaded = preflight(ccfg)
     out = Path(ccfg.out).absolute()
     made = [p for p in out.parents if not p.exists()]
@@ -324,7 +322,7 @@ def run(ccfg: CompressConfig, *, save_stages: bool = False) -> dict:
     partial = out.parent / f".{out.name}.partial-{uuid.uuid4().hex[:12]}"
     partial.mkdir()
     try:
-        report = _run_into(ccfg, partial, *loaded, save_stages=save_stages)
+        report = _run_into(ccfg, partial, *loaded)
         if out.is_dir():
             out.rmdir()  # empty (checked in preflight); a file put there since fails here
         os.rename(partial, out)
@@ -339,8 +337,7 @@ def run(ccfg: CompressConfig, *, save_stages: bool = False) -> dict:
     return report
 
 
-def _run_into(ccfg: CompressConfig, out: Path, model, tokenizer, run_cfg, *,
-              save_stages: bool = False) -> dict:
+def _run_into(ccfg: CompressConfig, out: Path, model, tokenizer, run_cfg) -> dict:
     write_json_atomic(out / "config.json", to_dict(ccfg))
     work = out / "work"
     names = prune_names(ccfg)
@@ -390,7 +387,7 @@ def _run_into(ccfg: CompressConfig, out: Path, model, tokenizer, run_cfg, *,
             stage_models[rec["stage"]] = str(Path(ccfg.checkpoint).absolute())
         elif len(stages) == planned:
             stage_models[rec["stage"]] = "model"
-        elif save_stages:
+        elif ccfg.save_stages:
             save_run_dir(model, run_cfg, out / "stages" / rec["stage"], tokenizer_file=tok_file,
                          meta={"compressed_stage": rec["stage"]})
             stage_models[rec["stage"]] = f"stages/{rec['stage']}"
