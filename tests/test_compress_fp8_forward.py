@@ -30,6 +30,16 @@ def _quantized(name: str, seed: int = 0):
     return model, quantized
 
 
+def _wrap_params(model, kind, checked):
+    """`model` with every parameter of type `kind` replaced by its `checked` twin
+    (same q and scale, real FP8 dot), which checks each product as the forward runs."""
+    for _, v in nnx.iter_graph(model):
+        if isinstance(v, nnx.Param) and isinstance(v.get_value(), kind):
+            w = v.get_value()
+            v.set_value(checked(w.q, w.scale, True))
+    return model
+
+
 @pytest.mark.parametrize("name", ["tiny", "tiny-qwen",
                                   pytest.param("tiny-qwen-moe", marks=pytest.mark.slow)])
 def test_simulated_fp8_forward_is_the_dequantized_model(name):
@@ -71,11 +81,7 @@ def test_real_fp8_forward_within_fp8_rounding_of_the_simulation():
             seen.append(self.q.shape)
             return real.astype(x.dtype)
 
-    checked = fp8_model(model, quantized, real=True)
-    for _, v in nnx.iter_graph(checked):
-        if isinstance(v, nnx.Param) and isinstance(v.get_value(), FP8Weight):
-            w = v.get_value()
-            v.set_value(Checked(w.q, w.scale, True))
+    checked = _wrap_params(fp8_model(model, quantized, real=True), FP8Weight, Checked)
     out = np.asarray(checked(tokens).logits)
     assert len(seen) == len(quantized)
     ref = np.asarray(model(tokens).logits)
@@ -162,11 +168,7 @@ def test_real_fp8_moe_forward_runs_every_expert_weight_in_fp8():
             seen.append(self.q.shape)
             return real.astype(rows.dtype)
 
-    checked = fp8_model(model, quantized, real=True)
-    for _, v in nnx.iter_graph(checked):
-        if isinstance(v, nnx.Param) and isinstance(v.get_value(), FP8Experts):
-            w = v.get_value()
-            v.set_value(Checked(w.q, w.scale, True))
+    checked = _wrap_params(fp8_model(model, quantized, real=True), FP8Experts, Checked)
     out = np.asarray(checked(tokens).logits)
     assert len(seen) == 12 and np.isfinite(out).all()  # 4 MoE layers x gate, up, down
     real = np.asarray(nnx.jit(lambda m, t: m(t).logits)(
