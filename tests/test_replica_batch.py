@@ -164,7 +164,7 @@ def test_aot_compiles_the_replica_in_its_micro_batches():
     """The replica's forward compiled as the server runs it: a named micro-batch is in
     the step's label; the arguments (params + the whole batch) are the same, the
     working set is smaller."""
-    from hldstudy.aot.compile import compile_teacher_forward
+    from hldstudy.aot.compile import Choices, compile_teacher_forward
 
     cfg, teacher = load_experiment("experiments/tiny_distill.py"), preset("tiny-teacher")
     b = cfg.data.batch_size
@@ -176,6 +176,14 @@ def test_aot_compiles_the_replica_in_its_micro_batches():
     assert micro.memory["argument_bytes"] == whole.memory["argument_bytes"]
     assert micro.memory["output_bytes"] == whole.memory["output_bytes"]
     assert micro.memory["temp_bytes"] < whole.memory["temp_bytes"]
+    # XLA's cost analysis counts the micro-batch loop once: the table says so
+    from hldstudy.aot.report import flops_note
+
+    assert (whole.loop_trips, micro.loop_trips) == (1, 4)
+    assert "micro-batches in a loop (counted once: XLA / model is about 1/4)" in flops_note(
+        cfg2, Choices("dense", "dense", "xla", "vmap", ()), [whole, micro])
+    assert "micro-batches" not in flops_note(cfg, Choices("dense", "dense", "xla", "vmap", ()),
+                                             [whole])
     # the planner's figures for the micro-batch compiled, by this host's compiler's row
     for step, m in ((whole, b), (micro, b // 4)):
         assert step.planner == replica_forward_memory(
@@ -183,7 +191,6 @@ def test_aot_compiles_the_replica_in_its_micro_batches():
             backend="cpu")
     assert micro.planner["temp_bytes"] < whole.planner["temp_bytes"]
     # aot's row of the replica stands the planner beside the compiled figures
-    from hldstudy.aot.compile import Choices
     from hldstudy.aot.report import largest_terms, step_rows
     from hldstudy.aot.targets import parse_target
 

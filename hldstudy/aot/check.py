@@ -72,7 +72,7 @@ def check_compile(cfg, method: str, teacher, target_text: str, *, cohort: int | 
             f"**{target.spec}** ({len(devs)} x {devs[0].device_kind}, mesh data x fsdp = "
             f"{len(devs) // fsdp} x {fsdp}, batch {cfg.data.batch_size} x {cfg.data.seq_len}, "
             f"model {cfg.model.dtype}, teacher {cfg.teacher.dtype})")
-    text = format_table(head, rows, choices, flops_note(cfg, choices), target.platform)
+    text = format_table(head, rows, choices, flops_note(cfg, choices, steps), target.platform)
     report = {"target": target.spec, "device_kind": devs[0].device_kind, "devices": len(devs),
               "config": cfg.name, "method": method, "cohort": cohort,
               "choices": dataclasses.asdict(choices), "rows": rows, "text": text}

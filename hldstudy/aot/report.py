@@ -86,10 +86,11 @@ def flop_model(cfg: Config, teacher_model: ModelConfig | None, step: CompiledSte
     return total / n_devices
 
 
-def flops_note(cfg: Config, choices: Choices) -> str:
+def flops_note(cfg: Config, choices: Choices, steps=()) -> str:
     """Where XLA's count of a step is incomplete (it counts a loop body once and a
     Pallas kernel only by the cost it declares)."""
-    notes = []
+    notes = [f"the {s.name} runs its micro-batches in a loop (counted once: XLA / model "
+             f"is about 1/{s.loop_trips})" for s in steps if s.loop_trips > 1]
     if choices.attention not in ("dense",):
         notes.append(f"attention {choices.attention} loops over blocks (counted once)")
     if cfg.distill.loss_impl == "fused":
