@@ -36,8 +36,11 @@ def test_layout_lists_every_qwen_linear_and_keeps_gates_dense():
     assert t.get2d(moe).shape == (moe.cfg.d_expert, moe.cfg.d_model)
 
 
-@pytest.mark.parametrize("name", ["tiny-qwen", "tiny-qwen-moe"])
-@pytest.mark.parametrize("method", ["wanda", "sparsegpt"])
+# Each method and each model stays in the default suite; the other two pairs are slow.
+@pytest.mark.parametrize("method,name", [
+    ("sparsegpt", "tiny-qwen"), ("wanda", "tiny-qwen-moe"),
+    pytest.param("wanda", "tiny-qwen", marks=pytest.mark.slow),
+    pytest.param("sparsegpt", "tiny-qwen-moe", marks=pytest.mark.slow)])
 def test_prune_qwen_students_to_2_4(name, method):
     model = Transformer(preset(name), rngs=nnx.Rngs(1))
     dense = nnx.clone(model)
