@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers.jaxpr_shapes import shapes
 
 from hldstudy.eval.head import target_logprobs
 
@@ -38,18 +39,6 @@ def test_ties_pick_the_first_column_like_argmax():
                                rtol=1e-6)
 
 
-def _shapes(jaxpr):
-    """Every intermediate's shape in a jaxpr, nested jaxprs (loops, maps, jits) included."""
-    for eqn in jaxpr.eqns:
-        for v in eqn.outvars:
-            yield tuple(getattr(v.aval, "shape", ()))
-        for p in eqn.params.values():
-            for sub in (p if isinstance(p, (tuple, list)) else (p,)):
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    yield from _shapes(inner)
-
-
 def test_the_scorer_never_builds_positions_by_vocab():
     """Only the gathered B x K rows ever meet the vocabulary, never the B x T context."""
     from flax import nnx
@@ -63,7 +52,7 @@ def test_the_scorer_never_builds_positions_by_vocab():
     jaxpr = jax.make_jaxpr(_score_at, static_argnums=0)(
         graphdef, state, jnp.zeros((b, t), jnp.int32), jnp.zeros((b, k), jnp.int32),
         jnp.zeros((b, k), jnp.int32)).jaxpr
-    with_vocab = [s for s in _shapes(jaxpr) if cfg.vocab_size in s]
+    with_vocab = [s for s in shapes(jaxpr) if cfg.vocab_size in s]
     assert with_vocab  # the head is in there
     # The embedding table [V, D] and head weight [D, V] aside, nothing V-wide has more
     # than the gathered b * k rows.
