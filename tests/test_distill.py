@@ -26,6 +26,8 @@ def test_methods_run_end_to_end(tmp_path, teacher_dir, method):
         assert "nmse" in record
 
 
+@pytest.mark.slow  # 33 s; bitwise resume (test_train::test_exact_resume_is_bitwise) and every
+# method's stages end to end (test_methods_run_end_to_end) stay in the default suite
 def test_hldf_stage_boundary_is_resumable_bitwise(tmp_path, teacher_dir):
     cfg = student_config("hldf", teacher_dir, steps=10, hldf_stage1_share=0.4)
     full = Trainer(cfg, tmp_path / "full", devices=jax.devices()[:1])

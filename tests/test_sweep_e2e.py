@@ -47,6 +47,8 @@ def _steps(run_dir: Path) -> list[int]:
             if "loss" in json.loads(line)]
 
 
+@pytest.mark.slow  # 53 s; a sweep resumed through submitit stays in the default suite
+# (test_slurm_executor_through_submitit_debug_resumes)
 def test_sweep_interrupted_resumed_and_reported_once(tmp_path, teacher_dir, monkeypatch, capsys):
     sweep = _sweep_file(tmp_path, teacher_dir)
     runs_dir = tmp_path / "runs"

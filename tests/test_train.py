@@ -187,7 +187,7 @@ def get_sweep():
     assert cfg["train"]["mesh_fsdp"] == 2 and cfg["schema_version"] == 2
 
 
-@pytest.mark.parametrize("name", ["tiny", "tiny-qwen"])
+@pytest.mark.parametrize("name", ["tiny", pytest.param("tiny-qwen", marks=pytest.mark.slow)])
 def test_eval_step_is_the_materialized_nll_without_building_tokens_by_vocab(name):
     """The validation NLL through the fused head equals the one from the model's own
     logits, and no tokens x vocab array is built (the 123M step's took 8 GiB/H100)."""
