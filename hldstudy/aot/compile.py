@@ -45,10 +45,10 @@ from hldstudy.teacher.colocated import teacher_forward_fn
 from hldstudy.teacher.microbatch import (
     compiler_checked,
     device_memory,
-    divisors_from,
     micro_batched,
-    pick_replica_batch,
+    replica_candidates,
     replica_forward_memory,
+    served,
 )
 from hldstudy.train.cohort import cohort_step_probe, default_mode
 from hldstudy.train.probe import cost_analysis, train_step_probe
@@ -265,7 +265,7 @@ def compile_teacher_forward(cfg: Config, teacher_model: ModelConfig, method: str
     every stage of `method` asks for, in the teacher's inference dtype, for the whole
     global batch (`data.batch_size` sequences) on one device of the target, in the
     micro-batches the replica picks there (teacher.replica_batch, or
-    `pick_replica_batch` against the target chip's memory, checked by the target's
+    `replica_candidates` against the target chip's memory, checked by the target's
     compiler as the replica checks it: `compiler_checked`)."""
     spec = methods.get(method)
     strategy = make_strategy(dataclasses.replace(
@@ -276,20 +276,15 @@ def compile_teacher_forward(cfg: Config, teacher_model: ModelConfig, method: str
     graphdef, params = nnx.split(nnx.eval_shape(lambda: _transformer(tcfg, 2)), nnx.Param)
     tdt = jnp.dtype(cfg.teacher.dtype)
     params = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, tdt), params)
-    forward = teacher_forward_fn(graphdef, needs.layers, needs.final)
-
-    def run(params, batch):  # what the server jits (TeacherServer._forward)
-        out = forward(params, batch)
-        return out.final_hidden, out.hidden
-
+    run = served(teacher_forward_fn(graphdef, needs.layers, needs.final))  # as the server
     mesh = replica_mesh(devices)
     with jax.set_mesh(mesh):
         backend = traced_target()[0]
     b = cfg.data.batch_size
     memory = device_memory(mesh.devices.flat[0])
-    micro = pick_replica_batch(cfg.teacher.replica_batch, tcfg, b, cfg.data.seq_len,
-                               layers=needs.layers, head=needs.final, dtype=cfg.teacher.dtype,
-                               backend=backend, memory_bytes=memory)
+    candidates = replica_candidates(cfg.teacher.replica_batch, tcfg, b, cfg.data.seq_len,
+                                    layers=needs.layers, head=needs.final,
+                                    dtype=cfg.teacher.dtype, backend=backend, memory_bytes=memory)
     one = mesh_lib.replicated(mesh)
     params = _placed(params, jax.tree_util.tree_map(lambda _: one, params))
     batch = {k: v for k, v in _abstract_batch(cfg, one).items()
@@ -303,10 +298,10 @@ def compile_teacher_forward(cfg: Config, teacher_model: ModelConfig, method: str
             tcfg, b, m, cfg.data.seq_len, layers=needs.layers, head=needs.final,
             dtype=cfg.teacher.dtype, backend=backend))
 
-    checked = memory is not None and not cfg.teacher.replica_batch
+    # One candidate: compiled once, whatever it needs (the table says whether it fits).
     return compiler_checked(
-        divisors_from(b, micro) if checked else [micro], compile_micro,
-        lambda st: not checked or (not st.refused and st.memory["total_bytes"] <= memory))[1]
+        candidates, compile_micro,
+        lambda st: memory is None or (not st.refused and st.memory["total_bytes"] <= memory))[1]
 
 
 def compile_eval(cfg: Config, method: str, teacher_model, mesh) -> CompiledStep:

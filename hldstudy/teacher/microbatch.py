@@ -108,11 +108,37 @@ def pick_replica_batch(requested: int, teacher_model: ModelConfig, batch_size: i
         return requested
     if memory_bytes is None:
         return batch_size
-    divisors = [b for b in range(batch_size, 0, -1) if batch_size % b == 0]
+    divisors = divisors_from(batch_size, batch_size)
     return next((b for b in divisors
                  if forward_bytes(teacher_model, batch_size, b, seq_len, layers=layers,
                                   head=head, dtype=dtype, backend=backend) <= memory_bytes),
                 divisors[-1])
+
+
+def replica_candidates(requested: int, teacher_model: ModelConfig, batch_size: int,
+                       seq_len: int, *, layers: tuple[int, ...], head: bool, dtype: str,
+                       backend: str, memory_bytes: int | None) -> list[int]:
+    """The micro-batches a replica tries, largest first (`compiler_checked`): the one
+    asked for, or the whole batch where the device's memory is unknown (nothing to check
+    against); else the planner's pick and every smaller divisor, so the compiler has the
+    last word. The one rule for the server and for `hldstudy.aot`."""
+    micro = pick_replica_batch(requested, teacher_model, batch_size, seq_len, layers=layers,
+                               head=head, dtype=dtype, backend=backend,
+                               memory_bytes=memory_bytes)
+    if requested or memory_bytes is None:
+        return [micro]
+    return divisors_from(batch_size, micro)
+
+
+def served(forward):
+    """A replica's program from a teacher forward (`teacher_forward_fn`): the tensors it
+    serves, (final hidden states, hidden states by layer)."""
+
+    def run(params, batch):
+        out = forward(params, batch)
+        return out.final_hidden, out.hidden
+
+    return run
 
 
 def divisors_from(batch_size: int, start: int) -> list[int]:

@@ -100,9 +100,9 @@ from hldstudy.teacher.microbatch import (
     compiled_fits,
     compiler_checked,
     device_memory,
-    divisors_from,
     micro_batched,
-    pick_replica_batch,
+    replica_candidates,
+    served,
 )
 
 log = logging.getLogger("hldstudy.teacher.serve")
@@ -325,30 +325,25 @@ class TeacherServer:
 
     def _forward(self, final: bool, layers: tuple[int, ...]):
         """(forward, sequences per micro-batch) for (final, layers): teacher.replica_batch,
-        or the largest divisor of the batch that fits this device by the planner
-        (`pick_replica_batch`) and by the compiler (`compiler_checked`: compiled ahead
-        for the step's shapes where the device's memory is known)."""
+        or the largest divisor of the batch that fits this device by the planner and by
+        the compiler (`replica_candidates`, `compiler_checked`: compiled ahead for the
+        step's shapes where the device's memory is known)."""
         key = (final, layers)
         if key not in self._jits:
-            fn = self.teacher.forward_fn(layers, final)
-
-            def run(params, batch):
-                out = fn(params, batch)
-                return out.final_hidden, out.hidden
-
-            d, device = self.cfg.data, jax.devices()[0]
-            b, memory = d.batch_size, device_memory(device)
-            micro = pick_replica_batch(self.cfg.teacher.replica_batch, self.model_cfg, b,
-                                       d.seq_len, layers=layers, head=final, dtype=self.dtype,
-                                       backend=jax.default_backend(), memory_bytes=memory)
-            if memory is None or self.cfg.teacher.replica_batch:
-                self._jits[key] = jax.jit(micro_batched(run, b // micro)), micro
+            run = served(self.teacher.forward_fn(layers, final))
+            d = self.cfg.data
+            b, memory = d.batch_size, device_memory(jax.devices()[0])
+            candidates = replica_candidates(
+                self.cfg.teacher.replica_batch, self.model_cfg, b, d.seq_len, layers=layers,
+                head=final, dtype=self.dtype, backend=jax.default_backend(), memory_bytes=memory)
+            if len(candidates) == 1:  # nothing to check ahead: compiled at the first call
+                self._jits[key] = jax.jit(micro_batched(run, b // candidates[0])), candidates[0]
             else:
                 inputs = self._inputs(self.data.train.batch_at(0))
                 abstract = jax.tree_util.tree_map(
                     lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (self.params, inputs))
                 micro, compiled = compiler_checked(
-                    divisors_from(b, micro),
+                    candidates,
                     lambda m: jax.jit(micro_batched(run, b // m)).lower(*abstract).compile(),
                     lambda c: compiled_fits(c, memory))
                 self._jits[key] = compiled, micro
