@@ -9,7 +9,7 @@ stage 2 is KD): one point of the grid sweeps/c4_123m.py (learning rate 1e-3, tem
 Steps per stage at the budget, without data, tokenizer or teacher weights (the FLOP
 count reads no data; data.path only has to be set):
 
-    python -m hldstudy.flops --config experiments/c4_123m_hldf.py --set data.path=/data/tensorflow_datasets --teacher-preset paper-teacher-3.4b
+    hldstudy flops --config experiments/c4_123m_hldf.py --set data.path=/data/tensorflow_datasets --teacher-preset paper-teacher-3.4b
 """
 
 from hldstudy.sweeps._c4 import student_config

@@ -9,7 +9,7 @@ counted. Its values come from sweeps/_c4.py.
 Steps per stage at the budget, without data, tokenizer or teacher weights (the FLOP
 count reads no data; data.path only has to be set):
 
-    python -m hldstudy.flops --config experiments/c4_735m_hldc.py --set data.path=/data/tensorflow_datasets --teacher-preset paper-teacher-3.4b
+    hldstudy flops --config experiments/c4_735m_hldc.py --set data.path=/data/tensorflow_datasets --teacher-preset paper-teacher-3.4b
 """
 
 from hldstudy.sweeps._c4 import student_config

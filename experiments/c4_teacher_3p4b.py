@@ -7,7 +7,7 @@ vocab) pretrained on 106B tokens of C4 English, the teacher of every C4 student 
 FLOPs per step and in all, without data or weights (the FLOP count reads no data;
 data.path only has to be set):
 
-    python -m hldstudy.flops --config experiments/c4_teacher_3p4b.py --set data.path=/data/tensorflow_datasets
+    hldstudy flops --config experiments/c4_teacher_3p4b.py --set data.path=/data/tensorflow_datasets
 """
 
 from hldstudy.sweeps._c4 import teacher_config

@@ -12,9 +12,9 @@ host). Without weights or data (nothing reads data.path, data.tokenizer or the t
 here; the teacher's shape comes from its preset):
 
     python -m hldstudy.sweep experiments/disaggkd_qwen35.py --dry-run
-    python -m hldstudy.flops --config experiments/disaggkd_qwen35.py --set data.path=/data/tensorflow_datasets --teacher-preset qwen3.5-35b-a3b --layout disaggregated
-    python -m hldstudy.plan --teacher qwen3.5-35b-a3b --student qwen3.5-9b --tokens-per-step 1048576 --seq-len 4096 --devices 64 --hbm 141 --link 400 --remat
-    python -m hldstudy.plan --sweep experiments/disaggkd_qwen35.py --devices 64 --hbm 141
+    hldstudy flops --config experiments/disaggkd_qwen35.py --set data.path=/data/tensorflow_datasets --teacher-preset qwen3.5-35b-a3b --layout disaggregated
+    hldstudy plan --teacher qwen3.5-35b-a3b --student qwen3.5-9b --tokens-per-step 1048576 --seq-len 4096 --devices 64 --hbm 141 --link 400 --remat
+    hldstudy plan --sweep experiments/disaggkd_qwen35.py --devices 64 --hbm 141
 """
 
 from hldstudy.config import BudgetConfig, Config, DataConfig, DistillConfig, TrainConfig

@@ -7,7 +7,7 @@ experiments/tiny_qwen_teacher.py; the two share the synthetic corpus's 512-token
 
 FLOPs per step without a teacher run (the preset gives the teacher's shape):
 
-    python -m hldstudy.flops --config tiny_qwen_distill --teacher-preset tiny-qwen-moe
+    hldstudy flops --config tiny_qwen_distill --teacher-preset tiny-qwen-moe
 """
 
 from hldstudy.config import Config, DataConfig, DistillConfig, TrainConfig

@@ -2,8 +2,8 @@
 
     hldstudy quickstart [--size small|medium|large] [--workdir DIR]
     hldstudy train ...     (same as python -m hldstudy.train)
-    hldstudy flops ...     (same as python -m hldstudy.flops)
-    hldstudy plan ...      (same as python -m hldstudy.plan)
+    hldstudy flops ...     (FLOPs per step, steps per budget, XLA's count)
+    hldstudy plan ...      (memory / network planner; --sweep, --check-compile)
     hldstudy eval ...      (same as python -m hldstudy.eval)
     hldstudy sweep ...     (same as python -m hldstudy.sweep)
     hldstudy analysis ...  (same as python -m hldstudy.analysis)
@@ -21,8 +21,8 @@ def main(argv: list[str] | None = None) -> int:
     commands = {
         "quickstart": "hldstudy.quickstart",
         "train": "hldstudy.train.__main__",
-        "flops": "hldstudy.flops.__main__",
-        "plan": "hldstudy.plan.__main__",
+        "flops": "hldstudy.commands.flops",
+        "plan": "hldstudy.commands.plan",
         "eval": "hldstudy.eval.__main__",
         "sweep": "hldstudy.sweep.__main__",
         "analysis": "hldstudy.analysis.__main__",

@@ -372,3 +372,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"written: {Path(args.workdir) / 'results.json'}, "
               f"{Path(args.workdir) / 'report' / 'report.md'} ({results['seconds']['total']} s)")
     return 1 if results["failed"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -11,7 +11,7 @@ One SLURM job per cohort of at most 12 students of a method (4 cohorts: baseline
 hldf, hldc), and 8 teacher replicas (one GPU each) that the sweep starts, serves every
 cohort from and stops: the teacher runs once per step of the longest schedule (HLDF's
 50,466) for the whole grid, 28.7x fewer teacher FLOPs than every run with its own
-teacher (`python -m hldstudy.plan --sweep c4_123m`). 8 replicas is a sizing estimate:
+teacher (`hldstudy plan --sweep c4_123m`). 8 replicas is a sizing estimate:
 a 3.4B forward per step on one GPU against a cohort of 12 123M students on 8 GPUs is
 about 6x the cohort's per-GPU work. Without the replica set, every run alone:
 

@@ -131,7 +131,7 @@ def test_a_step_that_cannot_fit_is_exit_3_naming_memory_and_buffers(capsys):
 def test_plan_check_compile_compiles_the_grid_in_the_planners_layout(capsys):
     """`plan --sweep cpu --cohort 2 --check-compile h100:1`: one compile per (method, cohort
     size) of the grid, every run of the grid covered, every program fits."""
-    from hldstudy.plan.__main__ import main as plan_main
+    from hldstudy.commands.plan import main as plan_main
 
     assert plan_main(["--sweep", "cpu", "--cohort", "2", "--check-compile", "h100:1",
                       "--json"]) == 0

@@ -29,16 +29,17 @@ ROOT = Path(__file__).resolve().parent.parent
 
 MAINS = {
     "train": "hldstudy.train.__main__",
-    "plan": "hldstudy.plan.__main__",
-    "flops": "hldstudy.flops.__main__",
+    "plan": "hldstudy.commands.plan",
+    "flops": "hldstudy.commands.flops",
     "eval": "hldstudy.eval.__main__",
     "analysis": "hldstudy.analysis.__main__",
     "serve": "hldstudy.teacher.serve",
     "sweep": "hldstudy.sweep.__main__",
     "quickstart": "hldstudy.quickstart",
 }
-# `python -m` names of the CLIs (the subprocess cases).
-MODULES = {"train": "hldstudy.train", "plan": "hldstudy.plan", "flops": "hldstudy.flops",
+# `python -m` names of the CLIs (the subprocess cases); the top floor's commands run as
+# `python -m hldstudy <command>`.
+MODULES = {"train": "hldstudy.train", "plan": "hldstudy plan", "flops": "hldstudy flops",
            "eval": "hldstudy.eval", "analysis": "hldstudy.analysis",
            "serve": "hldstudy.teacher.serve", "sweep": "hldstudy.sweep"}
 
@@ -369,7 +370,7 @@ PROCESS_CASES = [
 def test_process_boundary(case, world):
     before = snapshot(world)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    r = subprocess.run([sys.executable, "-m", MODULES[case.cli], *_argv(case, world)],
+    r = subprocess.run([sys.executable, "-m", *MODULES[case.cli].split(), *_argv(case, world)],
                        capture_output=True, text=True, cwd=world, env=env, timeout=120)
     one_line(r.returncode, r.stderr, case.needles)
     assert snapshot(world) == before
@@ -481,8 +482,8 @@ def test_domain_specs():
 
 
 def test_long_sequences_are_warned_about_before_compute(world, capsys):
-    from hldstudy.flops.__main__ import main as flops_main
-    from hldstudy.plan.__main__ import main as plan_main
+    from hldstudy.commands.flops import main as flops_main
+    from hldstudy.commands.plan import main as plan_main
 
     # Long, but a step still holds whole sequences (longer than the step is refused).
     plan = [*PLAN[:PLAN.index("--tokens-per-step") + 1], "1048576",

@@ -7,7 +7,7 @@ import pytest
 
 from hldstudy.config import Config, DataConfig, TrainConfig
 from hldstudy.model import preset
-from hldstudy.plan.__main__ import main as plan_main
+from hldstudy.commands.plan import main as plan_main
 from hldstudy.sweep import Sweep, expand
 from hldstudy.sweep.cohorts import cohort_key, group, run_flops, study_flops
 

@@ -15,7 +15,7 @@ from hldstudy.flops import (
     matmul_params_per_layer,
     step_flops,
 )
-from hldstudy.flops.__main__ import main
+from hldstudy.commands.flops import main
 from hldstudy.flops.budget import plan_stages
 from hldstudy.model import preset
 from hldstudy.train.probe import xla_flops_for

@@ -20,7 +20,7 @@ from hldstudy.plan import (
     weights_bytes,
     xla_memory,
 )
-from hldstudy.plan.__main__ import main
+from hldstudy.commands.plan import main
 
 
 def inputs(**kw):

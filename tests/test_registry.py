@@ -22,7 +22,7 @@ from hldstudy.config import (
 )
 from hldstudy.distill import methods
 from hldstudy.distill.methods import ALIGN_FIELDS, MethodSpec, StageSpec
-from hldstudy.flops.__main__ import main as flops_main
+from hldstudy.commands.flops import main as flops_main
 from hldstudy.model import preset
 from hldstudy.sweep.__main__ import main as sweep_main
 from hldstudy.train.loop import train
@@ -46,7 +46,7 @@ def toy():
 
 def _experiment(tmp_path: Path) -> Path:
     f = tmp_path / "tiny_exp.py"
-    f.write_text(f'''"""python -m hldstudy.flops --config {f} --method selfalign"""
+    f.write_text(f'''"""hldstudy flops --config {f} --method selfalign"""
 from hldstudy.config import Config, DataConfig
 from hldstudy.model import preset
 

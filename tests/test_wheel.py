@@ -71,7 +71,7 @@ def test_wheel_runs_the_quickstart_without_the_checkout(tmp_path):
     # Built-in names resolve inside the package: a C4 run (importing hldstudy.sweeps._c4)
     # counts its FLOPs, and the CPU grid expands.
     module = [sys.executable, "-m"]
-    _run(module + ["hldstudy.flops", "--config", "c4_123m_kd", "--set",
+    _run(module + ["hldstudy", "flops", "--config", "c4_123m_kd", "--set",
                    "data.path=/nonexistent/tfds", "--teacher-preset", "paper-teacher-3.4b"],
          cwd=elsewhere, env=env)
     _run(module + ["hldstudy.sweep", "cpu", "--dry-run"], cwd=elsewhere, env=env)

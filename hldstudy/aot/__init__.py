@@ -4,7 +4,7 @@
 cohort step, the teacher replica's forward, the eval step) for a named TPU or NVIDIA
 target with that target's own compiler (libtpu, the JAX CUDA plugin: the `aot` extra),
 and sets what the compiler reports per device beside the planner's prediction and the
-FLOP model. `python -m hldstudy.plan --sweep S --check-compile TARGET` runs it for a grid.
+FLOP model. `hldstudy plan --sweep S --check-compile TARGET` runs it for a grid.
 
 - `targets`: target names -> compile-only devices (TPU topologies, GPU target configs);
 - `compile`: the trainer's own step builders over abstract, placed inputs, compiled;

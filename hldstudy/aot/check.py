@@ -1,5 +1,5 @@
 """One run, or a grid's runs, compiled for a target and reported: what
-`python -m hldstudy.aot` and `python -m hldstudy.plan --sweep S --check-compile T` do."""
+`python -m hldstudy.aot` and `hldstudy plan --sweep S --check-compile T` do."""
 
 from __future__ import annotations
 

@@ -61,7 +61,7 @@ gated attention, MoE: active experts + router + shared expert) with
 `hldstudy.flops.layers_qwen`, whose `attention` term is all sequence mixing. Every method
 and stage (student, teacher forward, regressors, HLDF's prefixes) goes through it.
 
-CLI: `python -m hldstudy.flops --config experiments/X.py --method kd
+CLI: `hldstudy flops --config experiments/X.py --method kd
 --teacher-preset tiny-teacher --budget 1e15 --check-xla --json`.
 """
 

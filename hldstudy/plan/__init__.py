@@ -14,7 +14,7 @@ teacher runtime or the sweep:
   cohort of K students), predicted, as each target compiler schedules it
   (`compilers`: what XLA CPU, XLA GPU and libtpu keep live at a step's peak).
 
-The command line (`python -m hldstudy.plan`, `plan/__main__.py`) prints the
+The command line (`hldstudy plan`, `plan/__main__.py`) prints the
 tables; its `--sweep` mode also reads a grid (`hldstudy.sweep`), which sits
 above this package and imports it (`--cohort auto`), never the other way.
 

@@ -2,7 +2,7 @@
 
 Answers "will this OOM / will the network stall" before anyone rents a
 cluster (DESIGN.md, "Disaggregated teacher"). Everything is a pure function
-of model shapes and a few hardware numbers; `python -m hldstudy.plan` prints
+of model shapes and a few hardware numbers; `hldstudy plan` prints
 the tables (`--json` for one machine-readable object).
 
 Layouts (D trainer devices, FSDP: weights, grads and optimizer states are

@@ -1,6 +1,6 @@
-"""`python -m hldstudy.flops`: FLOPs per step of a method, steps per budget, XLA's count.
+"""`hldstudy flops`: FLOPs per step of a method, steps per budget, XLA's count.
 
-CLI: `python -m hldstudy.flops --config experiments/X.py --method kd
+CLI: `hldstudy flops --config experiments/X.py --method kd
 --teacher-preset tiny-teacher --budget 1e15 --check-xla --json`.
 """
 
@@ -48,7 +48,7 @@ def _stage_report(cfg, method, stage, share, teacher_model, steps, check_xla,
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m hldstudy.flops", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="hldstudy flops", description=__doc__.split("\n")[0])
     ap.add_argument("--config", required=True, help="an experiment file")
     ap.add_argument("--method", choices=methods.names(), default=None)
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="K=V")

@@ -1,4 +1,4 @@
-"""`python -m hldstudy.plan`: will a run fit, will the network stall (colocated vs
+"""`hldstudy plan`: will a run fit, will the network stall (colocated vs
 disaggregated teacher), and `--sweep SWEEP`: what a whole grid costs per layout
 (colocated, disaggregated, cohort, and grid: one replica set for every cohort, printed
 beside its bound with the replica's window memory).
@@ -71,7 +71,7 @@ def format_markdown(r: dict) -> str:
 def study_main(argv: list[str]) -> int:
     """`--sweep SWEEP`: teacher, student and total FLOPs of a whole grid under the
     colocated, disaggregated and cohort layouts, and device-hours."""
-    ap = argparse.ArgumentParser(prog="python -m hldstudy.plan --sweep",
+    ap = argparse.ArgumentParser(prog="hldstudy plan --sweep",
                                  description="FLOPs and device-hours of a whole sweep: colocated "
                                              "vs disaggregated vs cohort vs one replica set for the grid.")
     ap.add_argument("--sweep", required=True, help="sweep file or built-in sweep name")
@@ -195,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if any(a == "--sweep" or a.startswith("--sweep=") for a in argv):
         return study_main(argv)
-    ap = argparse.ArgumentParser(prog="python -m hldstudy.plan",
+    ap = argparse.ArgumentParser(prog="hldstudy plan",
                                  description="Memory / network planner: colocated vs "
                                              "disaggregated teacher.")
     ap.add_argument("--teacher", required=True, help="model preset (hldstudy.model.presets)")
