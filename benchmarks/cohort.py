@@ -65,10 +65,9 @@ def bench_pair(k: int, steps: int, work: Path, mode: str = "vmap") -> dict:
     from hldstudy.config import Config, DataConfig, DistillConfig, TrainConfig
     from hldstudy.model import Transformer, preset
     from hldstudy.teacher.colocated import ColocatedTeacher
-    from hldstudy.train.cohort import HPARAMS, make_cohort_step
     from hldstudy.train.loop import Trainer, stack
     from hldstudy.train.optim import make_optimizer
-    from hldstudy.train.step import make_train_step
+    from hldstudy.train.program import HPARAMS, Members, train_program
 
     vocab = 512
     student = preset("tiny", vocab_size=vocab)
@@ -93,14 +92,14 @@ def bench_pair(k: int, steps: int, work: Path, mode: str = "vmap") -> dict:
 
     forward = jax.jit(feed.forward)
     outputs = forward(t_in, batch)
-    solo = jax.jit(make_train_step(strategy, stage, graphdefs, optimizer, feed.forward))
-    student_only = jax.jit(make_train_step(strategy, stage, graphdefs, optimizer, None))
+    solo = jax.jit(train_program(strategy, stage, graphdefs, optimizer, feed.forward))
+    student_only = jax.jit(train_program(strategy, stage, graphdefs, optimizer, None))
 
     def make_opt(lr):
         return make_optimizer(cfg.train, plan.steps, lr=lr)
 
-    cohort = jax.jit(make_cohort_step(strategy, stage, graphdefs, optimizer, make_opt,
-                                      feed.forward, mode))
+    cohort = jax.jit(train_program(strategy, stage, graphdefs, optimizer, feed.forward,
+                                   Members(make_opt, mode)))
     states = stack([state] * k)
     hps = {"lr": jnp.linspace(1e-3, 3e-3, k).astype(jnp.float32),
            "temperature": jnp.linspace(1.0, 2.0, k).astype(jnp.float32)}
@@ -108,8 +107,8 @@ def bench_pair(k: int, steps: int, work: Path, mode: str = "vmap") -> dict:
     bad = jnp.zeros((k,), jnp.int32)
 
     T = _time(lambda: forward(t_in, batch), steps)
-    S = _time(lambda: student_only(state, batch, outputs), steps)
-    solo_step = _time(lambda: solo(state, batch, t_in), steps)
+    S = _time(lambda: student_only(state, batch, outputs, {}, 0), steps)
+    solo_step = _time(lambda: solo(state, batch, t_in, {}, 0), steps)
     cohort_step = _time(lambda: cohort(states, batch, t_in, hps, bad), steps)
     solo_arm = k * solo_step  # K runs' steps, one after another (parallel 1)
     return {"K": k, "teacher": {"d_model": teacher_cfg.d_model, "n_layers": teacher_cfg.n_layers},
@@ -236,7 +235,7 @@ def render(res: dict) -> str:
                   f"--cohort {r0['K']} (3 cohorts), --parallel {r0['parallel']} in both arms; "
                   "the teacher trained first, outside the timing. Each row is one run of "
                   "both arms; mode: how the cohort step runs its members "
-                  "(`hldstudy.train.cohort.default_mode`).", "",
+                  "(`hldstudy.train.program.default_mode`).", "",
                   "| cohort mode | load avg | solo arm | cohort arm | speedup | max rel. loss "
                   "diff (every logged step) | max rel. diff, numbers of results.json | "
                   "all done | runs with bitwise-equal losses |",

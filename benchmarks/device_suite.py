@@ -263,7 +263,8 @@ def jax_kd_step(p: dict) -> dict:
     from hldstudy.model import Transformer, preset
     from hldstudy.teacher.colocated import teacher_forward_fn
     from hldstudy.train.optim import make_optimizer
-    from hldstudy.train.step import make_train_step, split_params
+    from hldstudy.train.program import train_program
+    from hldstudy.train.step import split_params
 
     s = p["step"]
     b, t = s["batch"], s["seq"]
@@ -286,7 +287,7 @@ def jax_kd_step(p: dict) -> dict:
                                  strategy.teacher_needs_head(stage))
     optimizer = make_optimizer(cfg.train, 1000)
     state = {"params": params, "opt_state": optimizer.init(params), "step": jnp.int32(0)}
-    step = jax.jit(make_train_step(strategy, stage, graphdefs, optimizer, forward),
+    step = jax.jit(train_program(strategy, stage, graphdefs, optimizer, forward),
                    donate_argnums=(0,))
     rng = jax.random.PRNGKey(2)
     tokens = jax.random.randint(rng, (b, t), 0, student_cfg.vocab_size, jnp.int32)
@@ -295,13 +296,13 @@ def jax_kd_step(p: dict) -> dict:
              "segment_ids": jnp.ones((b, t), jnp.int32), "mask": jnp.ones((b, t), jnp.float32)}
     init_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    state, m = step(state, batch, teacher_params)
+    state, m = step(state, batch, teacher_params, {}, 0)[:2]
     first_loss = float(m["loss"])
     compile_s = time.perf_counter() - t0
     holder = {"state": state}
 
     def one():
-        holder["state"], m = step(holder["state"], batch, teacher_params)
+        holder["state"], m = step(holder["state"], batch, teacher_params, {}, 0)[:2]
         return m
 
     step_s, times = _median_time(one, s["steps"], jax.block_until_ready)

@@ -11,7 +11,7 @@ alpha = 0.5), AdamW with global-norm clipping 1.0, one optimizer step per call.
 
 - **ours**: hldstudy's own train step, built from the trainer's pieces
   (`make_strategy`, the colocated teacher's `teacher_forward_fn`,
-  `make_optimizer`, `make_train_step`, jitted with the state donated, as
+  `make_optimizer`, `train_program`, jitted with the state donated, as
   `train/loop.py` does): teacher forward, student forward, fused KD loss
   (never builds `[T, V]` logits) or `distill.loss_impl=materialized`, backward,
   AdamW. `model.attention=auto` (the default a study run gets on CPU).
@@ -88,7 +88,7 @@ def make_batch(vocab: int, batch: int, seq: int, seed: int = 0):
 
 def build_ours(dtype: str = "float32", loss_impl: str = "fused", *, tiny: bool = False,
                attention: str = "auto", seed: int = 0):
-    """Returns (step, state, batch, teacher_params, cfg): `step(state, batch, teacher_params)`
+    """Returns (step, state, batch, teacher_params, cfg): `step(state, batch, teacher_params, {}, 0)[:2]`
     is the jitted (state-donating) KD train step the trainer runs."""
     import jax
     import jax.numpy as jnp
@@ -99,7 +99,8 @@ def build_ours(dtype: str = "float32", loss_impl: str = "fused", *, tiny: bool =
     from hldstudy.model import Transformer
     from hldstudy.teacher.colocated import teacher_forward_fn
     from hldstudy.train.optim import make_optimizer
-    from hldstudy.train.step import make_train_step, split_params
+    from hldstudy.train.program import train_program
+    from hldstudy.train.step import split_params
 
     student_cfg, teacher_cfg = model_configs(tiny)
     b, t = shapes(tiny)
@@ -119,7 +120,7 @@ def build_ours(dtype: str = "float32", loss_impl: str = "fused", *, tiny: bool =
                                  strategy.teacher_needs_head(stage))
     optimizer = make_optimizer(cfg.train, 1000)
     state = {"params": params, "opt_state": optimizer.init(params), "step": jnp.int32(0)}
-    step = jax.jit(make_train_step(strategy, stage, graphdefs, optimizer, forward),
+    step = jax.jit(train_program(strategy, stage, graphdefs, optimizer, forward),
                    donate_argnums=(0,))
     tokens, targets = make_batch(student_cfg.vocab_size, b, t)
     batch = {"tokens": jnp.asarray(tokens), "targets": jnp.asarray(targets),
@@ -133,13 +134,13 @@ def ours_worker(dtype: str, loss_impl: str, tiny: bool):
 
     step, state, batch, teacher_params, _ = build_ours(dtype, loss_impl, tiny=tiny)
     t0 = time.perf_counter()
-    state, metrics = step(state, batch, teacher_params)
+    state, metrics = step(state, batch, teacher_params, {}, 0)[:2]
     first = {k: float(v) for k, v in jax.device_get(metrics).items()}
     compile_s = time.perf_counter() - t0
     holder = {"state": state}
 
     def one_step():
-        holder["state"], m = step(holder["state"], batch, teacher_params)
+        holder["state"], m = step(holder["state"], batch, teacher_params, {}, 0)[:2]
         jax.block_until_ready(m)
         return float(m["loss"])
 

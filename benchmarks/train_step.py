@@ -30,7 +30,8 @@ from hldstudy.distill.base import make_strategy
 from hldstudy.flops import step_flops
 from hldstudy.model import Transformer, preset
 from hldstudy.train.optim import make_optimizer
-from hldstudy.train.step import make_train_step, split_params
+from hldstudy.train.program import train_program
+from hldstudy.train.step import split_params
 
 OUT = Path(__file__).resolve().parent / "results"
 
@@ -56,7 +57,7 @@ def bench(name: str, cfg: Config, steps: int) -> dict:
     student = Transformer(cfg.model, rngs=nnx.Rngs(0))
     graphdefs, params = split_params(student, None)
     state = {"params": params, "opt_state": optimizer.init(params), "step": jnp.int32(0)}
-    step = jax.jit(make_train_step(strategy, stage, graphdefs, optimizer), donate_argnums=(0,))
+    step = jax.jit(train_program(strategy, stage, graphdefs, optimizer), donate_argnums=(0,))
     b, t = cfg.data.batch_size, cfg.data.seq_len
     rng = np.random.default_rng(0)
     batch = {"tokens": jnp.asarray(rng.integers(0, cfg.model.vocab_size, (b, t)), jnp.int32),
@@ -64,7 +65,7 @@ def bench(name: str, cfg: Config, steps: int) -> dict:
              "positions": jnp.tile(jnp.arange(t, dtype=jnp.int32), (b, 1)),
              "segment_ids": jnp.ones((b, t), jnp.int32), "mask": jnp.ones((b, t), jnp.float32)}
     t0 = time.perf_counter()
-    state, m = step(state, batch, None)
+    state, m = step(state, batch, None, {}, 0)[:2]
     jax.block_until_ready(m)
     compile_s = time.perf_counter() - t0
     flops = step_flops(cfg, method="baseline").total
@@ -72,7 +73,7 @@ def bench(name: str, cfg: Config, steps: int) -> dict:
     for _ in range(steps):
         peaks.append(matmul_peak(reps=3))
         t0 = time.perf_counter()
-        state, m = step(state, batch, None)
+        state, m = step(state, batch, None, {}, 0)[:2]
         jax.block_until_ready(m)
         times.append(time.perf_counter() - t0)
     step_s = float(np.median(times))

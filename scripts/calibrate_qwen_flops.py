@@ -2,7 +2,7 @@
 to XLA's CPU cost analysis.
 
 For random small dense Qwen3.5 models (mixed gated-attention / Gated DeltaNet layers,
-T = the chunk size, one sequence), the trainer's baseline step (`train_step_probe`) and
+T = the chunk size, one sequence), the trainer's baseline step (`abstract_train_program`) and
 the teacher's forward alone (`teacher_forward_fn`, final hidden states) are compiled; XLA's
 count (`hldstudy.flops.xla_count`; complete since the DeltaNet's system is inverted with
 matmuls; the one-trip chunk loop kept as a loop: `KEEP_LOOPS`) minus everything
@@ -34,7 +34,8 @@ from hldstudy.model.presets import preset
 from hldstudy.model.transformer import Transformer
 from hldstudy.shapes import ModelShape
 from hldstudy.teacher.colocated import teacher_forward_fn
-from hldstudy.train.probe import cost_analysis, train_step_probe
+from hldstudy.train.probe import cost_analysis
+from hldstudy.train.program import abstract_train_program
 
 
 def xla_count(fn, *args) -> float:
@@ -67,8 +68,8 @@ def random_model(rng):
 def measure(m) -> dict:
     t = m.deltanet_chunk
     cfg = Config(model=m, data=DataConfig(batch_size=1, seq_len=t), budget=BudgetConfig())
-    step, state, batch, teacher_in = train_step_probe(cfg, "baseline", None)
-    train = xla_count(step, state, batch, teacher_in)
+    program, args = abstract_train_program(cfg, "baseline", None)
+    train = xla_count(program, *args)
     bd = step_flops(cfg)
     blocks = elementwise_per_token(m, t, train=True) - \
         elementwise_per_token(m, t, n_layers=0, train=True)

@@ -149,7 +149,8 @@ def test_the_trainers_eval_step_is_traced_under_its_mesh(monkeypatch):
 
     from hldstudy import sharding as mesh_lib
     from hldstudy.train import loop
-    from hldstudy.train.step import make_eval_step, split_params
+    from hldstudy.train.program import make_eval_step
+    from hldstudy.train.step import split_params
 
     seen = []
 

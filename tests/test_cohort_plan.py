@@ -5,9 +5,9 @@ import json
 
 import pytest
 
+from hldstudy.commands.plan import main as plan_main
 from hldstudy.config import Config, DataConfig, TrainConfig
 from hldstudy.model import preset
-from hldstudy.commands.plan import main as plan_main
 from hldstudy.sweep import Sweep, expand
 from hldstudy.sweep.cohorts import cohort_key, group, run_flops, study_flops
 
@@ -93,12 +93,12 @@ def test_cohort_memory_matches_xla(mode, k):
 
     from hldstudy.config import DistillConfig
     from hldstudy.plan import cohort_memory, xla_memory
-    from hldstudy.train.cohort import cohort_step_probe
+    from hldstudy.train.program import abstract_train_program
 
     cfg = Config(model=preset("tiny"), data=DataConfig(batch_size=4, seq_len=64),
                  distill=DistillConfig(method="kd", loss_impl="fused", fused_backend="xla"))
     teacher = preset("tiny-teacher")
-    step, args = cohort_step_probe(cfg, k, "kd", None, teacher, mode=mode)
+    step, args = abstract_train_program(cfg, "kd", None, teacher, cohort=k, mode=mode)
     xla = xla_memory(jax.jit(step, donate_argnums=(0,)).lower(*args).compile())
     pred = cohort_memory(cfg, teacher, k, mode=mode)
     assert pred["argument_bytes"] == pytest.approx(xla["argument_bytes"], rel=0.02)

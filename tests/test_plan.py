@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+from hldstudy.commands.plan import main
 from hldstudy.config import Config, DataConfig
 from hldstudy.errors import ConfigError
 from hldstudy.model import count_params, preset
@@ -20,7 +21,6 @@ from hldstudy.plan import (
     weights_bytes,
     xla_memory,
 )
-from hldstudy.commands.plan import main
 
 
 def inputs(**kw):
@@ -209,13 +209,13 @@ def test_predict_step_memory_matches_xla_distill(method, stage, layout, distill)
     import jax
 
     from hldstudy.config import DistillConfig
-    from hldstudy.train.probe import train_step_probe
+    from hldstudy.train.program import abstract_train_program
 
     teacher = preset("tiny-teacher")
     cfg = Config(model=preset("tiny"), data=DataConfig(batch_size=4, seq_len=64),
                  distill=DistillConfig(method=method, **distill))
-    step, state, batch, teacher_in = train_step_probe(cfg, method, stage, teacher, layout=layout)
-    xla = xla_memory(jax.jit(step, donate_argnums=(0,)).lower(state, batch, teacher_in).compile())
+    program, args = abstract_train_program(cfg, method, stage, teacher, layout=layout)
+    xla = xla_memory(jax.jit(program, donate_argnums=(0,)).lower(*args).compile())
     pred = predict_step_memory(cfg, teacher, method=method, stage=stage, layout=layout)
     assert pred["argument_bytes"] == pytest.approx(xla["argument_bytes"], rel=0.02)
     assert pred["output_bytes"] == pytest.approx(xla["output_bytes"], rel=0.02)

@@ -39,7 +39,7 @@ from hldstudy.errors import (
     user_errors,
 )
 from hldstudy.model import preset
-from hldstudy.train import loop
+from hldstudy.train import loop, program
 from hldstudy.train.loop import Interrupted, Trainer
 from hldstudy.train.metrics import MetricsLogger, read_records
 
@@ -166,7 +166,7 @@ def test_evaluate_never_reports_an_empty_validation_as_perfect():
 
 def _nan_from_step(monkeypatch, bad: int):
     """A train step that turns the state non-finite from global step `bad` on (test double)."""
-    original = loop.make_train_step
+    original = program.make_train_step
 
     def make(*args, **kwargs):
         step_fn = original(*args, **kwargs)
@@ -181,7 +181,7 @@ def _nan_from_step(monkeypatch, bad: int):
 
         return poisoned
 
-    monkeypatch.setattr(loop, "make_train_step", make)
+    monkeypatch.setattr(program, "make_train_step", make)
 
 
 def test_non_finite_state_is_never_saved(tmp_path, tokenizer_path, monkeypatch):

@@ -195,7 +195,8 @@ def test_eval_step_is_the_materialized_nll_without_building_tokens_by_vocab(name
 
     from hldstudy.losses.kd import nll_per_token
     from hldstudy.model import Transformer, preset
-    from hldstudy.train.step import make_eval_step, split_params
+    from hldstudy.train.program import make_eval_step
+    from hldstudy.train.step import split_params
 
     # A vocabulary wider than one head chunk (VOCAB_BLOCK), or the chunk is the whole row.
     cfg = dataclasses.replace(preset(name), vocab_size=20000)

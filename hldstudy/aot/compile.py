@@ -1,5 +1,5 @@
-"""Compile a run's steps for a named target without it: the trainer's own step builders
-(`hldstudy.train.probe`, `hldstudy.train.cohort`) over abstract inputs
+"""Compile a run's steps for a named target without it: the trainer's own programs
+(`hldstudy.train.program`) over abstract inputs
 (`jax.ShapeDtypeStruct`s placed on the config's mesh over the target's compile-only
 devices), lowered and compiled by the target's compiler (libtpu, the CUDA plugin).
 
@@ -50,9 +50,14 @@ from hldstudy.teacher.microbatch import (
     replica_forward_memory,
     served,
 )
-from hldstudy.train.cohort import cohort_step_probe, default_mode
-from hldstudy.train.probe import cost_analysis, train_step_probe
-from hldstudy.train.step import make_eval_step, split_params, with_finite_record
+from hldstudy.train.probe import cost_analysis
+from hldstudy.train.program import (
+    abstract_batch,
+    abstract_train_program,
+    default_mode,
+    make_eval_step,
+)
+from hldstudy.train.step import split_params
 
 # How many of the peak's largest groups a CompiledStep keeps.
 PEAK_GROUPS = 6
@@ -217,22 +222,18 @@ def mesh_for(cfg: Config, devices):
 
 def train_program(cfg: Config, teacher_model, method: str, stage: str, mesh,
                   cohort: int | None = None, mode: str = "vmap"):
-    """(name, jitted, abstract args) of the train step the trainer compiles for (method,
-    stage): the solo step (`with_finite_record(make_train_step(...))`, as
-    `SoloSteps.build`) or, with `cohort` K, the cohort step (`make_cohort_step`); state
-    donated, outputs placed as its inputs, every argument placed on `mesh`."""
+    """(name, jitted, abstract args) of the train program the trainer compiles for
+    (method, stage), one run or a cohort of K (`hldstudy.train.program`); state donated,
+    outputs placed as its inputs, every argument placed on `mesh`."""
     rep = mesh_lib.replicated(mesh)
-    bad_shape = () if cohort is None else (cohort,)
-    bad = jax.ShapeDtypeStruct(bad_shape, jnp.int32, sharding=rep)
+    fn, (state, batch, teacher_in, hps, bad) = abstract_train_program(
+        cfg, method, stage, teacher_model, cohort=cohort, mode=mode)
     if cohort is None:
-        step, state, batch, teacher_in = train_step_probe(cfg, method, stage, teacher_model)
-        fn, hps = with_finite_record(step), {}
         state_sh = mesh_lib.tree_shardings(mesh, state)
     else:
-        fn, (state, batch, teacher_in, hps, _) = cohort_step_probe(
-            cfg, cohort, method, stage, teacher_model, mode=mode)
         state_sh = _stacked_shardings(mesh, state)
-        hps = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=rep) for k, v in hps.items()}
+    hps = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=rep) for k, v in hps.items()}
+    bad = jax.ShapeDtypeStruct(bad.shape, bad.dtype, sharding=rep)
     state = _placed(state, state_sh)
     batch = _placed(batch, {k: mesh_lib.batch_sharding(mesh) for k in batch})
     if teacher_in is not None:
@@ -287,7 +288,7 @@ def compile_teacher_forward(cfg: Config, teacher_model: ModelConfig, method: str
                                     dtype=cfg.teacher.dtype, backend=backend, memory_bytes=memory)
     one = mesh_lib.replicated(mesh)
     params = _placed(params, jax.tree_util.tree_map(lambda _: one, params))
-    batch = {k: v for k, v in _abstract_batch(cfg, one).items()
+    batch = {k: v for k, v in abstract_batch(cfg, one).items()
              if k in ("tokens", "positions", "segment_ids")}  # what TeacherServer.compute sends
 
     def compile_micro(m: int) -> CompiledStep:
@@ -307,23 +308,15 @@ def compile_teacher_forward(cfg: Config, teacher_model: ModelConfig, method: str
 def compile_eval(cfg: Config, method: str, teacher_model, mesh) -> CompiledStep:
     """The trainer's eval step (`make_eval_step`) on the student's params."""
     stage = stage_names(cfg, method, teacher_model)[-1]
-    _, state, _, _ = train_step_probe(cfg, method, stage, teacher_model)
+    _, (state, *_) = abstract_train_program(cfg, method, stage, teacher_model)
     graphdefs, _ = split_params(*nnx.eval_shape(lambda: (_transformer(cfg.model, 0), None)))
     params = _placed(state["params"], mesh_lib.tree_shardings(mesh, state["params"]))
     return _compile("eval", "eval", method, stage, jax.jit(make_eval_step(graphdefs)),
-                    (params, _abstract_batch(cfg, mesh_lib.batch_sharding(mesh))), mesh)
+                    (params, abstract_batch(cfg, mesh_lib.batch_sharding(mesh))), mesh)
 
 
 def _transformer(model_cfg: ModelConfig, seed: int):
     return Transformer(model_cfg, rngs=nnx.Rngs(seed))
-
-
-def _abstract_batch(cfg: Config, sh) -> dict:
-    """The global batch's arrays, abstract, placed by the sharding `sh`."""
-    shape = (cfg.data.batch_size, cfg.data.seq_len)
-    i32 = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sh)
-    return {"tokens": i32, "positions": i32, "segment_ids": i32, "targets": i32,
-            "mask": jax.ShapeDtypeStruct(shape, jnp.bool_, sharding=sh)}
 
 
 def compile_run(cfg: Config, teacher_model: ModelConfig | None, method: str, devices,
@@ -352,12 +345,11 @@ def lower_train(cfg: Config, teacher_model: ModelConfig | None, method: str, sta
     no compiler installed (`lowering_platforms`): what the target's lowering rejects
     (a kernel block, an operation it lacks) fails here in about a second. `cfg` comes
     resolved for the target."""
-    step, state, batch, teacher_in = train_step_probe(cfg, method, stage, teacher_model)
-    bad = jax.ShapeDtypeStruct((), jnp.int32)
-    jitted = jax.jit(with_finite_record(step), donate_argnums=(0,))
+    program, args = abstract_train_program(cfg, method, stage, teacher_model)
+    jitted = jax.jit(program, donate_argnums=(0,))
     device = jax.sharding.AbstractDevice(device_kind=device_kind(target.chip), num_cores=1,
                                          platform=target.backend)
     with jax.sharding.use_abstract_mesh(
             jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)):
-        return jitted.trace(state, batch, teacher_in, {}, bad).lower(
+        return jitted.trace(*args).lower(
             lowering_platforms=(target.platform,))

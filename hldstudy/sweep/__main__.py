@@ -154,7 +154,7 @@ def _auto_cohort(sweep, runs) -> int:
         from hldstudy.model import preset
 
         teacher = preset(sweep.teacher_preset) if sweep.teacher_preset else None
-    from hldstudy.train.cohort import default_mode
+    from hldstudy.train.program import default_mode
 
     chosen = auto_cohort(runs, teacher, 0.9 * avail, mode=default_mode(device.platform))
     k = max(chosen["k"], 1)

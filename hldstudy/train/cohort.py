@@ -35,29 +35,20 @@ the others go on (its lane keeps computing, unread, until the stage ends).
 
 from __future__ import annotations
 
-import copy
-import dataclasses
-import os
 import shutil
 from pathlib import Path
 
-import jax
 import jax.numpy as jnp
 
-from hldstudy.config import Config, config_to_dict, field_rules, flatten, traced_members
+from hldstudy.config import Config, config_to_dict, field_rules, flatten
 from hldstudy.errors import ConfigError
 from hldstudy.fileio import write_json_atomic
 from hldstudy.rundir import RESULTS_FILE, TOKENIZER_FILE, read_results
 from hldstudy.train.loop import Trainer, train_members
 from hldstudy.train.optim import make_optimizer
-from hldstudy.train.step import make_train_step, teacher_outputs, with_finite_record
+from hldstudy.train.program import HPARAMS, MODES, Members, default_mode, train_program
 
 DIVERGED = "diverged"
-
-# Per-member hyperparameters that enter the compiled step: {name: (section, field)} of the
-# fields tagged member="traced" (train.seed, member="init", only seeds the init).
-HPARAMS = traced_members()
-
 
 def _value(cfg: Config, name: str) -> float:
     section, field = HPARAMS[name]
@@ -81,117 +72,10 @@ def check_members(cfgs: list[Config]) -> None:
                                   "may differ within a cohort")
 
 
-def with_hparams(strategy, hp: dict):
-    """A view of `strategy` whose distill.* member fields are `hp`'s (traced) values."""
-    changes = {k: v for k, v in hp.items() if HPARAMS[k][0] == "distill"}
-    if not changes:
-        return strategy
-    view = copy.copy(strategy)
-    view.cfg = dataclasses.replace(strategy.cfg,
-                                   distill=dataclasses.replace(strategy.cfg.distill, **changes))
-    return view
-
-
-MODES = ("vmap", "map")
-
-
-def default_mode(platform: str) -> str:
-    """How the members run inside the step. "map" (`jax.lax.map`: one member after the
-    other, each the solo step's shapes) on the CPU, where the batched (vmapped) layers
-    of the tiny models run slower than K solo steps (benchmarks/cohort.py: the
-    quickstart's kd cohort trained at 2,500 tokens/s per member under vmap vs 15,000 for
-    a solo run); "vmap" (one batched step, K x the solo step's work in wider matmuls)
-    on accelerators. Either way the teacher runs once per step. The environment variable
-    HLDSTUDY_COHORT_MODE (vmap or map) overrides it (benchmarks/cohort.py measures both)."""
-    forced = os.environ.get("HLDSTUDY_COHORT_MODE")
-    if forced:
-        if forced not in MODES:
-            raise ConfigError("HLDSTUDY_COHORT_MODE", f"{forced!r} is not one of "
-                              f"{', '.join(MODES)}")
-        return forced
-    return "map" if platform == "cpu" else "vmap"
-
-
-def make_cohort_step(strategy, stage, graphdefs, optimizer, make_opt, teacher_forward,
-                     mode: str = "vmap"):
-    """`step(states, batch, teacher_in, hps, bad) -> (states, metrics, bad)` (not jitted).
-
-    states: the members' train states stacked on axis 0; hps: {name: [K] float32} for
-    the hyperparameters that vary (the others are the program's constants); bad: [K]
-    int32, the first step whose loss or gradient norm was not finite (0: none).
-    The teacher runs once, outside the vmap; its outputs are shared by every member.
-    """
-
-    def step(states, batch, teacher_in, hps, bad):
-        teacher = teacher_outputs(teacher_in, batch, teacher_forward)  # once for all
-
-        def member(state, hp, bad_k):
-            opt = make_opt(hp["lr"]) if "lr" in hp else optimizer
-            train_step = make_train_step(with_hparams(strategy, hp), stage, graphdefs, opt)
-            return with_finite_record(train_step)(state, batch, teacher, hp, bad_k)
-
-        if mode == "map":  # sequential over the members: the solo step's shapes
-            return jax.lax.map(lambda x: member(*x), (states, hps, bad))
-        if mode != "vmap":
-            raise ConfigError("cohort", f"mode {mode!r} is not one of {', '.join(MODES)}")
-        return jax.vmap(member)(states, hps, bad)
-
-    return step
-
-
-def cohort_step_probe(cfg: Config, k: int, method: str | None = None, stage: str | None = None,
-                      teacher_model=None, *, layout: str = "colocated",
-                      varying: tuple[str, ...] = ("lr", "temperature"), mode: str = "vmap"):
-    """`(step, args)` of the cohort step the trainer compiles, all abstract (nothing is
-    allocated): `jax.jit(step, donate_argnums=(0,)).lower(*args)` for XLA's analyses.
-    Built like `hldstudy.train.probe.train_step_probe`, with K stacked states and
-    `varying` hyperparameters as [K] arrays."""
-    from hldstudy.train.probe import train_step_probe
-
-    # The solo probe gives the abstract state, batch and teacher input; the pieces of
-    # the step are rebuilt exactly as the trainer builds them.
-    _, state, batch, teacher_in = train_step_probe(cfg, method, stage, teacher_model,
-                                                   layout=layout)
-    from flax import nnx
-
-    from hldstudy.distill import methods
-    from hldstudy.distill.base import make_strategy
-    from hldstudy.model.transformer import Transformer
-    from hldstudy.teacher.colocated import teacher_forward_fn
-    from hldstudy.train.step import split_params
-
-    spec = methods.get(method or cfg.distill.method)
-    st_name = spec.stage(cfg, stage).name
-    cfg = dataclasses.replace(cfg, distill=dataclasses.replace(cfg.distill, method=spec.name))
-    strategy = make_strategy(cfg, cfg.model, teacher_model if spec.needs_teacher else None)
-    st = next(s for s in strategy.stages() if s.name == st_name)
-    graphdefs, _ = split_params(*nnx.eval_shape(
-        lambda: (Transformer(cfg.model, rngs=nnx.Rngs(0)), strategy.init_aux(st, nnx.Rngs(1)))))
-    trainable = strategy.trainable_student_layers(st)
-    optimizer = make_optimizer(cfg.train, cfg.train.steps, trainable_layers=trainable)
-
-    def make_opt(lr):
-        return make_optimizer(cfg.train, cfg.train.steps, trainable_layers=trainable, lr=lr)
-
-    forward = None
-    if spec.needs_teacher and layout == "colocated":
-        tcfg = dataclasses.replace(teacher_model, dtype=cfg.teacher.dtype, remat=False)
-        t_gd, _ = nnx.split(nnx.eval_shape(lambda: Transformer(tcfg, rngs=nnx.Rngs(2))),
-                            nnx.Param)
-        forward = teacher_forward_fn(t_gd, strategy.teacher_layers(st),
-                                     strategy.teacher_needs_head(st))
-    step = make_cohort_step(strategy, st, graphdefs, optimizer, make_opt, forward, mode)
-    states = jax.tree_util.tree_map(
-        lambda x: jax.ShapeDtypeStruct((k, *x.shape), x.dtype), state)
-    hps = {n: jax.ShapeDtypeStruct((k,), jnp.float32) for n in varying}
-    bad = jax.ShapeDtypeStruct((k,), jnp.int32)
-    return step, (states, batch, teacher_in if spec.needs_teacher else None, hps, bad)
-
-
 class CohortSteps:
     """What differs for a cohort in the one training loop (`train_members`; the solo
     counterpart is `hldstudy.train.loop.SoloSteps`): the members' states stacked on
-    axis 0 through `make_cohort_step`, with the hyperparameters that vary in the
+    axis 0 (`hldstudy.train.program`), with the hyperparameters that vary in the
     cohort traced; a non-finite member is stopped alone."""
 
     stacked = True
@@ -209,8 +93,8 @@ class CohortSteps:
         hps = {n: jnp.asarray([_value(m.cfg, n) for m in members], jnp.float32)
                for n in self.varying}
         mode = self.mode or default_mode(lead.mesh.devices.flat[0].platform)
-        return make_cohort_step(lead.strategy, plan.stage, graphdefs, optimizer, make_opt,
-                                feed.forward, mode), hps
+        return train_program(lead.strategy, plan.stage, graphdefs, optimizer, feed.forward,
+                             Members(make_opt, mode)), hps
 
     def fit_hint(self, k: int) -> str:
         return f"; or train fewer students per cohort (now {k}: --cohort K, or --cohort auto)"

@@ -60,14 +60,8 @@ from hldstudy.teacher import load_teacher, with_teacher_tokenizer
 from hldstudy.teacher.base import NO_FEED, StageFeed
 from hldstudy.train.metrics import MetricsLogger
 from hldstudy.train.optim import make_optimizer
-from hldstudy.train.step import (
-    GraphDefs,
-    make_eval_step,
-    make_train_step,
-    split_params,
-    to_master,
-    with_finite_record,
-)
+from hldstudy.train.program import make_eval_step, train_program
+from hldstudy.train.step import GraphDefs, split_params, to_master
 
 # Config fields a resumed run may change (tagged `resume` in hldstudy.config); a
 # mesh change restores the checkpoint resharded onto the new mesh.
@@ -337,8 +331,7 @@ class SoloSteps:
     def build(self, members: list[Trainer], plan: StagePlan, graphdefs, optimizer, feed):
         """(step, hps): `step(states, batch, teacher_in, hps, bad) -> (states, metrics, bad)`."""
         lead = members[0]
-        return with_finite_record(make_train_step(lead.strategy, plan.stage, graphdefs,
-                                                   optimizer, feed.forward)), {}
+        return train_program(lead.strategy, plan.stage, graphdefs, optimizer, feed.forward), {}
 
     def fit_hint(self, k: int) -> str:
         return ""
