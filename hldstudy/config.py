@@ -25,6 +25,7 @@ from typing import Any
 from hldstudy.distill import methods
 from hldstudy.distill.pairs import parse_layer_pairs
 from hldstudy.errors import ConfigError, InputError
+from hldstudy.family import FAMILIES, GEMMA3, family_of
 from hldstudy.fileio import write_json_atomic
 
 # Written into every config.json; 1 = files written before the version existed.
@@ -253,11 +254,7 @@ ATTENTIONS = ("dense", "chunked", "cudnn", "splash", "auto")
 LOSS_IMPLS = ("fused", "materialized")
 FUSED_BACKENDS = ("auto", "xla", "pallas", "pallas_triton", "pallas_mosaic")
 WANDB_MODES = ("offline", "online", "disabled")
-FAMILIES = ("gemma3", "qwen3_5")
-# Layer types each family can build, and its default pattern (repeated over n_layers).
-LAYER_TYPES = {"gemma3": ("attention",), "qwen3_5": ("full_attention", "linear_attention")}
-DEFAULT_LAYER_TYPES = {"gemma3": ("attention",),
-                       "qwen3_5": ("linear_attention",) * 3 + ("full_attention",)}
+FAMILY_NAMES = tuple(FAMILIES)
 # Shared domains: a count of at least one, a count that may be zero, a positive float.
 COUNT = Domain(">= 1")
 NONNEG = Domain(">= 0")
@@ -309,10 +306,10 @@ class ModelConfig:
     attention: str = knob("dense", domain=ATTENTIONS)
     # Recompute each block in the backward pass (saves activation memory).
     remat: bool = knob(False, analysis="ignore")
-    # --- Family and block stack (hldstudy/model/families.py owns what these mean) ---
+    # --- Family and block stack (hldstudy/family.py owns what these mean) ---
     # gemma3: pre+post norms, GeGLU, sqrt(d)-scaled embedding. qwen3_5: pre-norm blocks,
     # SwiGLU (or MoE), unscaled embedding, gated full attention and Gated DeltaNet layers.
-    family: str = knob("gemma3", domain=FAMILIES)
+    family: str = knob(GEMMA3.name, domain=FAMILY_NAMES)
     # Comma-separated layer types repeated cyclically over n_layers ("" = the family's
     # default): attention (gemma3); full_attention, linear_attention (qwen3_5).
     layer_types: str = ""
@@ -351,7 +348,7 @@ class ModelConfig:
         """0-based layer i's type: `layer_types` repeated cyclically ("" = every layer
         "attention" for gemma3, three linear_attention then one full_attention for qwen3_5)."""
         types = [t.strip() for t in self.layer_types.split(",") if t.strip()] or \
-            list(DEFAULT_LAYER_TYPES[self.family])
+            list(family_of(self).default_layer_types)
         return types[i % len(types)]
 
 
@@ -554,16 +551,18 @@ def validate_model(m: ModelConfig, prefix: str = "model") -> None:
 
 def validate_model_family(m: ModelConfig, prefix: str = "model") -> None:
     """The family fields: layer types the family builds, DeltaNet and MoE shapes."""
+    fam = family_of(m)
     types = {m.layer_type(i) for i in range(m.n_layers)}
-    unknown = sorted(types - set(LAYER_TYPES[m.family]))
+    unknown = sorted(types - set(fam.layer_types))
     if unknown:
         raise ConfigError(f"{prefix}.layer_types", f"{unknown[0]!r} is not a {m.family} layer type",
-                          f"choose from {', '.join(LAYER_TYPES[m.family])}")
-    if m.family == "gemma3":
-        for name in ("n_experts", "linear_k_heads"):
-            if getattr(m, name):
-                raise ConfigError(f"{prefix}.{name}", f"gemma3 blocks have no {name}",
-                                  "set model.family=qwen3_5")
+                          f"choose from {', '.join(fam.layer_types)}")
+    others = dict.fromkeys(f for other in FAMILIES.values() for f in other.optional_fields)
+    for name in (f for f in others if f not in fam.optional_fields):
+        if getattr(m, name):
+            owners = [f.name for f in FAMILIES.values() if name in f.optional_fields]
+            raise ConfigError(f"{prefix}.{name}", f"{m.family} blocks have no {name}",
+                              f"set model.family={owners[0]}")
     rotary = int(m.head_dim * m.rotary_fraction)
     if rotary < 2 or rotary % 2:
         raise ConfigError(f"{prefix}.rotary_fraction", f"head_dim * rotary_fraction = {rotary} "

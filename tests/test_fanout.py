@@ -280,8 +280,8 @@ def test_the_trainer_handshake_checks_its_membership():
 
 
 def test_the_planner_has_the_window_memory():
-    from hldstudy.plan import PlanInputs, fanout_window_bytes, plan, plan_model
     from hldstudy.commands.plan import format_markdown
+    from hldstudy.plan import PlanInputs, fanout_window_bytes, plan, plan_model
 
     assert fanout_window_bytes(4, 1000, 2, 2560, 2) == 4 * 1000 * 2 * 2560 * 2
     p = PlanInputs(teacher=plan_model("gemma3-4b"), student=plan_model("gemma3-270m"),

@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+from hldstudy.commands.flops import main
 from hldstudy.config import BudgetConfig, Config, DataConfig, DistillConfig, TrainConfig
 from hldstudy.distill import methods
 from hldstudy.distill.pairs import PAIR_RULES, resolve_layer_pairs
@@ -15,7 +16,6 @@ from hldstudy.flops import (
     matmul_params_per_layer,
     step_flops,
 )
-from hldstudy.commands.flops import main
 from hldstudy.flops.budget import plan_stages
 from hldstudy.model import preset
 from hldstudy.train.probe import xla_flops_for

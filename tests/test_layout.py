@@ -14,10 +14,10 @@ import pytest
 
 from hldstudy import shipped
 from hldstudy.cli_common import EXPERIMENTS, SWEEPS, find_builtin
+from hldstudy.commands.flops import main as flops_main
 from hldstudy.config import apply_overrides, config_to_dict, flatten, load_experiment, validate
 from hldstudy.distill.methods import STUDY
 from hldstudy.eval.tasks import FIXTURES_DIR, OVERRIDES_DIR
-from hldstudy.commands.flops import main as flops_main
 from hldstudy.model.presets import preset
 from hldstudy.sweep import expand, load_sweep
 from hldstudy.sweep.__main__ import main as sweep_main

@@ -10,11 +10,11 @@ import json
 import pytest
 
 from hldstudy.cli_common import EXPERIMENTS
+from hldstudy.commands.flops import main as flops_main
+from hldstudy.commands.plan import main as plan_main
 from hldstudy.config import apply_overrides, load_experiment, validate
 from hldstudy.flops import step_flops, xla_count_is_complete
-from hldstudy.commands.flops import main as flops_main
 from hldstudy.model.presets import preset
-from hldstudy.commands.plan import main as plan_main
 from hldstudy.sweep.__main__ import main as sweep_main
 
 DISAGG = EXPERIMENTS / "disaggkd_qwen35.py"

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from hldstudy.commands.flops import main as flops_main
 from hldstudy.config import (
     Config,
     DataConfig,
@@ -22,7 +23,6 @@ from hldstudy.config import (
 )
 from hldstudy.distill import methods
 from hldstudy.distill.methods import ALIGN_FIELDS, MethodSpec, StageSpec
-from hldstudy.commands.flops import main as flops_main
 from hldstudy.model import preset
 from hldstudy.sweep.__main__ import main as sweep_main
 from hldstudy.train.loop import train

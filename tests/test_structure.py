@@ -30,7 +30,7 @@ def _parse(path: Path) -> ast.Module:
         return ast.parse(path.read_text())
 
 FLOORS = (
-    ("__root__", "errors", "mesh_axes", "numerics", "shipped", "signals", "wandb_online"),  # import nothing of ours
+    ("__root__", "errors", "family", "mesh_axes", "numerics", "shipped", "signals", "wandb_online"),  # import nothing of ours
     ("checkpoint", "chips", "distributed", "fileio", "runlock"),  # on errors / numerics only
     ("losses",),  # loss math; its kernels sized from the chip table
     ("distill",),  # the method registry: declarations, no config
@@ -136,8 +136,8 @@ FUNCTION_LEVEL_IMPORTS = {
     "hldstudy.sweep.__main__ -> hldstudy.sweep.gridteach": "--teacher-replicas only",
     "hldstudy.sweep.__main__ -> hldstudy.sweep.launch": _MOVABLE,
     "hldstudy.sweep.__main__ -> hldstudy.sweep.spec": _MOVABLE,
-    "hldstudy.sweep.__main__ -> hldstudy.train.cohort":
-        "--cohort auto only: the cohort trainer's default mode (jax, ~1 s)",
+    "hldstudy.sweep.__main__ -> hldstudy.train.program":
+        "--cohort auto only: the cohort program's default mode (jax, ~1 s)",
     "hldstudy.sweep.__main__ -> hldstudy.train.loop":
         "--cohort auto only: the device's free memory (the trainer, ~1 s)",
     "hldstudy.sweep.cohort_exec -> hldstudy.sweep.executors": _MOVABLE,
@@ -162,12 +162,6 @@ FUNCTION_LEVEL_IMPORTS = {
     "hldstudy.sweep.worker -> hldstudy.train.loop":
         "the trainer (~1 s) only when a run still has steps to train",
     "hldstudy.train.__main__ -> hldstudy.train.loop": _CLI.format("trainer (~8.6 s)"),
-    "hldstudy.train.cohort -> hldstudy.distill.base": _MOVABLE,
-    "hldstudy.train.cohort -> hldstudy.distill.methods": _MOVABLE,
-    "hldstudy.train.cohort -> hldstudy.model.transformer": _MOVABLE,
-    "hldstudy.train.cohort -> hldstudy.teacher.colocated": _MOVABLE,
-    "hldstudy.train.cohort -> hldstudy.train.probe": _MOVABLE,
-    "hldstudy.train.cohort -> hldstudy.train.step": _MOVABLE,
     "hldstudy.train.loop -> hldstudy.data": _MOVABLE,
 }
 

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from hldstudy.commands.plan import main as plan_main
 from hldstudy.config import Config, DataConfig, TrainConfig
 from hldstudy.model import preset
-from hldstudy.commands.plan import main as plan_main
 from hldstudy.plan.layouts import grid_teacher_flops
 from hldstudy.sweep import Sweep, expand
 from hldstudy.sweep.cohorts import group, run_flops, study_flops

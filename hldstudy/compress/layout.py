@@ -30,6 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from hldstudy.family import family_of
+
 # Every linear name, in the order a block's forward reaches them.
 LINEARS = ("q", "q_gate", "k", "v", "o", "in_qkv", "in_z", "out", "gate", "up", "down",
            "shared_gate", "shared_up", "shared_down")
@@ -167,10 +169,13 @@ def input_dims(cfg) -> dict[str, int]:
     dims = {"q": cfg.d_model, "k": cfg.d_model, "v": cfg.d_model,
             "o": cfg.n_heads * cfg.head_dim, "gate": cfg.d_model, "up": cfg.d_model,
             "down": cfg.d_ff}
-    if cfg.family == "qwen3_5":
-        dims |= {"q_gate": cfg.d_model, "in_qkv": cfg.d_model, "in_z": cfg.d_model,
+    fam = family_of(cfg)
+    if fam.gated_attention:
+        dims["q_gate"] = cfg.d_model
+    if fam.has_linear_attention:
+        dims |= {"in_qkv": cfg.d_model, "in_z": cfg.d_model,
                  "out": cfg.linear_v_heads * cfg.linear_v_head_dim}
-        if cfg.n_experts:
-            dims |= {"down": cfg.d_expert, "shared_gate": cfg.d_model,
-                     "shared_up": cfg.d_model, "shared_down": cfg.d_shared_expert}
+    if cfg.n_experts:
+        dims |= {"down": cfg.d_expert, "shared_gate": cfg.d_model,
+                 "shared_up": cfg.d_model, "shared_down": cfg.d_shared_expert}
     return dims

@@ -47,7 +47,7 @@ student layers and head, the teacher layers and head, and the regressors.
 Checked against XLA (`hldstudy.train.probe.xla_flops_for`, `--check-xla`; only the CLI
 imports the probe, so this package stays below `train/`):
 the trainer's real step of every method, colocated or disaggregated, is
-compiled from abstract shapes (`train_step_probe`) and XLA's `cost_analysis()["flops"]` is compared
+compiled from abstract shapes (`hldstudy.train.program.abstract_train_program`) and XLA's `cost_analysis()["flops"]` is compared
 with the hardware figure (tests: within 5%; measured 0.97-1.004). One XLA
 limitation matters: HloCostAnalysis counts a while-loop (scan) body once, so
 the fused KD loss's row-window scan is undercounted above 64 tokens per step, and a
@@ -68,12 +68,14 @@ CLI: `hldstudy flops --config experiments/X.py --method kd
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from hldstudy.config import Config, ModelConfig
 from hldstudy.distill import methods
 from hldstudy.distill.pairs import resolve_layer_pairs
 from hldstudy.errors import ConfigError
+from hldstudy.family import GEMMA3, QWEN3_5, family_of
 from hldstudy.flops.layers_qwen import (
     grouped_matmuls_run_dense,
     qwen_elementwise_per_token,
@@ -131,17 +133,9 @@ def flops_per_token(model_cfg: ModelConfig | ModelShape, seq_len: int, *,
     n = m.n_layers if n_layers is None else n_layers
     if not 0 <= n <= m.n_layers:
         raise ConfigError("n_layers", f"{n} is out of range 0..{m.n_layers}")
-    if m.family == "qwen3_5":
-        out = qwen_flops_per_token(m, seq_len, attention=attention, n_layers=n, head=head,
-                                   grouped_dense=grouped_dense)
-        out.pop("total")
-    else:
-        out = {
-            "nonemb": 2.0 * n * m.layer_matmul_params_active(),
-            "deembed": 2.0 * m.d_model * m.vocab_size if head else 0.0,
-            "attention": 4.0 * sum(layer_contexts(m, seq_len, attention, n)) * m.n_heads
-            * m.head_dim,
-        }
+    out = _FAMILY_TERMS[m.fam].forward(m, seq_len, attention=attention, n_layers=n, head=head,
+                                       grouped_dense=grouped_dense)
+    out.pop("total", None)
     if elementwise:
         out["elementwise"] = elementwise_per_token(model_cfg, seq_len, n_layers=n, head=head,
                                                    train=False)
@@ -155,10 +149,7 @@ def train_mixing_flops_per_token(m: ModelConfig | ModelShape, seq_len: int, *,
     forward + backward: 3x the forward's matmuls, and for the DeltaNet the triangular
     solve's backward (`layers_qwen.deltanet_mixing_flops`)."""
     shape = _shape(m)
-    if shape.family != "qwen3_5":
-        return 3.0 * flops_per_token(shape, seq_len, attention="dense",
-                                     n_layers=n_layers, head=False)["attention"]
-    return qwen_train_mixing_flops(shape, seq_len, n_layers=n_layers) / seq_len
+    return _FAMILY_TERMS[shape.fam].train_mixing(shape, seq_len, n_layers=n_layers)
 
 
 # Elementwise FLOPs per element, (forward, forward + backward), fitted to
@@ -195,18 +186,7 @@ def elementwise_per_token(m: ModelConfig, seq_len: int, *, n_layers: int | None 
     """
     i = 1 if train else 0
     n = m.n_layers if n_layers is None else n_layers
-    if m.family == "qwen3_5":
-        ew = qwen_elementwise_per_token(ModelShape.from_model_config(m), seq_len, n_layers=n,
-                                        train=train)
-    else:
-        ew = n * m.n_heads * seq_len * (_EW["score"][i]
-                                        + (_EW["score_softcap"][i] if m.attn_softcap else 0.0))
-        ew += n * (_EW["hidden"][i] * m.d_model + _EW["ffn"][i] * m.d_ff
-                   + _EW["q"][i] * m.n_heads * m.head_dim
-                   + _EW["kv"][i] * m.n_kv_heads * m.head_dim
-                   + (_EW["qk_norm"][i] * (m.n_heads + m.n_kv_heads) * m.head_dim
-                      if m.qk_norm else 0))
-        ew += _EW["embed"][i] * m.d_model if embedding else 0.0
+    ew = _FAMILY_TERMS[family_of(m)].elementwise(m, seq_len, n, train, embedding)
     if head:
         if loss == "nll":
             ew += m.vocab_size * (_EW["logit_nll"][i]
@@ -215,6 +195,60 @@ def elementwise_per_token(m: ModelConfig, seq_len: int, *, n_layers: int | None 
             ew += m.vocab_size * (_EW[f"logit_{loss}"][i]
                                   + (_EW["logit_kd_softcap"][i] if m.final_softcap else 0.0))
     return ew
+
+
+def _gemma_forward(m: ModelShape, seq_len: int, *, attention: str, n_layers: int,
+                   head: bool, grouped_dense: bool) -> dict:
+    return {
+        "nonemb": 2.0 * n_layers * m.layer_matmul_params_active(),
+        "deembed": 2.0 * m.d_model * m.vocab_size if head else 0.0,
+        "attention": 4.0 * sum(layer_contexts(m, seq_len, attention, n_layers)) * m.n_heads
+        * m.head_dim,
+    }
+
+
+def _gemma_train_mixing(m: ModelShape, seq_len: int, *, n_layers: int | None) -> float:
+    return 3.0 * flops_per_token(m, seq_len, attention="dense", n_layers=n_layers,
+                                 head=False)["attention"]
+
+
+def _gemma_elementwise(m: ModelConfig, seq_len: int, n: int, train: bool,
+                       embedding: bool) -> float:
+    i = 1 if train else 0
+    ew = n * m.n_heads * seq_len * (_EW["score"][i]
+                                    + (_EW["score_softcap"][i] if m.attn_softcap else 0.0))
+    ew += n * (_EW["hidden"][i] * m.d_model + _EW["ffn"][i] * m.d_ff
+               + _EW["q"][i] * m.n_heads * m.head_dim
+               + _EW["kv"][i] * m.n_kv_heads * m.head_dim
+               + (_EW["qk_norm"][i] * (m.n_heads + m.n_kv_heads) * m.head_dim
+                  if m.qk_norm else 0))
+    return ew + (_EW["embed"][i] * m.d_model if embedding else 0.0)
+
+
+def _qwen_train_mixing(m: ModelShape, seq_len: int, *, n_layers: int | None) -> float:
+    return qwen_train_mixing_flops(m, seq_len, n_layers=n_layers) / seq_len
+
+
+def _qwen_elementwise(m: ModelConfig, seq_len: int, n: int, train: bool,
+                      embedding: bool) -> float:
+    return qwen_elementwise_per_token(ModelShape.from_model_config(m), seq_len, n_layers=n,
+                                      train=train)
+
+
+@dataclass(frozen=True)
+class FamilyTerms:
+    """One family's blocks, counted: forward FLOPs per token by term, a training step's
+    sequence mixing per token, calibrated elementwise FLOPs per token."""
+
+    forward: Callable
+    train_mixing: Callable
+    elementwise: Callable
+
+
+_FAMILY_TERMS = {
+    GEMMA3: FamilyTerms(_gemma_forward, _gemma_train_mixing, _gemma_elementwise),
+    QWEN3_5: FamilyTerms(qwen_flops_per_token, _qwen_train_mixing, _qwen_elementwise),
+}
 
 
 def trainable_params(m: ModelConfig | ModelShape, n_layers: int | None = None) -> int:
@@ -415,7 +449,7 @@ def xla_count_is_complete(cfg: Config, method: str, stage: str,
     kd = methods.get(method).stage(cfg, stage).spec.kd
     tokens = cfg.data.batch_size * cfg.data.seq_len
     models = (cfg.model,) + ((teacher_model,) if teacher_model is not None else ())
-    chunked = any(m.family == "qwen3_5" and cfg.data.seq_len > m.deltanet_chunk
+    chunked = any(cfg.data.seq_len > m.deltanet_chunk
                   and any(m.layer_type(i) == "linear_attention" for i in range(m.n_layers))
                   for m in models)
     return not (kd and cfg.distill.loss_impl == "fused" and tokens > FUSED_XLA_ROW_BLOCK) \

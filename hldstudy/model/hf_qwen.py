@@ -23,18 +23,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from hldstudy.config import LAYER_TYPES, ModelConfig
+from hldstudy.config import ModelConfig
 from hldstudy.errors import InputError
+from hldstudy.family import QWEN3_5
 
-__all__ = ["MODEL_TYPES", "export_config", "expected_shapes", "hf_to_pure", "is_qwen",
+__all__ = ["MODEL_TYPES", "export_config", "expected_shapes", "hf_to_pure",
            "pure_to_hf", "qwen_config", "skipped"]
 
-MODEL_TYPES = ("qwen3_5_text", "qwen3_5_moe_text")
-_MULTIMODAL = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
-
-
-def is_qwen(raw: dict) -> bool:
-    return raw.get("model_type") in MODEL_TYPES or raw.get("model_type") in _MULTIMODAL
+MODEL_TYPES = QWEN3_5.hf_model_types
+_MULTIMODAL = QWEN3_5.hf_multimodal
 
 
 def skipped(name: str) -> bool:
@@ -78,13 +75,13 @@ def qwen_config(raw: dict, source: str) -> ModelConfig:
         raise InputError(f"{source}: layer_types has {len(types)} entries for "
                          f"num_hidden_layers={n_layers}")
     for i, t in enumerate(types):
-        if t not in LAYER_TYPES["qwen3_5"]:
+        if t not in QWEN3_5.layer_types:
             raise InputError(f"{source}: layer_types[{i}] = {t!r} is not a Qwen3.5 layer type "
-                             f"({', '.join(LAYER_TYPES['qwen3_5'])})")
+                             f"({', '.join(QWEN3_5.layer_types)})")
     moe = mtype == "qwen3_5_moe_text"
     d_expert = raw.get("moe_intermediate_size", 0) if moe else 0
     return ModelConfig(
-        family="qwen3_5", layer_types=",".join(_period(list(types))),
+        family=QWEN3_5.name, layer_types=",".join(_period(list(types))),
         vocab_size=vocab, d_model=d, n_layers=n_layers, n_heads=n_heads,
         n_kv_heads=raw.get("num_key_value_heads", n_heads),
         head_dim=raw.get("head_dim") or d // n_heads,

@@ -63,6 +63,7 @@ from safetensors.numpy import load_file, save_file
 from hldstudy.config import ModelConfig
 from hldstudy.data.tokenizer import JsonTokenizer, Tokenizer
 from hldstudy.errors import ConfigError, InputError
+from hldstudy.family import GEMMA3, QWEN3_5, family_of, family_of_hf, hf_model_types
 from hldstudy.model import hf_qwen
 from hldstudy.model.gguf_tokenizer import sp_proto_from_gguf, tokenizer_from_proto
 from hldstudy.model.transformer import Transformer
@@ -288,8 +289,9 @@ def _uniform(val: Any, key: str, source: str) -> Any:
 
 def _gguf_config(reader, source: str) -> ModelConfig:
     arch = _field(reader, "general.architecture")
-    if arch != "gemma3":
-        raise InputError(f"{source}: architecture {arch!r} is not supported (only 'gemma3')")
+    if arch not in GEMMA3.gguf_architectures:
+        raise InputError(f"{source}: architecture {arch!r} is not supported (only "
+                         f"{', '.join(map(repr, GEMMA3.gguf_architectures))})")
 
     def req(key: str) -> Any:
         val = _field(reader, f"{arch}.{key}")
@@ -409,13 +411,20 @@ log = logging.getLogger("hldstudy.model")
 
 
 def _hf_config(raw: dict, source: str) -> ModelConfig:
-    if hf_qwen.is_qwen(raw):
-        return hf_qwen.qwen_config(raw, source)
-    if raw.get("model_type") == "gemma3" and "text_config" in raw:
+    fam = family_of_hf(raw.get("model_type"))
+    if fam is None:
+        raise InputError(f"{source}: model_type {raw.get('model_type')!r} is not supported "
+                         f"(supported: {', '.join(hf_model_types())})")
+    return _HF_CONFIG[fam](raw, source)
+
+
+def _gemma_hf_config(raw: dict, source: str) -> ModelConfig:
+    if raw.get("model_type") in GEMMA3.hf_multimodal and "text_config" in raw:
         raw = raw["text_config"]  # multimodal Gemma 3: only the text decoder is used
     mtype = raw.get("model_type")
-    if mtype not in ("gemma3_text", "gemma3"):
-        raise InputError(f"{source}: model_type {mtype!r} is not supported (only 'gemma3_text')")
+    if mtype not in GEMMA3.hf_model_types:
+        raise InputError(f"{source}: model_type {mtype!r} is not a Gemma 3 text model "
+                         f"({', '.join(GEMMA3.hf_model_types)})")
     act = raw.get("hidden_activation") or raw.get("hidden_act") or "gelu_pytorch_tanh"
     if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
         raise InputError(f"{source}: hidden_activation {act!r} unsupported (gelu_pytorch_tanh)")
@@ -504,10 +513,7 @@ def load_hf(path: str | Path, **overrides) -> tuple[ModelConfig, nnx.State, Any]
                     name = "model." + name[len(prefix):]
                     break
             tensors[name] = arr
-    if cfg.family == "qwen3_5":
-        state = _qwen_state(cfg, tensors, path)
-    else:
-        state = _gemma_state(cfg, tensors, path)
+    state = _HF_STATE[family_of(cfg)](cfg, tensors, path)
     return cfg, state, _hf_tokenizer(path)
 
 
@@ -559,8 +565,9 @@ def export_hf(model, path: str | Path, *, tokenizer=None, dtype: str = "float32"
     anything with `serialized_model_proto()` / `.sp`; written as tokenizer.model.
     """
     cfg: ModelConfig = model.cfg
-    if cfg.family == "qwen3_5":
-        return _export_qwen(model, Path(path), tokenizer=tokenizer, dtype=dtype)
+    other_family = _HF_EXPORT.get(family_of(cfg))  # Gemma 3 is written below
+    if other_family is not None:
+        return other_family(model, Path(path), tokenizer=tokenizer, dtype=dtype)
     if not cfg.qk_norm:
         raise ConfigError("model.qk_norm", "Gemma 3 (HF) always has QK-norm",
                           "export a model with qk_norm=true")
@@ -696,3 +703,10 @@ def load_pretrained(path: str | Path, **overrides):
         cfg, state, tok = load_hf(_hf_dir(path), **overrides)
     graphdef, _ = nnx.split(_abstract_model(cfg), nnx.Param)
     return nnx.merge(graphdef, state), tok
+
+
+# Each family's Hugging Face config reader and state reader; the exporters of the families
+# other than Gemma 3 (`export_hf` writes Gemma 3 itself).
+_HF_CONFIG = {GEMMA3: _gemma_hf_config, QWEN3_5: hf_qwen.qwen_config}
+_HF_STATE = {GEMMA3: _gemma_state, QWEN3_5: _qwen_state}
+_HF_EXPORT = {QWEN3_5: _export_qwen}

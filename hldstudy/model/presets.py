@@ -13,6 +13,7 @@ import dataclasses
 
 from hldstudy.config import ModelConfig
 from hldstudy.errors import ConfigError
+from hldstudy.family import QWEN3_5
 
 _GEMMA3_COMMON = dict(
     n_kv_heads=1, head_dim=256, rope_base_global=1_000_000.0, rope_base_local=10_000.0,
@@ -44,7 +45,7 @@ PRESETS: dict[str, ModelConfig] = {
 # give as the 9B-style and 35B-A3B configurations (8.95e9 and 34.7e9 parameters; 3.45e9
 # active per token in the MoE, embedding and head included). rope theta 1e7.
 _QWEN35_COMMON = dict(
-    family="qwen3_5", vocab_size=248320, head_dim=256, rotary_fraction=0.25,
+    family=QWEN3_5.name, vocab_size=248320, head_dim=256, rotary_fraction=0.25,
     rope_base_global=10_000_000.0, norm_eps=1e-6, tie_embeddings=False, max_seq_len=32768,
     linear_k_heads=16, linear_v_heads=32, linear_k_head_dim=128, linear_v_head_dim=128,
     linear_conv_kernel=4, deltanet_chunk=64,
@@ -57,7 +58,7 @@ PRESETS["qwen3.5-35b-a3b"] = ModelConfig(
     **_QWEN35_COMMON)
 # Tiny CPU Qwen3.5 pair (a student and an MoE teacher sharing a vocabulary).
 _QWEN35_TINY = dict(
-    family="qwen3_5", vocab_size=512, n_heads=4, n_kv_heads=2, head_dim=16, rotary_fraction=0.25,
+    family=QWEN3_5.name, vocab_size=512, n_heads=4, n_kv_heads=2, head_dim=16, rotary_fraction=0.25,
     max_seq_len=512, tie_embeddings=False, linear_k_heads=2, linear_v_heads=4,
     linear_k_head_dim=16, linear_v_head_dim=16, deltanet_chunk=32)
 PRESETS["tiny-qwen"] = ModelConfig(d_model=64, n_layers=4, d_ff=192, **_QWEN35_TINY)

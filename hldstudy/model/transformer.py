@@ -1,4 +1,4 @@
-"""The decoder of every family (hldstudy.model.families): embeddings, blocks, final norm, head.
+"""The decoder of every family (`hldstudy.family`): embeddings, blocks, final norm, head.
 
 Hidden-state numbering used everywhere in hldstudy (distillation pairs,
 teacher streaming): `hidden[0]` is the scaled embedding, `hidden[l]` for
@@ -18,7 +18,8 @@ from flax import nnx, struct
 
 from hldstudy.config import ModelConfig
 from hldstudy.errors import ConfigError
-from hldstudy.model.families import build_block, embeds_scaled, returns_aux
+from hldstudy.family import family_of
+from hldstudy.model.blocks import build_block
 from hldstudy.model.layers import RMSNorm
 from hldstudy.numerics import softcap
 from hldstudy.shapes import count_params  # noqa: F401  (re-exported)
@@ -59,7 +60,7 @@ class Transformer(nnx.Module):
     def embed(self, tokens_BxT: jax.Array) -> jax.Array:
         dt = jnp.dtype(self.cfg.dtype)
         x = jnp.take(self.embedding[...], tokens_BxT, axis=0).astype(dt)
-        if not embeds_scaled(self.cfg):
+        if not family_of(self.cfg).embeds_scaled:
             return x
         # Gemma multiplies by sqrt(d) rounded to the compute dtype.
         return x * jnp.asarray(self.cfg.d_model ** 0.5, dt)
@@ -97,7 +98,7 @@ class Transformer(nnx.Module):
 
         x_BxTxD = self.embed(tokens_BxT)
         hidden = {0: x_BxTxD} if 0 in hidden_layers else {}
-        with_aux = returns_aux(cfg)
+        with_aux = family_of(cfg).blocks_return_aux
         aux = jnp.zeros((), jnp.float32) if with_aux else None
         for i in range(n_run):
             block = self.blocks[i]

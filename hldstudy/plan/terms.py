@@ -138,7 +138,7 @@ def deltanet_state_bytes(m: PlanModel, sequences: float, compute_bytes: int) -> 
 
 def _mlp_bytes_per_token(m: PlanModel, compute_bytes: int) -> float:
     out = compute_bytes * ACT_COPIES["ffn"] * m.ffn_width_active
-    if m.family == "qwen3_5" and m.n_experts:
+    if m.n_experts:
         out += 4.0 * MOE_COPIES["router"] * m.n_experts + \
             compute_bytes * MOE_COPIES["rows"] * m.experts_per_token * m.d_model
     return out
@@ -153,7 +153,7 @@ def layer_activation_bytes_per_token(m: PlanModel, seq_len: int, compute_bytes: 
     if layer is not None and m.is_linear(layer):
         return base + deltanet_activation_bytes_per_token(m, c)
     qkv = (m.n_heads + 2 * m.n_kv_heads) * m.head_dim
-    gate = m.n_heads * m.head_dim if m.family == "qwen3_5" else 0
+    gate = m.n_heads * m.head_dim if m.fam.gated_attention else 0
     return base + c * ACT_COPIES["qkv"] * (qkv + gate) + \
         score_bytes_per_token_layer(m, seq_len, c, attention)
 
