@@ -361,12 +361,15 @@ def _markdown(df, budgets: list[_Budget], accounting, warnings, summary) -> str:
     return "\n".join(L)
 
 
-def _budget_md(b: _Budget, ref: str) -> list[str]:
+def _arrows(b: _Budget) -> dict[str, str]:
+    return {m: ("↓" if stats.lower_is_better(m) else "↑") for m in b.metrics}
+
+
+def _best_md(b: _Budget, ref: str) -> list[str]:
+    """(2) Best vs best first: the headline."""
     L: list[str] = []
     gcols = b.gcols
-    arrows = {m: ("↓" if stats.lower_is_better(m) else "↑") for m in b.metrics}
-
-    # (2) best vs best first: the headline
+    arrows = _arrows(b)
     L.append("### Best vs best (each arm at its best config on validation perplexity)\n")
     if b.best.empty:
         L.append("_(no finished runs)_\n")
@@ -398,8 +401,12 @@ def _budget_md(b: _Budget, ref: str) -> list[str]:
         L.append("")
     if "downstream_best" in b.figures:
         L.append(f"![downstream scores at best configs]({b.figures['downstream_best']})\n")
+    return L
 
-    # (3) across the grid
+
+def _grid_md(b: _Budget, ref: str) -> list[str]:
+    """(3) Across the grid: mean paired delta per arm and metric."""
+    L: list[str] = []
     L.append(f"### Across the grid: mean delta vs {ref} (paired)\n")
     if b.summary.empty:
         L.append("_(no paired comparisons)_\n")
@@ -430,8 +437,12 @@ def _budget_md(b: _Budget, ref: str) -> list[str]:
                      "points is unreliable (undefined for one point)._\n")
     if "delta_vs_kd" in b.figures:
         L.append(f"![perplexity delta vs {ref}]({b.figures['delta_vs_kd']})\n")
+    return L
 
-    # seed variance
+
+def _seeds_md(b: _Budget, ref: str) -> list[str]:
+    """Seed variance, or why it cannot be estimated."""
+    L: list[str] = []
     L.append("### Seed variance\n")
     sv = b.seeds[b.seeds["n_points_multi_seed"] > 0] if len(b.seeds) else b.seeds
     if sv.empty:
@@ -442,8 +453,14 @@ def _budget_md(b: _Budget, ref: str) -> list[str]:
         L.append(md_table(sv, headers={"n_points_multi_seed": "points with ≥2 seeds",
                                        "pooled_std": "pooled std across seeds",
                                        "pooled_std_pct": "pooled std (% of mean)"}))
+    return L
 
-    # (1) point by point
+
+def _points_md(b: _Budget, ref: str) -> list[str]:
+    """(1) Point by point against the reference arm."""
+    L: list[str] = []
+    gcols = b.gcols
+    arrows = _arrows(b)
     L.append(f"### Point by point vs {ref}\n")
     if b.pairs.empty:
         L.append("_(no shared points)_\n")
@@ -478,8 +495,12 @@ def _budget_md(b: _Budget, ref: str) -> list[str]:
                      + ", ".join(b.unpaired["run_id"].astype(str).head(10)) + "\n")
     if "ppl_vs_lr" in b.figures:
         L.append(f"![perplexity vs learning rate]({b.figures['ppl_vs_lr']})\n")
+    return L
 
-    # (4) FLOPs
+
+def _flops_md(b: _Budget, ref: str) -> list[str]:
+    """(4) Compute matching: FLOPs spent vs budget."""
+    L: list[str] = []
     L.append("### Compute matching: FLOPs spent vs budget\n")
     if not b.flops_arms.empty:
         as_int = lambda v: "–" if v is None or not np.isfinite(v) else f"{int(v):,}"
@@ -490,6 +511,11 @@ def _budget_md(b: _Budget, ref: str) -> list[str]:
     L.append(f"\nMaximum |spent − budget| / budget over all runs: **{fmt_num(b.max_dev)}%** "
              "(per run: `tables/flops_runs*.csv`).\n")
     return L
+
+
+def _budget_md(b: _Budget, ref: str) -> list[str]:
+    return [*_best_md(b, ref), *_grid_md(b, ref), *_seeds_md(b, ref), *_points_md(b, ref),
+            *_flops_md(b, ref)]
 
 
 # --------------------------------------------------------------------------- #

@@ -1,49 +1,6 @@
 """Loading a sweep's run directories into one table.
 
-Run directory contract (one directory per run under RUNS_DIR, at most one
-level of nesting, e.g. ``RUNS_DIR/<run>`` or ``RUNS_DIR/<group>/<run>``):
-
-- ``config.json``: the resolved ``hldstudy.config.Config`` (``config_to_dict``).
-- ``results.json``: written when the run finishes, ``{"status": "done",
-  "steps", "flops_spent", "flops_budget", "valid_nll", "valid_ppl",
-  "eval": {task: {metric: v, metric + "_stderr": v}}}``; optional keys
-  ``run_id`` and ``config_hash`` enable the consistency check below. No
-  ``results.json`` -> the run is unfinished.
-- ``RUNS_DIR/sweep.json`` (optional): ``{"runs": [{"run_id", "dir", ...}]}``
-  lists the runs the sweep expected; listed runs whose directory is missing
-  are reported as ``missing``. An entry may carry the hyperparameters it set
-  as ``"overrides": ["train.lr=0.003", ...]`` or ``"params": {"train.lr": 0.003}``.
-
-A run's ``run_id`` is its directory path relative to RUNS_DIR (the folder
-name for a flat sweep).
-
-Consistency check ("does this config still belong to this directory?"); any
-failure raises ``InputError`` listing the runs:
-
-1. ``results.json["run_id"]``, when present, must equal the folder name or
-   the relative path; ``method``, ``name``, ``count_teacher`` and
-   ``flops_budget`` recorded by the trainer in results.json must equal
-   ``distill.method``, ``name``, ``budget.count_teacher``, ``budget.flops``.
-2. ``results.json["config_hash"]`` (or ``config_sha256``), when present, must
-   be a prefix (>= 8 hex digits) of ``config_hash(config.json)``: sha256 of
-   the canonical JSON (``sort_keys=True, separators=(",", ":")``) - i.e. the
-   config was not edited after the run.
-3. Hyperparameters in the sweep.json entry (``overrides`` / ``params``) must
-   equal the config's values.
-4. Hyperparameters encoded in the folder name must match the config, at the
-   precision written in the name. Recognised ``key[=|-]value`` tokens,
-   separated by ``_ , + /`` or the ends of the name (each sweep axis' field
-   name, short name and aliases, declared in ``hldstudy.config``): ``lr``; ``T``, ``tau``,
-   ``temp``, ``temperature``; ``a``, ``alpha``, ``nll``, ``nllw``; ``hw``,
-   ``hidden_weight``; ``seed``, ``s``; and a bare method name (``kd``,
-   ``hldf``...). ``lr3e-3`` matches 0.003 and 0.0031 (one significant digit
-   written) but not 0.001. Disable with ``check_names=False``
-   (``--no-name-check``) when a naming scheme collides with these tokens.
-
-FLOP budgets: every finished run in one comparison must share
-``(budget.flops, budget.count_teacher)``; otherwise ``InputError`` names the
-budgets and their runs, unless ``allow_mixed_budgets=True`` (then the
-analysis is done per budget).
+Design notes: `docs/analysis.md`, under this file's name.
 """
 
 from __future__ import annotations
@@ -332,6 +289,122 @@ def _resolve_entry_dir(root: Path, entry: dict) -> Path:
     return p
 
 
+def _run_dirs(root: Path, warnings: list[str]) -> tuple[list[Path], dict[Path, dict], list[dict]]:
+    """(run directories, sweep.json entry of each by resolved path, entries with no
+    directory): the folders found, plus those sweep.json lists."""
+    sweep = _read_sweep(root)
+    dirs = _discover(root)
+    entries_by_dir: dict[Path, dict] = {}
+    missing: list[dict] = []
+    if sweep is not None:
+        for e in sweep:
+            p = _resolve_entry_dir(root, e)
+            if has_run_files(p):
+                entries_by_dir[p.resolve()] = e
+                if p.resolve() not in {d.resolve() for d in dirs}:
+                    dirs.append(p)
+            else:
+                missing.append(e)
+        extra = [d for d in dirs if d.resolve() not in entries_by_dir]
+        if extra:
+            warnings.append(f"{len(extra)} run director{'y' if len(extra) == 1 else 'ies'} not "
+                            f"listed in sweep.json (included): "
+                            + ", ".join(_rel(root, d) for d in extra[:5])
+                            + (" ..." if len(extra) > 5 else ""))
+    if not dirs and not missing:
+        raise InputError(f"{root}: no run directories (folders with {CONFIG_FILE} / "
+                         f"{RESULTS_FILE}) found, at top level or one level down")
+    return dirs, entries_by_dir, missing
+
+
+def _read_run(d: Path) -> tuple[dict, dict, dict | None]:
+    """(config, flattened config, results or None) of one run directory."""
+    cfg_path, res_path = d / CONFIG_FILE, d / RESULTS_FILE
+    if not cfg_path.exists():
+        raise InputError(f"{cfg_path}: missing; a run directory needs the config it ran with")
+    cfg = _read_json(cfg_path)
+    if not isinstance(cfg, dict):
+        raise InputError(f"{cfg_path}: expected a JSON object (config_to_dict(Config))")
+    flat = _flatten(cfg)
+    method = _cfg_get(flat, "distill.method")
+    if method not in methods.names():
+        raise InputError(f"{cfg_path}: distill.method={method!r} is not one of "
+                         f"{', '.join(methods.names())}")
+    res = _read_json(res_path) if res_path.exists() else None
+    if res is not None and not isinstance(res, dict):
+        raise InputError(f"{res_path}: expected a JSON object")
+    return cfg, flat, res
+
+
+def _run_problems(d: Path, run_id: str, cfg: dict, flat: dict, res: dict | None,
+                  entry: dict | None, check_names: bool) -> list[str]:
+    """Where a run's config disagrees with its directory, results or sweep entry."""
+    probs: list[str] = []
+    if res is not None and res.get("run_id") is not None:
+        rid = str(res["run_id"])
+        if rid not in (d.name, run_id):
+            probs.append(f"results.json run_id={rid!r} but the folder is {d.name!r}")
+    if res is not None:
+        probs += _recorded_mismatches(res, flat)
+    recorded = None if res is None else (res.get("config_hash") or res.get("config_sha256"))
+    if recorded:
+        rec = str(recorded).lower()
+        if len(rec) < 8 or not config_hash(cfg).startswith(rec):
+            probs.append(f"config.json hash {config_hash(cfg)[:12]} != recorded {rec[:12]} "
+                         f"(config edited after the run?)")
+    if entry is not None:
+        probs += _param_mismatches(_sweep_params(entry), flat)
+    if check_names:
+        probs += name_mismatches(d.name, flat)
+    return probs
+
+
+def _check_budgets(df: pd.DataFrame, flats: list[dict], done, allow_mixed: bool,
+                   warnings: list[str]) -> None:
+    """Refuses mixed FLOP budgets (unless allowed); warns where one budget holds several
+    student architectures."""
+    budgets = df.loc[done, "budget"].unique()
+    if len(budgets) > 1 and not allow_mixed:
+        parts = []
+        for b in sorted(budgets):
+            ids = df.loc[done & (df["budget"] == b), "run_id"].astype(str).tolist()
+            parts.append(f"{b}: {len(ids)} run(s) ({', '.join(ids[:3])}{' ...' if len(ids) > 3 else ''})")
+        raise InputError(
+            "runs with different FLOP budgets cannot be compared as one grid: " + "; ".join(parts)
+            + " (analyse one budget per RUNS_DIR, or pass --allow-mixed-budgets to report each "
+            "budget separately)")
+    for b in df.loc[done, "budget"].unique():
+        idx = [i for i in range(len(df)) if done.iloc[i] and df["budget"].iloc[i] == b]
+        archs = {json.dumps({k: v for k, v in flats[i].items() if k.startswith("model.")},
+                            sort_keys=True, default=str) for i in idx}
+        if len(archs) > 1:
+            warnings.append(f"[{b}] {len(archs)} different student model configs share one "
+                            "budget; model fields become grid dimensions and best-vs-best "
+                            "selects across them")
+
+
+def _left_out(df: pd.DataFrame, done, warnings: list[str]) -> None:
+    not_done = df[~done & (df["status"] != "teacher")]
+    if (df["status"] == "teacher").any():
+        warnings.append("teacher run(s) found among the runs and left out: "
+                        + ", ".join(df.loc[df["status"] == "teacher", "run_id"].astype(str)))
+    if len(not_done):
+        warnings.append(f"{len(not_done)} run(s) not done (unfinished, failed or missing) and "
+                        f"left out of every comparison "
+                        f"({_counts(not_done['status'])}): "
+                        + ", ".join(not_done["run_id"].astype(str).head(8))
+                        + (" ..." if len(not_done) > 8 else ""))
+
+
+def _ordered(df: pd.DataFrame, extra_cols: list[str], metric_cols: list[str]) -> pd.DataFrame:
+    ordered = BASE_COLUMNS + extra_cols + [c for m in metric_cols for c in (m, m + "_stderr")
+                                           if c in df.columns]
+    ordered += [c for c in df.columns if c not in ordered and c not in ("_flat",)]
+    df = df[ordered].sort_values(["status", "budget", "method", "run_id"],
+                                 key=lambda s: s.astype(str), kind="mergesort")
+    return df.reset_index(drop=True)
+
+
 def load_runs(runs_dir: str | Path, *, allow_mixed_budgets: bool = False,
               check_names: bool = True) -> pd.DataFrame:
     """One row per run (finished or not) of a sweep; see the module docstring.
@@ -354,76 +427,19 @@ def load_runs(runs_dir: str | Path, *, allow_mixed_budgets: bool = False,
         raise InputError(f"{root} is a single run directory; pass the directory that holds the runs")
 
     warnings: list[str] = []
-    sweep = _read_sweep(root)
-    dirs = _discover(root)
-    entries_by_dir: dict[Path, dict] = {}
-    missing: list[dict] = []
-    if sweep is not None:
-        for e in sweep:
-            p = _resolve_entry_dir(root, e)
-            if has_run_files(p):
-                entries_by_dir[p.resolve()] = e
-                if p.resolve() not in {d.resolve() for d in dirs}:
-                    dirs.append(p)
-            else:
-                missing.append(e)
-        extra = [d for d in dirs if d.resolve() not in entries_by_dir]
-        if extra:
-            warnings.append(f"{len(extra)} run director{'y' if len(extra) == 1 else 'ies'} not "
-                            f"listed in sweep.json (included): "
-                            + ", ".join(_rel(root, d) for d in extra[:5])
-                            + (" ..." if len(extra) > 5 else ""))
-
-    if not dirs and not missing:
-        raise InputError(f"{root}: no run directories (folders with {CONFIG_FILE} / "
-                         f"{RESULTS_FILE}) found, at top level or one level down")
-
+    dirs, entries_by_dir, missing = _run_dirs(root, warnings)
     rows: list[dict] = []
     flats: list[dict] = []
     mismatches: list[str] = []
     for d in dirs:
         run_id = _rel(root, d)
-        cfg_path, res_path = d / CONFIG_FILE, d / RESULTS_FILE
-        if not cfg_path.exists():
-            raise InputError(f"{cfg_path}: missing; a run directory needs the config it ran with")
-        cfg = _read_json(cfg_path)
-        if not isinstance(cfg, dict):
-            raise InputError(f"{cfg_path}: expected a JSON object (config_to_dict(Config))")
-        flat = _flatten(cfg)
-        method = _cfg_get(flat, "distill.method")
-        if method not in methods.names():
-            raise InputError(f"{cfg_path}: distill.method={method!r} is not one of "
-                             f"{', '.join(methods.names())}")
-        res = _read_json(res_path) if res_path.exists() else None
-        if res is not None and not isinstance(res, dict):
-            raise InputError(f"{res_path}: expected a JSON object")
-
-        # -- consistency checks
-        probs: list[str] = []
-        if res is not None and res.get("run_id") is not None:
-            rid = str(res["run_id"])
-            if rid not in (d.name, run_id):
-                probs.append(f"results.json run_id={rid!r} but the folder is {d.name!r}")
-        if res is not None:
-            probs += _recorded_mismatches(res, flat)
-        recorded = None if res is None else (res.get("config_hash") or res.get("config_sha256"))
-        if recorded:
-            rec = str(recorded).lower()
-            if len(rec) < 8 or not config_hash(cfg).startswith(rec):
-                probs.append(f"config.json hash {config_hash(cfg)[:12]} != recorded {rec[:12]} "
-                             f"(config edited after the run?)")
-        entry = entries_by_dir.get(d.resolve())
-        if entry is not None:
-            probs += _param_mismatches(_sweep_params(entry), flat)
-        if check_names:
-            probs += name_mismatches(d.name, flat)
+        cfg, flat, res = _read_run(d)
+        probs = _run_problems(d, run_id, cfg, flat, res, entries_by_dir.get(d.resolve()),
+                              check_names)
         if probs:
             mismatches.append(f"{run_id}: " + "; ".join(probs))
-
-        row = _row(run_id, d, root, flat, res, warnings)
-        rows.append(row)
+        rows.append(_row(run_id, d, root, flat, res, warnings))
         flats.append(flat)
-
     if mismatches:
         n = len(mismatches)
         raise InputError(
@@ -436,7 +452,6 @@ def load_runs(runs_dir: str | Path, *, allow_mixed_budgets: bool = False,
     for row, d in zip(rows, dirs, strict=True):
         if d.resolve() in teachers:
             row["status"] = "teacher"
-
     for e in missing:
         rid = str(e.get("run_id") or Path(e.get("dir")).name)
         rows.append({"run_id": rid, "dir": str(e.get("dir") or rid), "status": "missing",
@@ -452,53 +467,16 @@ def load_runs(runs_dir: str | Path, *, allow_mixed_budgets: bool = False,
         raise InputError(
             f"{root}: no finished runs - none of the {len(df)} run(s) has a {RESULTS_FILE} with "
             f'"status": "done" (statuses: {_counts(df["status"])})')
-
-    not_done = df[~done & (df["status"] != "teacher")]
-    if (df["status"] == "teacher").any():
-        warnings.append("teacher run(s) found among the runs and left out: "
-                        + ", ".join(df.loc[df["status"] == "teacher", "run_id"].astype(str)))
-    if len(not_done):
-        warnings.append(f"{len(not_done)} run(s) not done (unfinished, failed or missing) and "
-                        f"left out of every comparison "
-                        f"({_counts(not_done['status'])}): "
-                        + ", ".join(not_done["run_id"].astype(str).head(8))
-                        + (" ..." if len(not_done) > 8 else ""))
-
-    # -- budgets
-    budgets = df.loc[done, "budget"].unique()
-    if len(budgets) > 1 and not allow_mixed_budgets:
-        parts = []
-        for b in sorted(budgets):
-            ids = df.loc[done & (df["budget"] == b), "run_id"].astype(str).tolist()
-            parts.append(f"{b}: {len(ids)} run(s) ({', '.join(ids[:3])}{' ...' if len(ids) > 3 else ''})")
-        raise InputError(
-            "runs with different FLOP budgets cannot be compared as one grid: " + "; ".join(parts)
-            + " (analyse one budget per RUNS_DIR, or pass --allow-mixed-budgets to report each "
-            "budget separately)")
-
-    # -- the student architecture should be fixed within one budget
-    for b in df.loc[done, "budget"].unique():
-        idx = [i for i in range(len(df)) if done.iloc[i] and df["budget"].iloc[i] == b]
-        archs = {json.dumps({k: v for k, v in flats[i].items() if k.startswith("model.")},
-                            sort_keys=True, default=str) for i in idx}
-        if len(archs) > 1:
-            warnings.append(f"[{b}] {len(archs)} different student model configs share one "
-                            "budget; model fields become grid dimensions and best-vs-best "
-                            "selects across them")
-    # -- seeds: data.seed folds into the seed when it varies independently of train.seed
+    _left_out(df, done, warnings)
+    _check_budgets(df, flats, done, allow_mixed_budgets, warnings)
+    # seeds: data.seed folds into the seed when it varies independently of train.seed
     _fold_data_seed(df, flats, done)
-    # -- arms and extra grid dimensions
-    extra_cols = _extra_dims(df, flats, done)
+    extra_cols = _extra_dims(df, flats, done)  # arms and extra grid dimensions
     _assign_arms(df, flats, done)
 
     metric_cols = sorted(c for c in df.columns if "/" in c and not c.endswith("_stderr"))
     stderr_cols = sorted(c for c in df.columns if "/" in c and c.endswith("_stderr"))
-    ordered = BASE_COLUMNS + extra_cols + [c for m in metric_cols for c in (m, m + "_stderr")
-                                           if c in df.columns]
-    ordered += [c for c in df.columns if c not in ordered and c not in ("_flat",)]
-    df = df[ordered].sort_values(["status", "budget", "method", "run_id"],
-                                 key=lambda s: s.astype(str), kind="mergesort")
-    df = df.reset_index(drop=True)
+    df = _ordered(df, extra_cols, metric_cols)
     for w in warnings:
         log.warning(w)
     projects = pd.Series([_cfg_get(f, "wandb.project") for f in flats if f]).dropna()

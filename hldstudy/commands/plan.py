@@ -68,9 +68,7 @@ def format_markdown(r: dict) -> str:
     return "\n".join(lines)
 
 
-def study_main(argv: list[str]) -> int:
-    """`--sweep SWEEP`: teacher, student and total FLOPs of a whole grid under the
-    colocated, disaggregated and cohort layouts, and device-hours."""
+def _study_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="hldstudy plan --sweep",
                                  description="FLOPs and device-hours of a whole sweep: colocated "
                                              "vs disaggregated vs cohort vs one replica set for the grid.")
@@ -92,91 +90,112 @@ def study_main(argv: list[str]) -> int:
                          "h100:8, ...: python -m hldstudy.aot; needs the aot extra)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--debug", action="store_true")
-    a = ap.parse_args(argv)
+    return ap
+
+
+def _check_study_args(a) -> None:
+    """Every flag checked before any work; `--cohort K` parsed to an int."""
+    if a.check_compile:
+        parse_target(a.check_compile)  # a bad target is refused before any work
+    auto = a.cohort == "auto"
+    if auto:
+        if a.hbm is None or not (math.isfinite(a.hbm) and a.hbm > 0):
+            raise ConfigError("--hbm", "--cohort auto needs the device memory",
+                              "give --hbm GB (> 0) per device")
+        if not 0 < a.usable <= 1:
+            raise ConfigError("--usable", f"{a.usable} is out of range", "0 < F <= 1")
+    elif a.cohort is not None:
+        try:
+            a.cohort = int(a.cohort)
+        except ValueError:
+            raise ConfigError("--cohort", f"{a.cohort!r} is not a number",
+                              "--cohort K (K >= 1) or --cohort auto") from None
+        if a.cohort < 1:
+            raise ConfigError("--cohort", f"must be >= 1, got {a.cohort}")
+    for name, value in (("--mfu", a.mfu), ("--tflops", a.tflops)):
+        if not (math.isfinite(value) and value > 0) or (name == "--mfu" and value > 1):
+            raise ConfigError(name, f"{value} is out of range",
+                              "--mfu in (0, 1], --tflops > 0 and finite")
+
+
+def _print_study(r: dict, a, chosen: dict | None) -> None:
+    if chosen is not None:
+        nxt = chosen["bytes_at_k_plus_1"]
+        print(f"--cohort auto: K = {chosen['k']}, the largest cohort that fits "
+              f"{_gb(chosen['limit_bytes'])} GB ({a.hbm:g} GB x {a.usable:g} usable, the "
+              f"batch over {a.devices} device(s)): "
+              f"its step needs {_gb(chosen['bytes_at_k'])} GB"
+              + (f", K = {chosen['k'] + 1} would need {_gb(nxt)} GB" if nxt else
+                 " (every compatible run of a method in one cohort)"))
+    print(f"sweep {r['sweep']}: {r['runs']} runs, {r['cohorts']} cohorts "
+          f"(at most {r['cohort_size']} students each); device-hours at "
+          f"{a.mfu:.0%} MFU of {a.tflops:g} TFLOPS")
+    print("| layout | teacher FLOPs | student FLOPs | total FLOPs | device-hours |")
+    print("|---|---:|---:|---:|---:|")
+    for name, lay in r["layouts"].items():
+        print(f"| {name} | {lay['teacher_flops']:.3e} | {lay['student_flops']:.3e} | "
+              f"{lay['total_flops']:.3e} | {lay['device_hours']:,.0f} |")
+    s = r["cohort_savings"]
+    print(f"cohorts: teacher FLOPs {s['teacher']:.1f}x lower, total {s['total']:.2f}x lower")
+    g = r["grid"]
+    print(f"grid (one replica set, --teacher-replicas): teacher FLOPs {g['teacher_flops']:.4e}"
+          f", {g['teacher_x_lower']:.1f}x below colocated; bound {g['bound']:.4e} "
+          f"({g['longest_steps']:,} steps x one whole forward, {g['bound_x_lower']:.1f}x "
+          f"below colocated; grid / bound = {g['of_bound']:.4f}); replica window "
+          f"{_gb(g['replica_window_bytes'])} GB for {g['window']} steps")
+
+
+def _study(a) -> tuple[dict, list[dict], dict | None]:
+    """(the grid's FLOPs per layout, the compiled steps of --check-compile)."""
+    sweep = load_sweep(find_builtin(a.sweep, SWEEPS))
+    runs = expand(sweep, a.overrides)
+    teacher = teacher_model_config(runs[0].config.teacher.checkpoint, sweep.teacher_preset)
+    chosen = None
+    if a.cohort == "auto":
+        if a.devices < 1:
+            raise ConfigError("--devices", f"must be >= 1, got {a.devices}")
+        chosen = auto_cohort(runs, teacher, a.hbm * GB * a.usable, a.devices)
+        if chosen["k"] == 0:
+            raise ConfigError("--cohort", f"not even one student fits: the largest cohort "
+                              f"step needs {_gb(chosen['bytes_at_k'])} GB of the "
+                              f"{_gb(chosen['limit_bytes'])} GB usable "
+                              f"({a.hbm:g} GB x {a.usable:g}) with the batch over "
+                              f"{a.devices} device(s)",
+                              "more data-parallel devices (--devices N), or a device with "
+                              "more memory")
+        a.cohort = chosen["k"]
+    r = study_flops(runs, teacher, a.cohort or len(runs))
+    if chosen is not None:
+        r["cohort_auto"] = chosen
+    r.update({"sweep": sweep.name, "mfu": a.mfu, "peak_tflops": a.tflops})
+    for lay in r["layouts"].values():
+        lay["device_hours"] = device_hours(lay["total_flops"], a.mfu, a.tflops)
+    colo, coh = r["layouts"]["colocated"], r["layouts"]["cohort"]
+    r["cohort_savings"] = {
+        "teacher": colo["teacher_flops"] / max(coh["teacher_flops"], 1e-30),
+        "total": colo["total_flops"] / coh["total_flops"]}
+    g = r["grid"]
+    g["teacher_x_lower"] = colo["teacher_flops"] / max(g["teacher_flops"], 1e-30)
+    g["bound_x_lower"] = colo["teacher_flops"] / max(g["bound"], 1e-30)
+    g["of_bound"] = g["teacher_flops"] / max(g["bound"], 1e-30)
+    compiled = (check_grid(runs, teacher, a.cohort or len(runs), a.check_compile)
+                if a.check_compile else [])
+    if compiled:
+        r["check_compile"] = [{k: v for k, v in c.items() if k != "text"} for c in compiled]
+    return r, compiled, chosen
+
+
+def study_main(argv: list[str]) -> int:
+    """`--sweep SWEEP`: teacher, student and total FLOPs of a whole grid under the
+    colocated, disaggregated and cohort layouts, and device-hours."""
+    a = _study_parser().parse_args(argv)
     with user_errors(a.debug, prog="hldstudy.plan"):
-        if a.check_compile:
-            parse_target(a.check_compile)  # a bad target is refused before any work
-        auto = a.cohort == "auto"
-        if auto:
-            if a.hbm is None or not (math.isfinite(a.hbm) and a.hbm > 0):
-                raise ConfigError("--hbm", "--cohort auto needs the device memory",
-                                  "give --hbm GB (> 0) per device")
-            if not 0 < a.usable <= 1:
-                raise ConfigError("--usable", f"{a.usable} is out of range", "0 < F <= 1")
-        elif a.cohort is not None:
-            try:
-                a.cohort = int(a.cohort)
-            except ValueError:
-                raise ConfigError("--cohort", f"{a.cohort!r} is not a number",
-                                  "--cohort K (K >= 1) or --cohort auto") from None
-            if a.cohort < 1:
-                raise ConfigError("--cohort", f"must be >= 1, got {a.cohort}")
-        for name, value in (("--mfu", a.mfu), ("--tflops", a.tflops)):
-            if not (math.isfinite(value) and value > 0) or (name == "--mfu" and value > 1):
-                raise ConfigError(name, f"{value} is out of range",
-                                  "--mfu in (0, 1], --tflops > 0 and finite")
-        sweep = load_sweep(find_builtin(a.sweep, SWEEPS))
-        runs = expand(sweep, a.overrides)
-        teacher = teacher_model_config(runs[0].config.teacher.checkpoint, sweep.teacher_preset)
-        chosen = None
-        if auto:
-            if a.devices < 1:
-                raise ConfigError("--devices", f"must be >= 1, got {a.devices}")
-            chosen = auto_cohort(runs, teacher, a.hbm * GB * a.usable, a.devices)
-            if chosen["k"] == 0:
-                raise ConfigError("--cohort", f"not even one student fits: the largest cohort "
-                                  f"step needs {_gb(chosen['bytes_at_k'])} GB of the "
-                                  f"{_gb(chosen['limit_bytes'])} GB usable "
-                                  f"({a.hbm:g} GB x {a.usable:g}) with the batch over "
-                                  f"{a.devices} device(s)",
-                                  "more data-parallel devices (--devices N), or a device with "
-                                  "more memory")
-            a.cohort = chosen["k"]
-        r = study_flops(runs, teacher, a.cohort or len(runs))
-        if chosen is not None:
-            r["cohort_auto"] = chosen
-        r.update({"sweep": sweep.name, "mfu": a.mfu, "peak_tflops": a.tflops})
-        for lay in r["layouts"].values():
-            lay["device_hours"] = device_hours(lay["total_flops"], a.mfu, a.tflops)
-        colo, coh = r["layouts"]["colocated"], r["layouts"]["cohort"]
-        r["cohort_savings"] = {
-            "teacher": colo["teacher_flops"] / max(coh["teacher_flops"], 1e-30),
-            "total": colo["total_flops"] / coh["total_flops"]}
-        g = r["grid"]
-        g["teacher_x_lower"] = colo["teacher_flops"] / max(g["teacher_flops"], 1e-30)
-        g["bound_x_lower"] = colo["teacher_flops"] / max(g["bound"], 1e-30)
-        g["of_bound"] = g["teacher_flops"] / max(g["bound"], 1e-30)
-        compiled = (check_grid(runs, teacher, a.cohort or len(runs), a.check_compile)
-                    if a.check_compile else [])
-        if compiled:
-            r["check_compile"] = [{k: v for k, v in c.items() if k != "text"} for c in compiled]
+        _check_study_args(a)
+        r, compiled, chosen = _study(a)
         if a.json:
             print(json.dumps(r, sort_keys=True))
             return _compile_verdict(compiled)
-        if chosen is not None:
-            nxt = chosen["bytes_at_k_plus_1"]
-            print(f"--cohort auto: K = {chosen['k']}, the largest cohort that fits "
-                  f"{_gb(chosen['limit_bytes'])} GB ({a.hbm:g} GB x {a.usable:g} usable, the "
-                  f"batch over {a.devices} device(s)): "
-                  f"its step needs {_gb(chosen['bytes_at_k'])} GB"
-                  + (f", K = {chosen['k'] + 1} would need {_gb(nxt)} GB" if nxt else
-                     " (every compatible run of a method in one cohort)"))
-        print(f"sweep {sweep.name}: {r['runs']} runs, {r['cohorts']} cohorts "
-              f"(at most {r['cohort_size']} students each); device-hours at "
-              f"{a.mfu:.0%} MFU of {a.tflops:g} TFLOPS")
-        print("| layout | teacher FLOPs | student FLOPs | total FLOPs | device-hours |")
-        print("|---|---:|---:|---:|---:|")
-        for name, lay in r["layouts"].items():
-            print(f"| {name} | {lay['teacher_flops']:.3e} | {lay['student_flops']:.3e} | "
-                  f"{lay['total_flops']:.3e} | {lay['device_hours']:,.0f} |")
-        s = r["cohort_savings"]
-        print(f"cohorts: teacher FLOPs {s['teacher']:.1f}x lower, total {s['total']:.2f}x lower")
-        g = r["grid"]
-        print(f"grid (one replica set, --teacher-replicas): teacher FLOPs {g['teacher_flops']:.4e}"
-              f", {g['teacher_x_lower']:.1f}x below colocated; bound {g['bound']:.4e} "
-              f"({g['longest_steps']:,} steps x one whole forward, {g['bound_x_lower']:.1f}x "
-              f"below colocated; grid / bound = {g['of_bound']:.4f}); replica window "
-              f"{_gb(g['replica_window_bytes'])} GB for {g['window']} steps")
+        _print_study(r, a, chosen)
         for c in compiled:
             print(f"\n{len(c['runs'])} run(s): {', '.join(c['runs'])}\n{c['text']}")
         return _compile_verdict(compiled)

@@ -1,36 +1,6 @@
 """The compression pipeline: dense -> 2:4 prune -> recover -> FP8, evaluated at every stage.
 
-`run(ccfg)` loads the checkpoint, checks everything a user can get wrong
-before any compute (2:4 divisibility, calibration data, the teacher's
-vocabulary), then runs the stages and writes, under `ccfg.out`:
-
-    config.json        the resolved `compress` section
-    report.json        {"stages": [{stage, valid_ppl, valid_nll, <task scores>,
-                        weight_bytes, weight_bytes_packed, sparsity, is_2_4, ...}], ...}
-    report.md          the same as a table, with the no-speed-up note
-    model.safetensors  the final model (FP8 tensors + scales when quantized)
-    model/             the final model as an hldstudy run directory (eval reads it)
-    stages/<stage>/    with `compress.save_stages` (--save-stages): every other stage's
-                       model as a run directory (report.json's `stage_models` names
-                       where each stage's model is: the checkpoint itself for dense)
-    recover/           the recovery run directory (metrics.jsonl), when recovering
-
-`--out` must be absent or an empty directory (an earlier output is never mixed with or
-overwritten by a new one), and a refused input writes nothing: every check runs before
-anything is made. The outputs are written into a temporary sibling
-(`.<name>.partial-<id>` next to `--out`) and renamed onto `--out` when complete; a run
-that fails removes it, so `--out` only ever holds a whole output.
-
-An FP8 stage is evaluated through `fp8_forward.fp8_model`: its quantized linears multiply
-in FP8 (the real FP8 dot where the chip has FP8 matrix units, `chips.py`; the simulated
-path, the same numbers as the dequantized model, elsewhere).
-
-Bytes are those of the weights one forward reads: every parameter (the tied
-embedding / head, norms and all block linears) at its stored width.
-`weight_bytes` stores zeros as values; `weight_bytes_packed` stores each
-2:4 matrix in the sparse-tensor-core layout (the 2 kept values of every group
-of 4, plus 2 bits of index per kept value) and dense matrices unchanged; an
-FP8 matrix adds its float32 scales.
+Design notes: `docs/compression.md`, under this file's name.
 """
 
 from __future__ import annotations
@@ -337,21 +307,17 @@ def run(ccfg: CompressConfig) -> dict:
     return report
 
 
-def _run_into(ccfg: CompressConfig, out: Path, model, tokenizer, run_cfg) -> dict:
-    write_json_atomic(out / "config.json", to_dict(ccfg))
-    work = out / "work"
-    names = prune_names(ccfg)
+def _compress_run_config(ccfg: CompressConfig, work: Path, model, tokenizer, run_cfg):
+    """(run config, tokenizer file) that calibration, evaluation and recovery read."""
     tok_file = _tokenizer_file(tokenizer, run_cfg, ccfg.checkpoint, work)
     add_bos = run_cfg.data.add_bos if run_cfg is not None else tokenizer.bos_id >= 0
     data_cfg = cdata.data_config(ccfg, run_cfg.data if run_cfg is not None else None,
                                  tokenizer_file=str(tok_file), add_bos=add_bos)
-    run_cfg = cdata.run_config(ccfg, run_cfg, model.cfg, data_cfg)
-    method = n = m = None
-    if ccfg.prune:
-        method, n, m = parse_prune(ccfg.prune)
-    calib = None
-    if method in ("wanda", "sparsegpt"):
-        calib = calibration_batches(ccfg, run_cfg.data, tokenizer, work)
+    return cdata.run_config(ccfg, run_cfg, model.cfg, data_cfg), tok_file
+
+
+def _compress_data(ccfg: CompressConfig, work: Path, run_cfg):
+    """(data bundle, validation batches): what every stage is measured and recovered on."""
     try:
         bundle = prepare_data(run_cfg.data, work)
         valid = bundle.valid_batches(ccfg.eval_batches or None)
@@ -364,6 +330,38 @@ def _run_into(ccfg: CompressConfig, out: Path, model, tokenizer, run_cfg) -> dic
                  if ccfg.calibration_data else f"{ccfg.checkpoint}: its data section has no "
                  "validation split")
         raise ConfigError(cdata.FIELD if ccfg.calibration_data else "compress.checkpoint", where)
+    return bundle, valid
+
+
+def _save_final(ccfg: CompressConfig, out: Path, model, run_cfg, tokenizer, tok_file,
+                final: str, quantized: dict, sparse_keys: tuple, nm: tuple):
+    """The final model as safetensors and as a run directory, and the export asked for;
+    returns the export's record (None without one)."""
+    save_safetensors(model, out / "model.safetensors", quantized=quantized,
+                     sparse_keys=sparse_keys, nm=nm,
+                     fp8_format=ccfg.fp8_format if quantized else None,
+                     granularity=ccfg.fp8_granularity if quantized else None,
+                     extra={"stage": final, "source": str(ccfg.checkpoint)})
+    save_run_dir(model, run_cfg, out / "model", tokenizer_file=tok_file,
+                 meta={"compressed_stage": final})
+    if ccfg.export == hf_export.FORMAT_NAME:
+        return hf_export.write(model, tokenizer, quantized, sparse_keys, nm,
+                               out / hf_export.FORMAT_NAME)
+    return None
+
+
+def _run_into(ccfg: CompressConfig, out: Path, model, tokenizer, run_cfg) -> dict:
+    write_json_atomic(out / "config.json", to_dict(ccfg))
+    work = out / "work"
+    names = prune_names(ccfg)
+    method = n = m = None
+    if ccfg.prune:
+        method, n, m = parse_prune(ccfg.prune)
+    run_cfg, tok_file = _compress_run_config(ccfg, work, model, tokenizer, run_cfg)
+    calib = None
+    if method in ("wanda", "sparsegpt"):
+        calib = calibration_batches(ccfg, run_cfg.data, tokenizer, work)
+    bundle, valid = _compress_data(ccfg, work, run_cfg)
     nm = (n or 2, m or 4)
     common = dict(valid=valid, nm=nm, ccfg=ccfg, tokenizer=tokenizer, run_cfg=run_cfg)
     stages = []
@@ -434,18 +432,8 @@ def _run_into(ccfg: CompressConfig, out: Path, model, tokenizer, run_cfg) -> dic
     if quant and not ccfg.quantize_in_loop:
         do_quantize(qname)
 
-    final = stages[-1]["stage"]
-    save_safetensors(model, out / "model.safetensors", quantized=quantized,
-                     sparse_keys=sparse_keys, nm=nm,
-                     fp8_format=ccfg.fp8_format if quantized else None,
-                     granularity=ccfg.fp8_granularity if quantized else None,
-                     extra={"stage": final, "source": str(ccfg.checkpoint)})
-    save_run_dir(model, run_cfg, out / "model", tokenizer_file=tok_file,
-                 meta={"compressed_stage": final})
-    exported = None
-    if ccfg.export == hf_export.FORMAT_NAME:
-        exported = hf_export.write(model, tokenizer, quantized, sparse_keys, nm,
-                                   out / hf_export.FORMAT_NAME)
+    exported = _save_final(ccfg, out, model, run_cfg, tokenizer, tok_file, stages[-1]["stage"],
+                           quantized, sparse_keys, nm)
     return _write_report(out, ccfg, stages, timings, exported, stage_models=stage_models)
 
 

@@ -1,43 +1,6 @@
 """Exact fused KD loss that never materializes the `[T, V]` logits.
 
-Same signature and semantics as `materialized_kd_loss`; see DESIGN.md
-"Fused exact KD loss". The token axis is cut into row windows of `row_block`
-rows and the vocabulary into chunks of `vocab_block` columns. For each
-(window, chunk) the student and teacher logits are rebuilt from hidden states
-and heads, and per-row running maxima / rescaled sums (online log-sum-exp)
-are carried across chunks:
-
-    m_a, S_a = sum e^(a - m_a),  U_f = sum e^(a - m_a)(a - b)      (teacher, forward KL)
-    m_b, S_b = sum e^(b - m_b),  U_r = sum e^(b - m_b)(b - a)      (student, reverse KL)
-    m_z, S_z = sum e^(z - m_z),  z_y                               (NLL at tau = 1)
-    KL_fwd = U_f / S_a - lse_a + lse_b ;  KL_rev = U_r / S_b - lse_b + lse_a
-
-The backward (a `jax.custom_vjp`) rebuilds each chunk's logits and, from the
-saved per-row `lse_a, lse_b, lse_z` (and `KL_rev`), forms the logit gradient
-
-    dNLL/dz_s = softmax(z_s) - onehot(y)
-    dKLf/dz_s = (softmax(b) - softmax(a)) / tau
-    dKLr/dz_s = softmax(b) * (log(p_s/p_t) - KL_rev) / tau
-    (times 1 - tanh^2 when soft-capped)
-
-and accumulates `dh_s += G @ W_s[:, chunk]^T`, `dW_s[:, chunk] += h_s^T @ G`.
-
-Two schedules on the XLA path, both exact:
-
-- `vocab_block >= V` (one chunk per row window): logits of a window are built
-  once and the gradient is formed right away in the custom_vjp forward rule
-  (and scaled by the cotangent in the backward). Same matmul FLOPs as the
-  materialized loss (4 x T d V); temporary memory O(row_block x V). This is
-  the CPU default: recomputation costs 1.5x time on a CPU, memory is cheap.
-- `vocab_block < V`: stats in the forward, logits recomputed in the backward
-  (6 x T d V FLOPs); temporary memory O(row_block x vocab_block).
-
-Vocabulary "padding": W is never padded (that would copy it). The last chunk
-is read at the clamped offset `V - vocab_block` and the columns it shares with
-the previous chunk are masked with -inf (never 0) so they count once. Padded
-rows (T not a multiple of `row_block`) are masked out.
-
-Metrics (`nll`, `kl`) are returned under `stop_gradient`: differentiate `loss`.
+Design notes: `docs/losses.md`, under this file's name.
 """
 
 from __future__ import annotations
@@ -323,6 +286,24 @@ def resolve_backend(backend: str, platform: str | None = None) -> str:
     return "pallas_mosaic" if pallas_kd.kernel_family("pallas", platform) == "mosaic" else "pallas_triton"
 
 
+def _kernel_blocks(backend: str, chosen_here: bool, d_student: int, d_teacher: int,
+                   vocab: int, dtype):
+    """(kernel blocks or None, backend): the Pallas kernels' blocks and compiler limits
+    for the chip this is traced for; where none fit, `auto` takes the XLA path (said
+    once) and an explicit Pallas backend is refused."""
+    if not backend.startswith("pallas"):
+        return None, backend
+    try:
+        return kernel_blocks.for_target(chips.traced_target()[1], d_student, vocab, dtype,
+                                        d_teacher=d_teacher,
+                                        family=pallas_kd.kernel_family(backend)), backend
+    except kernel_blocks.BlocksDoNotFit as e:
+        if not chosen_here:
+            raise ConfigError("distill.fused_backend", str(e)) from None
+        _notice_once(f"fused KD: {e}; auto takes the XLA path")
+        return None, "xla"
+
+
 def fused_kd_loss(
     h_s,
     w_s,
@@ -376,18 +357,8 @@ def fused_kd_loss(
     if w_t.shape[-1] != vocab:
         raise ValueError(f"w_t: vocabulary {w_t.shape[-1]} differs from w_s's {vocab}")
 
-    kernel = None
-    if backend.startswith("pallas"):
-        # Blocks and compiler limits for the chip this is traced for (kernel_blocks).
-        try:
-            kernel = kernel_blocks.for_target(chips.traced_target()[1], h_s.shape[-1], vocab,
-                                              w_s.dtype, d_teacher=h_t.shape[-1],
-                                              family=pallas_kd.kernel_family(backend))
-        except kernel_blocks.BlocksDoNotFit as e:
-            if not chosen_here:
-                raise ConfigError("distill.fused_backend", str(e)) from None
-            _notice_once(f"fused KD: {e}; auto takes the XLA path")
-            backend = "xla"
+    kernel, backend = _kernel_blocks(backend, chosen_here, h_s.shape[-1], h_t.shape[-1], vocab,
+                                     w_s.dtype)
     if kernel is not None:
         default_rows, default_vocab = kernel.row_block, kernel.vocab_block
     else:

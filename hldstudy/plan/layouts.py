@@ -1,44 +1,6 @@
 """The per-device plan of one run: colocated vs disaggregated teacher.
 
-Answers "will this OOM / will the network stall" before anyone rents a
-cluster (DESIGN.md, "Disaggregated teacher"). Everything is a pure function
-of model shapes and a few hardware numbers; `hldstudy plan` prints
-the tables (`--json` for one machine-readable object).
-
-Layouts (D trainer devices, FSDP: weights, grads and optimizer states are
-sharded over all D; every device processes `tokens_per_step / (D * A)`
-tokens per micro-step, A = gradient-accumulation steps):
-
-- **colocated**: teacher and student on the same D devices; the teacher's
-  weights (inference dtype) are sharded too and its forward runs inside the
-  step.
-- **disaggregated**: the trainer holds the student (weights, grads, AdamW
-  states, activations), the teacher's LM head only (to rebuild the teacher
-  logits inside the fused loss) and a prefetch ring of K steps of streamed
-  teacher hidden states; the teacher runs on `teacher_devices` separate
-  devices holding its weights in inference dtype and the activations of one
-  forward.
-
-Its memory and network terms are `hldstudy.plan.terms`.
-
-Step time: student-side FLOPs per step (3x forward, teacher-head rebuild,
-regressors, fused-loss recompute when chunked, block recompute under remat) over `D * tflops * mfu`
-(defaults: 989 TFLOPS peak bf16, H100 SXM, at 40% MFU ~ 400 TFLOPS
-effective per device). `required_link_gbps` is the per-trainer-device
-inbound bandwidth that keeps the ring from emptying: hidden bytes per step
-/ D / step time. The teacher side must also keep up: its forward over
-`teacher_devices` at the same MFU (`teacher_bound`); `teacher_devices_needed`
-is the fewest teacher devices that both keep up and fit in memory.
-
-Verdicts: colocated "fits" / "out of memory"; disaggregated "out of memory"
-(either side over `hbm * usable`), else "network-bound" (link below the
-requirement), else "fits". GB are decimal (1e9 bytes).
-
-Not modelled: MoE routing buffers and expert parallelism (MoE weights are
-FSDP-sharded like dense ones; activations use the *active* FFN width),
-pipeline parallelism, CUDA/XLA runtime reserve beyond `usable`, the
-optimizer's transient update tree, and hybrid linear-attention layers
-(every layer is treated as softmax attention).
+Design notes: `docs/planner.md`, under this file's name.
 """
 
 from __future__ import annotations
@@ -149,20 +111,13 @@ def check_inputs(p: PlanInputs) -> None:
                           "lower --seq-len or raise --tokens-per-step")
 
 
-def plan(p: PlanInputs) -> dict:
-    """Per-device memory of both layouts, network bytes, link requirement, verdicts."""
-    check_inputs(p)
-    s, t = p.student, p.teacher
-    vocab = min(s.vocab_size, t.vocab_size)
-    d_dev = p.devices
-    t_dev = p.teacher_devices or p.devices
+def _layout_memory(p: PlanInputs, tok_step_dev: float, tok_micro: float,
+                   vocab: int) -> tuple[dict, dict]:
+    """Bytes per device by term: (colocated, disaggregated trainer)."""
+    s, t, d_dev = p.student, p.teacher, p.devices
     pb, cb = p.param_bytes, dtype_bytes(p.compute_dtype)
     tb, sb = dtype_bytes(p.teacher_dtype), dtype_bytes(p.stream_dtype)
-    tok_step_dev = p.tokens_per_step / d_dev  # tokens per device per optimizer step
-    tok_micro = tok_step_dev / p.grad_accum  # ... per micro-step (activations)
     n_streamed = 1 + p.hidden_layers
-    limit = p.hbm_gb * GB * p.usable
-
     student_state = {
         "student_weights": weights_bytes(s, pb, d_dev),
         "student_grads": weights_bytes(s, pb, d_dev),
@@ -175,7 +130,6 @@ def plan(p: PlanInputs) -> dict:
         logits = logits_bytes_materialized(tok_micro, vocab, with_teacher=True)
     else:
         logits = logits_bytes_fused(tok_micro, vocab, s.d_model, p.row_block, p.vocab_block)
-
     colocated = dict(student_state)
     colocated.update({
         "teacher_weights": weights_bytes(t, tb, d_dev),
@@ -194,31 +148,37 @@ def plan(p: PlanInputs) -> dict:
         "ring": ring_bytes(p.ring, tok_step_dev, n_streamed, t.d_model, sb),
         "logits_peak": logits,
     })
-    def teacher_side_terms(n_dev: int) -> dict[str, float]:
-        tok_t = p.tokens_per_step / n_dev / p.grad_accum  # one forward's share
-        return {
-            "teacher_weights": weights_bytes(t, tb, n_dev),
-            "teacher_fsdp_gather": fsdp_gather_bytes(t, tb, n_dev),
-            "teacher_activations": inference_activation_bytes(t, tok_t, p.seq_len, cb,
-                                                              attention=p.attention,
-                                                              kept_layers=n_streamed),
-            "send_buffer": tok_t * p.grad_accum * n_streamed * t.d_model * sb,
-        }
+    return colocated, disagg
 
-    teacher_side = teacher_side_terms(t_dev)
-    # Fewest teacher devices whose memory fits (None if even 4096 do not).
-    teacher_devices_for_memory = next(
-        (n for n in range(1, 4097) if sum(teacher_side_terms(n).values()) <= limit), None)
 
-    # FLOPs and step times.
+def _teacher_side(p: PlanInputs, n_dev: int) -> dict[str, float]:
+    """Bytes per device of a disaggregated teacher spread over `n_dev` devices."""
+    t, n_streamed = p.teacher, 1 + p.hidden_layers
+    tb, cb, sb = dtype_bytes(p.teacher_dtype), dtype_bytes(p.compute_dtype), \
+        dtype_bytes(p.stream_dtype)
+    tok_t = p.tokens_per_step / n_dev / p.grad_accum  # one forward's share
+    return {
+        "teacher_weights": weights_bytes(t, tb, n_dev),
+        "teacher_fsdp_gather": fsdp_gather_bytes(t, tb, n_dev),
+        "teacher_activations": inference_activation_bytes(t, tok_t, p.seq_len, cb,
+                                                          attention=p.attention,
+                                                          kept_layers=n_streamed),
+        "send_buffer": tok_t * p.grad_accum * n_streamed * t.d_model * sb,
+    }
+
+
+def _step_flops(p: PlanInputs, vocab: int) -> tuple[dict, float, float, float]:
+    """(FLOPs per step by term, colocated step time, disaggregated trainer step time,
+    teacher step time)."""
+    s, t = p.student, p.teacher
     T, tok = p.seq_len, p.tokens_per_step
     student_train = 3.0 * tok * flops_per_token(s, T)["total"]
     head_rebuild = 2.0 * tok * t.d_model * vocab
     recompute = 2.0 * tok * (s.d_model + t.d_model) * vocab if (
         p.loss == "fused" and p.fused_recompute) else 0.0
     regressors = 6.0 * tok * p.hidden_layers * s.d_model * t.d_model
-    remat_recompute = tok * flops_per_token(s, T, head=False)["total"] if p.remat else 0.0
-    recompute += remat_recompute
+    if p.remat:
+        recompute += tok * flops_per_token(s, T, head=False)["total"]
     teacher_fwd = tok * flops_per_token(t, T)["total"]
     eff = p.tflops * 1e12 * p.mfu
     flops = {"student_train": student_train, "teacher_head_rebuild": head_rebuild,
@@ -226,11 +186,37 @@ def plan(p: PlanInputs) -> dict:
              "teacher_forward": teacher_fwd}
     student_side_flops = student_train + head_rebuild + recompute + regressors
     # Colocated: the teacher body runs inside the step (its head is part of teacher_fwd).
-    colocated_time = (student_train + recompute + regressors + teacher_fwd) / (d_dev * eff)
-    disagg_time = student_side_flops / (d_dev * eff)
-    teacher_time = (teacher_fwd - head_rebuild) / (t_dev * eff)
+    colocated_time = (student_train + recompute + regressors + teacher_fwd) / (p.devices * eff)
+    disagg_time = student_side_flops / (p.devices * eff)
+    teacher_time = (teacher_fwd - head_rebuild) / ((p.teacher_devices or p.devices) * eff)
+    return flops, colocated_time, disagg_time, teacher_time
 
-    net = network_bytes_per_step(tok, n_streamed, t.d_model, vocab, sb)
+
+def _model_facts(m) -> dict:
+    return {"name": m.name, "total_params": m.total_params(), "active_params": m.active_params(),
+            "d_model": m.d_model, "n_layers": m.n_layers, "vocab_size": m.vocab_size}
+
+
+def plan(p: PlanInputs) -> dict:
+    """Per-device memory of both layouts, network bytes, link requirement, verdicts."""
+    check_inputs(p)
+    s, t = p.student, p.teacher
+    vocab = min(s.vocab_size, t.vocab_size)
+    d_dev, t_dev = p.devices, p.teacher_devices or p.devices
+    tok_step_dev = p.tokens_per_step / d_dev  # tokens per device per optimizer step
+    tok_micro = tok_step_dev / p.grad_accum  # ... per micro-step (activations)
+    n_streamed = 1 + p.hidden_layers
+    limit = p.hbm_gb * GB * p.usable
+
+    colocated, disagg = _layout_memory(p, tok_step_dev, tok_micro, vocab)
+    teacher_side = _teacher_side(p, t_dev)
+    # Fewest teacher devices whose memory fits (None if even 4096 do not).
+    teacher_devices_for_memory = next(
+        (n for n in range(1, 4097) if sum(_teacher_side(p, n).values()) <= limit), None)
+    flops, colocated_time, disagg_time, teacher_time = _step_flops(p, vocab)
+
+    sb = dtype_bytes(p.stream_dtype)
+    net = network_bytes_per_step(p.tokens_per_step, n_streamed, t.d_model, vocab, sb)
     required = net["hidden"] / d_dev * 8 / disagg_time / 1e9
     required_logits = net["logits"] / d_dev * 8 / disagg_time / 1e9
 
@@ -244,19 +230,13 @@ def plan(p: PlanInputs) -> dict:
         dis_verdict = "network-bound"
     else:
         dis_verdict = "fits"
+    for_throughput = math.ceil(teacher_time * t_dev / disagg_time - 1e-9)
 
     inputs = dataclasses.asdict(p)
     inputs["teacher"], inputs["student"] = t.name, s.name
     return {
         "inputs": inputs,
-        "models": {
-            "teacher": {"name": t.name, "total_params": t.total_params(),
-                        "active_params": t.active_params(), "d_model": t.d_model,
-                        "n_layers": t.n_layers, "vocab_size": t.vocab_size},
-            "student": {"name": s.name, "total_params": s.total_params(),
-                        "active_params": s.active_params(), "d_model": s.d_model,
-                        "n_layers": s.n_layers, "vocab_size": s.vocab_size},
-        },
+        "models": {"teacher": _model_facts(t), "student": _model_facts(s)},
         "tokens_per_device_step": tok_step_dev,
         "tokens_per_device_micro_step": tok_micro,
         "hbm_limit_bytes": limit,
@@ -269,12 +249,10 @@ def plan(p: PlanInputs) -> dict:
                           "student_step_time_s": disagg_time,
                           "teacher_step_time_s": teacher_time,
                           "teacher_bound": teacher_time > disagg_time,
-                          "teacher_devices_for_throughput": math.ceil(
-                              teacher_time * t_dev / disagg_time - 1e-9),
+                          "teacher_devices_for_throughput": for_throughput,
                           "teacher_devices_for_memory": teacher_devices_for_memory,
                           "teacher_devices_needed": max(
-                              math.ceil(teacher_time * t_dev / disagg_time - 1e-9),
-                              teacher_devices_for_memory or 10**9),
+                              for_throughput, teacher_devices_for_memory or 10**9),
                           "fanout_window_bytes": fanout_window_bytes(
                               p.fanout_window, p.tokens_per_step,
                               p.fanout_union_layers or n_streamed, t.d_model, sb)},

@@ -1,5 +1,61 @@
 """python -m hldstudy.teacher.serve --checkpoint TEACHER --config STUDENT [--layers final,9] --port P
 
+Design notes: `docs/teacher.md`, under this file's name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import errno
+import hashlib
+import hmac
+import ipaddress
+import json
+import logging
+import math
+import os
+import queue
+import re
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import threading
+import time
+from concurrent import futures
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hldstudy.cli_common import EXPERIMENTS, find_builtin, quiet_libraries
+from hldstudy.config import apply_overrides, load_experiment, read_config
+from hldstudy.data import prepare_data
+from hldstudy.distill.base import make_strategy
+from hldstudy.errors import ConfigError, HLDError, InputError, user_errors
+from hldstudy.fileio import write_text_atomic
+from hldstudy.model.loading import load_model
+from hldstudy.teacher import protocol as proto
+from hldstudy.teacher.base import check_layers, method_needs, stage_needs
+from hldstudy.teacher.colocated import ColocatedTeacher
+from hldstudy.teacher.fanout import CohortSpec, MemberGone, StepWindow, parse_cohort
+from hldstudy.teacher.load import with_teacher_tokenizer
+from hldstudy.teacher.microbatch import (
+    compiled_fits,
+    compiler_checked,
+    device_memory,
+    micro_batched,
+    replica_candidates,
+    served,
+)
+
+# The command's --help text.
+HELP = """python -m hldstudy.teacher.serve --checkpoint TEACHER --config STUDENT [--layers final,9] --port P
+
 One teacher replica of a disaggregated run: it loads the teacher, rebuilds
 the student's deterministic batch sequence (the student's data config, seed
 and step numbering: `batch_at(step)`), runs the teacher's forward exactly as
@@ -54,56 +110,6 @@ computes; start one process per replica.
 SIGTERM / SIGINT stop the replica (exit 128+N); a temporary --workdir is
 removed on exit.
 """
-
-from __future__ import annotations
-
-import argparse
-import contextlib
-import dataclasses
-import errno
-import hashlib
-import hmac
-import ipaddress
-import json
-import logging
-import math
-import os
-import queue
-import re
-import shutil
-import signal
-import socket
-import sys
-import tempfile
-import threading
-import time
-from concurrent import futures
-from pathlib import Path
-
-import jax
-import jax.numpy as jnp
-import numpy as np
-
-from hldstudy.cli_common import EXPERIMENTS, find_builtin, quiet_libraries
-from hldstudy.config import apply_overrides, load_experiment, read_config
-from hldstudy.data import prepare_data
-from hldstudy.distill.base import make_strategy
-from hldstudy.errors import ConfigError, HLDError, InputError, user_errors
-from hldstudy.fileio import write_text_atomic
-from hldstudy.model.loading import load_model
-from hldstudy.teacher import protocol as proto
-from hldstudy.teacher.base import check_layers, method_needs, stage_needs
-from hldstudy.teacher.colocated import ColocatedTeacher
-from hldstudy.teacher.fanout import CohortSpec, MemberGone, StepWindow, parse_cohort
-from hldstudy.teacher.load import with_teacher_tokenizer
-from hldstudy.teacher.microbatch import (
-    compiled_fits,
-    compiler_checked,
-    device_memory,
-    micro_batched,
-    replica_candidates,
-    served,
-)
 
 log = logging.getLogger("hldstudy.teacher.serve")
 
@@ -208,6 +214,67 @@ def params_fingerprint(model_cfg, params) -> str:
         h.update(jax.tree_util.keystr(path).encode())
         h.update(np.ascontiguousarray(np.asarray(leaf)).tobytes())
     return h.hexdigest()[:16]
+
+
+class _Inbox:
+    """A stream's requests, read on a thread into a bounded queue (backpressure: a client
+    that sends faster than steps are served waits)."""
+
+    END = object()
+
+    def __init__(self, request_iterator, context, maxsize: int):
+        self._queue: queue.Queue = queue.Queue(maxsize=maxsize)
+        self._done = threading.Event()
+        self._context = context
+        context.add_callback(self._done.set)
+        threading.Thread(target=self._read, args=(request_iterator,), daemon=True,
+                         name="teacher-credits").start()
+
+    def _put(self, item) -> bool:
+        while not self._done.is_set():
+            try:
+                self._queue.put(item, timeout=0.2)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _read(self, request_iterator) -> None:
+        try:
+            for raw in request_iterator:
+                if not self._put(raw):
+                    return
+        except Exception:  # noqa: BLE001 - the client went away
+            pass
+        self._put(self.END)
+
+    def cancelled(self) -> bool:
+        return self._done.is_set() or not self._context.is_active()
+
+    def next(self, wait_s: float):
+        """The next request; END when the stream is over; None after `wait_s` idle."""
+        t0 = time.monotonic()
+        while True:
+            try:
+                return self._queue.get(timeout=min(0.25, wait_s))
+            except queue.Empty:
+                if self.cancelled():
+                    return self.END
+                if time.monotonic() - t0 > wait_s:
+                    return None
+
+
+def _invalid(context, problem: str):
+    import grpc
+
+    context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+
+
+def _decode(context, raw) -> dict:
+    try:
+        return proto.decode(raw)[0]
+    except proto.ProtocolError as e:
+        _invalid(context, str(e))
 
 
 class TeacherServer:
@@ -509,107 +576,76 @@ class TeacherServer:
     def _serve_stream(self, request_iterator, context):
         import grpc
 
-        end = object()
-        inbox: queue.Queue = queue.Queue(maxsize=self.MAX_CREDITS)  # bounded: backpressure
-        done = threading.Event()
-        context.add_callback(done.set)
-
-        def put(item) -> bool:
-            while not done.is_set():
-                try:
-                    inbox.put(item, timeout=0.2)
-                    return True
-                except queue.Full:
-                    continue
-            return False
-
-        def read():
-            try:
-                for raw in request_iterator:
-                    if not put(raw):
-                        return
-            except Exception:  # noqa: BLE001 - the client went away
-                pass
-            put(end)
-
-        threading.Thread(target=read, daemon=True, name="teacher-credits").start()
-
-        def next_request(wait_s: float, why: str):
-            t0 = time.monotonic()
-            while True:
-                try:
-                    return inbox.get(timeout=min(0.25, wait_s))
-                except queue.Empty:
-                    if done.is_set() or not context.is_active():
-                        return end
-                    if time.monotonic() - t0 > wait_s:
-                        with self._stats_lock:
-                            self.stats["closed_idle"] += 1
-                        context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, why)
-
-        def invalid(problem: str):
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
-
-        def request(raw) -> dict:
-            try:
-                return proto.decode(raw)[0]
-            except proto.ProtocolError as e:
-                invalid(str(e))
-
-        raw = next_request(self.open_s, f"no open request within {self.open_s:g} s; closed")
-        if raw is end:
+        inbox = _Inbox(request_iterator, context, self.MAX_CREDITS)
+        raw = self._next_request(inbox, context, self.open_s,
+                                 f"no open request within {self.open_s:g} s; closed")
+        if raw is _Inbox.END:
             return
-        spec = request(raw).get("open")
+        spec = _decode(context, raw).get("open")
         if not isinstance(spec, dict) or not isinstance(spec.get("layers", []), list) \
                 or not all(proto.is_int(i) for i in spec.get("layers", [])) \
                 or not isinstance(spec.get("final", False), bool):
-            invalid("the first request must be {\"open\": {\"layers\": [int...], "
-                    "\"final\": bool, ...}}")
+            _invalid(context, "the first request must be {\"open\": {\"layers\": [int...], "
+                     "\"final\": bool, ...}}")
         problem = self.check_open(spec)
         if problem:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, problem)
         final, layers = bool(spec.get("final")), tuple(sorted(set(spec.get("layers", []))))
         with self._stats_lock:
             self.stats["streams"] += 1
-        idle = (f"no step requested for {self.idle_s:g} s; closed (--idle-timeout-s; "
-                "a trainer reconnects by itself)")
         window, member, gen = self.window, spec.get("member"), 0
         if window is not None:
             start, stop_ = spec.get("start", 0), spec.get("end")
             if not proto.is_int(start) or start < 0 or not (
                     stop_ is None or (proto.is_int(stop_) and stop_ >= start)):
-                invalid(f"a cohort stream needs 0 <= start <= end, got {start!r}, {stop_!r}")
+                _invalid(context, f"a cohort stream needs 0 <= start <= end, got {start!r}, "
+                         f"{stop_!r}")
             gen = window.connect(member, start, math.inf if stop_ is None else stop_,
                                  bool(spec.get("last_stage", True)))
-            names = proto.tensor_names(layers, final)
-
-            def cancelled() -> bool:
-                return done.is_set() or not context.is_active()
         try:
-            while True:
-                raw = next_request(self.idle_s, idle)
-                if raw is end:
-                    return
-                step = request(raw).get("step")
-                if not proto.is_int(step) or step < 0:
-                    invalid(f"a step must be an integer >= 0, got {step!r}")
-                try:
-                    if window is None:
-                        digest, tensors = self.compute(step, final, layers)
-                        with self._stats_lock:
-                            self.stats["forwards"] += 1
-                    else:
-                        (digest, union), _ = window.take(member, gen, step, cancelled)
-                        union = dict(union)
-                        tensors = [(n, union[n]) for n in names]
-                except IndexError:
-                    invalid(f"step {step} is beyond the end of the data this replica serves")
-                except MemberGone:
-                    return
-                yield from self._frames(context, step, digest, tensors)
+            yield from self._serve_steps(inbox, context, final, layers, member, gen)
         finally:
             if window is not None:
                 window.disconnect(member, gen)
+
+    def _next_request(self, inbox: _Inbox, context, wait_s: float, why: str):
+        """The next request, `_Inbox.END` when the stream ended; closes an idle stream."""
+        import grpc
+
+        raw = inbox.next(wait_s)
+        if raw is None:
+            with self._stats_lock:
+                self.stats["closed_idle"] += 1
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, why)
+        return raw
+
+    def _serve_steps(self, inbox: _Inbox, context, final: bool, layers: tuple, member, gen):
+        """Answers each step request of an open stream with its frames."""
+        idle = (f"no step requested for {self.idle_s:g} s; closed (--idle-timeout-s; "
+                "a trainer reconnects by itself)")
+        names = proto.tensor_names(layers, final)
+        while True:
+            raw = self._next_request(inbox, context, self.idle_s, idle)
+            if raw is _Inbox.END:
+                return
+            step = _decode(context, raw).get("step")
+            if not proto.is_int(step) or step < 0:
+                _invalid(context, f"a step must be an integer >= 0, got {step!r}")
+            try:
+                if self.window is None:
+                    digest, tensors = self.compute(step, final, layers)
+                    with self._stats_lock:
+                        self.stats["forwards"] += 1
+                else:
+                    (digest, union), _ = self.window.take(member, gen, step, inbox.cancelled)
+                    union = dict(union)
+                    tensors = [(n, union[n]) for n in names]
+            except IndexError:
+                _invalid(context, f"step {step} is beyond the end of the data this replica "
+                         "serves")
+            except MemberGone:
+                return
+            yield from self._frames(context, step, digest, tensors)
 
     def _frames(self, context, step: int, digest: str, tensors):
         """Sends one step's frames; the step is counted as its last frame is handed over (a
@@ -786,11 +822,8 @@ def _raise_exit(signum, frame):
     raise SystemExit(128 + signum)
 
 
-def main(argv: list[str] | None = None, server_cls: type[TeacherServer] = TeacherServer,
-         **server_kwargs) -> int:
-    """The command line; `server_cls(cfg, checkpoint, ..., **server_kwargs)` is the replica
-    (a subclass may change how it serves)."""
-    parser = argparse.ArgumentParser(prog="python -m hldstudy.teacher.serve", description=__doc__,
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m hldstudy.teacher.serve", description=HELP,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", default=None, help="teacher checkpoint (local path)")
     parser.add_argument("--step", type=int, default=None, help="checkpoint step of a run dir")
@@ -822,7 +855,58 @@ def main(argv: list[str] | None = None, server_cls: type[TeacherServer] = Teache
     parser.add_argument("--parent-pid", type=int, default=None,
                         help="stop when this process is gone")
     parser.add_argument("--debug", action="store_true")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def _checked_args(args, server_kwargs: dict) -> tuple[str | None, tuple | None, dict]:
+    """(token, tls, server kwargs) from the command line, every flag checked before the
+    teacher loads."""
+    check_port(args.port)
+    loopback = check_host(args.host)
+    if args.dtype is not None:
+        check_dtype(args.dtype)
+    token = proto.read_token(args.token_file, "--token-file") if args.token_file \
+        else None
+    if not loopback and not token:
+        raise ConfigError("--token-file", f"--host {args.host} exposes the teacher "
+                          "beyond this machine without a shared secret",
+                          "pass --token-file FILE (the trainer's teacher.token_file), "
+                          "or bind 127.0.0.1")
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise ConfigError("--tls-cert" if not args.tls_cert else "--tls-key",
+                          "TLS needs both --tls-cert and --tls-key")
+    tls = (proto.read_pem(args.tls_cert, "--tls-cert", "certificate"),
+           proto.read_pem(args.tls_key, "--tls-key", "private key")) \
+        if args.tls_cert else None
+    if args.max_streams < 1:
+        raise ConfigError("--max-streams", f"must be >= 1, got {args.max_streams}")
+    if not 0 < args.idle_timeout_s < float("inf"):
+        raise ConfigError("--idle-timeout-s",
+                          f"must be a positive number, got {args.idle_timeout_s}")
+    cohort = parse_cohort(args.cohort) if args.cohort is not None else None
+    if cohort is not None:
+        if args.layers:
+            raise ConfigError("--layers", "a cohort replica serves the union of its "
+                              "members' layers (--cohort)", "drop --layers")
+        if args.window < 1:
+            raise ConfigError("--window", f"must be >= 1, got {args.window}")
+        if not 0 < args.lag_timeout_s < float("inf"):
+            raise ConfigError("--lag-timeout-s",
+                              f"must be a positive number, got {args.lag_timeout_s}")
+        if args.max_streams < len(cohort.members):
+            raise ConfigError("--max-streams", f"{args.max_streams} streams cannot serve "
+                              f"a cohort of {len(cohort.members)}",
+                              f"pass --max-streams {2 * len(cohort.members)}")
+        server_kwargs = {"cohort": cohort, "window": args.window,
+                         "lag_s": args.lag_timeout_s, **server_kwargs}
+    return token, tls, server_kwargs
+
+
+def main(argv: list[str] | None = None, server_cls: type[TeacherServer] = TeacherServer,
+         **server_kwargs) -> int:
+    """The command line; `server_cls(cfg, checkpoint, ..., **server_kwargs)` is the replica
+    (a subclass may change how it serves)."""
+    args = _parser().parse_args(argv)
     quiet_libraries()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     server = None
@@ -830,45 +914,7 @@ def main(argv: list[str] | None = None, server_cls: type[TeacherServer] = Teache
         if threading.current_thread() is threading.main_thread() else {}
     try:
         with user_errors(args.debug, prog="hldstudy.teacher.serve"):
-            # Everything the command line decides is checked before the teacher loads.
-            check_port(args.port)
-            loopback = check_host(args.host)
-            if args.dtype is not None:
-                check_dtype(args.dtype)
-            token = proto.read_token(args.token_file, "--token-file") if args.token_file \
-                else None
-            if not loopback and not token:
-                raise ConfigError("--token-file", f"--host {args.host} exposes the teacher "
-                                  "beyond this machine without a shared secret",
-                                  "pass --token-file FILE (the trainer's teacher.token_file), "
-                                  "or bind 127.0.0.1")
-            if bool(args.tls_cert) != bool(args.tls_key):
-                raise ConfigError("--tls-cert" if not args.tls_cert else "--tls-key",
-                                  "TLS needs both --tls-cert and --tls-key")
-            tls = (proto.read_pem(args.tls_cert, "--tls-cert", "certificate"),
-                   proto.read_pem(args.tls_key, "--tls-key", "private key")) \
-                if args.tls_cert else None
-            if args.max_streams < 1:
-                raise ConfigError("--max-streams", f"must be >= 1, got {args.max_streams}")
-            if not 0 < args.idle_timeout_s < float("inf"):
-                raise ConfigError("--idle-timeout-s",
-                                  f"must be a positive number, got {args.idle_timeout_s}")
-            cohort = parse_cohort(args.cohort) if args.cohort is not None else None
-            if cohort is not None:
-                if args.layers:
-                    raise ConfigError("--layers", "a cohort replica serves the union of its "
-                                      "members' layers (--cohort)", "drop --layers")
-                if args.window < 1:
-                    raise ConfigError("--window", f"must be >= 1, got {args.window}")
-                if not 0 < args.lag_timeout_s < float("inf"):
-                    raise ConfigError("--lag-timeout-s",
-                                      f"must be a positive number, got {args.lag_timeout_s}")
-                if args.max_streams < len(cohort.members):
-                    raise ConfigError("--max-streams", f"{args.max_streams} streams cannot serve "
-                                      f"a cohort of {len(cohort.members)}",
-                                      f"pass --max-streams {2 * len(cohort.members)}")
-                server_kwargs = {"cohort": cohort, "window": args.window,
-                                 "lag_s": args.lag_timeout_s, **server_kwargs}
+            token, tls, server_kwargs = _checked_args(args, server_kwargs)
             if args.port:
                 _probe_port(args.host, args.port)
             cfg = load_student_config(args.config, args.overrides)

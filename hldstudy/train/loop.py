@@ -1,28 +1,6 @@
 """The training loop: thin, method-agnostic, resumable.
 
-`train(cfg, workdir)` runs every stage of the configured method. The batch
-of global step i is `data.train.batch_at(i)` (a pure function of the seed),
-so a resumed run, a 4-device run and a remote teacher all see the same
-sequence. Checkpoints carry the train state plus the stage, step and FLOPs
-spent; SIGTERM / Ctrl-C saves one and exits.
-
-`train_members` is the one stage loop: a run alone (`Trainer.run`) and the members
-of a cohort (`hldstudy.train.cohort`) both go through it; what differs (the compiled
-step, what a diverging member does) is its `steps` argument.
-
-Nothing lost, nothing hangs:
-
-- every step folds "loss and gradient norm finite" into a device-side record of the
-  first non-finite step; the host reads it at log steps and before every save, so a
-  non-finite state is never saved (the last good checkpoint stays) and the run stops
-  with a `RuntimeFault` naming the step (exit 3);
-- the checkpoint directory is checked writable before any work, and a save that
-  fails is one line (`RuntimeFault`) and returns at once;
-- the train step is compiled before the first step and XLA's memory analysis of it
-  is compared with the memory available: a configuration that cannot fit is refused
-  (`RuntimeFault`, naming data.batch_size / data.seq_len) instead of being killed;
-- resuming falls back: a latest checkpoint that cannot be restored is reported,
-  moved to `checkpoints.damaged/` (never deleted), and the previous one is restored.
+Design notes: `docs/training.md`, under this file's name.
 """
 
 from __future__ import annotations
@@ -444,6 +422,43 @@ def _train_group(members, group, points, steps, stop, until, outcomes) -> None:
             logger.close()
 
 
+class _Lanes:
+    """The members a stage trains, one lane each of the (stacked) state: which are still
+    alive, the step each last saved, and how a non-finite one is stopped."""
+
+    def __init__(self, members, group, plan, steps, outcomes):
+        self.members, self.group, self.plan, self.steps = members, group, plan, steps
+        self.outcomes = outcomes
+        self.alive = [True] * len(group)
+        self.last_saved = [members[i].ckpt.latest_step() for i in group]
+
+    def live(self):
+        """(lane, member index) of every member still training."""
+        return [(j, i) for j, i in enumerate(self.group) if self.alive[j]]
+
+    def check(self, bad, step: int, losses=None) -> None:
+        """Stops the members found non-finite (never saved, never logged again)."""
+        bad_host = np.reshape(jax.device_get(bad), -1)
+        for j, i in enumerate(self.group):
+            loss = None if losses is None else float(np.reshape(losses, -1)[j])
+            if self.alive[j] and (bad_host[j] != 0 or (loss is not None
+                                                       and not math.isfinite(loss))):
+                self.alive[j] = False
+                m = self.members[i]
+                first = int(bad_host[j]) or step
+                line = m.nonfinite(self.plan, first, step, loss, self.last_saved[j])
+                self.outcomes[i] = self.steps.diverged(m, line, first, self.last_saved[j])
+
+
+def _progress_bar(lead, plan, step: int, k: int):
+    if not (lead.cfg.train.progress and mesh_lib.is_primary()):
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=lead.total_steps, initial=step, unit="step", dynamic_ncols=True,
+                desc=f"{lead.cfg.name}{f'+{k - 1}' if k > 1 else ''}:{plan.stage.name}")
+
+
 def _run_stage(members, group, plan, graphdefs, optimizer, states, shardings, loggers, stop,
                flops, steps, until, outcomes) -> dict:
     """Trains `group` through one stage (or to `until`); returns {member: state} of the
@@ -476,31 +491,11 @@ def _run_stage(members, group, plan, graphdefs, optimizer, states, shardings, lo
         train_step = jax.jit(fn, out_shardings=(out_shardings, None, bad.sharding),
                              donate_argnums=(0,))
         compiled = None
-        alive = [True] * k
-        last_saved = [members[i].ckpt.latest_step() for i in group]
+        lanes = _Lanes(members, group, plan, steps, outcomes)
         tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
-        if cfg.train.progress and mesh_lib.is_primary():
-            from tqdm.auto import tqdm
-
-            bar = tqdm(total=lead.total_steps, initial=step, unit="step", dynamic_ncols=True,
-                       desc=f"{cfg.name}{f'+{k - 1}' if k > 1 else ''}:{plan.stage.name}")
-
-        def check(step, losses=None):
-            """Stops the members found non-finite (never saved, never logged again)."""
-            bad_host = np.reshape(jax.device_get(bad), -1)
-            for j, i in enumerate(group):
-                loss = None if losses is None else float(np.reshape(losses, -1)[j])
-                if alive[j] and (bad_host[j] != 0 or (loss is not None
-                                                      and not math.isfinite(loss))):
-                    alive[j] = False
-                    m = members[i]
-                    line = m.nonfinite(plan, int(bad_host[j]) or step, step, loss,
-                                       last_saved[j])
-                    outcomes[i] = steps.diverged(m, line, int(bad_host[j]) or step,
-                                                 last_saved[j])
-
+        bar = _progress_bar(lead, plan, step, k)
         t_last, steps_since = time.perf_counter(), 0
-        while step < end and any(alive):
+        while step < end and any(lanes.alive):
             batch = mesh_lib.put_batch(lead.data.train.batch_at(step), lead.mesh)
             args = (packed, batch, feed.inputs(step, batch), hps, bad)
             if compiled is None:
@@ -517,42 +512,37 @@ def _run_stage(members, group, plan, graphdefs, optimizer, states, shardings, lo
                 flops[i] += plan.flops_per_step
             if step % cfg.train.log_every == 0 or step == end:
                 host = jax.device_get(metrics)
-                check(step, host["loss"])
-                dt = time.perf_counter() - t_last
+                lanes.check(bad, step, host["loss"])
+                tok_s = steps_since * tokens_per_step / max(time.perf_counter() - t_last, 1e-9)
                 extra = feed.metrics()
-                for j, i in enumerate(group):
-                    if alive[j]:
-                        loggers[i].log({"step": step, "stage": plan.stage.name,
-                                        **{key: float(lane(v, j)) for key, v in host.items()},
-                                        "tokens_per_s": steps_since * tokens_per_step
-                                        / max(dt, 1e-9),
-                                        "flops_spent": flops[i], **extra})
+                for j, i in lanes.live():
+                    loggers[i].log({"step": step, "stage": plan.stage.name,
+                                    **{key: float(lane(v, j)) for key, v in host.items()},
+                                    "tokens_per_s": tok_s, "flops_spent": flops[i], **extra})
                 if bar is not None:
                     bar.set_postfix(loss=f"{float(np.reshape(host['loss'], -1)[0]):.3f}",
-                                    tok_s=f"{steps_since * tokens_per_step / max(dt, 1e-9):.0f}")
+                                    tok_s=f"{tok_s:.0f}")
                 t_last, steps_since = time.perf_counter(), 0
             if bar is not None:
                 bar.update(1)
             if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < end:
-                for j, i in enumerate(group):
-                    if alive[j]:
-                        loggers[i].log({"step": step, **members[i].evaluate(
-                            graphdefs, lane(packed["params"], j), cfg.train.eval_batches)})
+                for j, i in lanes.live():
+                    loggers[i].log({"step": step, **members[i].evaluate(
+                        graphdefs, lane(packed["params"], j), cfg.train.eval_batches)})
             boundary = cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0
             if stop.stop_at_step is not None and step >= stop.stop_at_step:
                 stop.signum = signal.SIGTERM
             pause = until is not None and step >= until
             if boundary or step == end or stop.signum is not None or pause:
-                check(step)  # never save a non-finite state
-                for j, i in enumerate(group):
-                    if alive[j]:
-                        members[i].save(step, lane(packed, j), plan.stage.name, flops[i])
-                        last_saved[j] = step
+                lanes.check(bad, step)  # never save a non-finite state
+                for j, i in lanes.live():
+                    members[i].save(step, lane(packed, j), plan.stage.name, flops[i])
+                    lanes.last_saved[j] = step
             if stop.signum is not None and step < end:
                 raise Interrupted(step, stop.signum)
             if pause:
                 break
-        return {i: lane(packed, j) for j, i in enumerate(group) if alive[j]}
+        return {i: lane(packed, j) for j, i in lanes.live()}
     finally:
         if bar is not None:
             bar.close()
