@@ -1,33 +1,6 @@
 """Facts about the accelerators the study targets: one table, one owner.
 
-The kernels size their blocks from a chip's on-chip memory, the ahead-of-time
-compiler (`hldstudy.aot`) names its targets and their device memory, and the
-planner checks a step against that memory: all three read these rows instead
-of keeping numbers of their own.
-
-Numbers are per device (a TPU chip's TensorCore as JAX addresses it, one GPU).
-`onchip_bytes` is the memory a kernel's blocks live in (TPU VMEM; GPU shared
-memory per thread block, opt-in maximum); `scoped_default_bytes` is what the
-TPU compiler lets one Mosaic kernel use unless the kernel raises its
-`vmem_limit_bytes` (GPUs have no such limit: 0).
-
-On-chip figures as the compilers report them (libtpu 0.0.42, compile-only
-topologies; JAX's `pltpu.get_tpu_info()` agrees): v4 has 16 MiB of VMEM per
-device ("Used 28.32M of 16.00M vmem. Exceeded vmem capacity"; JAX addresses each
-v4 TensorCore as a device); the scoped default is 16 MiB on v4, v5e and v5p
-("Scoped allocation with size 22.50M and limit 16.00M") and 32 MiB on v6e (a
-24.4 MiB kernel compiles without a limit). GPU shared memory per block is the
-opt-in maximum (sm_80: 163 KiB, sm_90: 227 KiB).
-
-`device_memory_bytes` is the memory one device has for a program's buffers, what the
-ahead-of-time compiler's `memory_analysis()` total is held against. TPU: what libtpu's
-compiler (0.0.42) says is available per device when a program does not fit ("exceeds
-available HBM (15.75G)"; `hldstudy.aot` compile-only topologies): v5e 15.75 GiB of its
-16, v5p 95.74 GiB, v6e 31.25 GiB of 32, v4 15.25 GiB (its compile-only topology
-addresses each of a chip's two TensorCores as a device). GPU: the memory as the
-driver reports it (nvidia-smi's total: H100 80GB HBM3 81559 MiB, H200 143771 MiB,
-A100-SXM4-40GB 40960 MiB); the GPU target configs `hldstudy.aot` ships carry the same
-figure (`device_memory_size`; tests/test_aot.py holds them equal).
+Design notes: `docs/infrastructure.md`, under this file's name.
 """
 
 from __future__ import annotations

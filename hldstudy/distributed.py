@@ -1,27 +1,6 @@
 """Joining a multi-process JAX job, and what only process 0 decides (below sharding).
 
-The environment names the job (see hldstudy.sharding's docstring): all three of
-
-    JAX_COORDINATOR_ADDRESS=host:port   process 0's address (it serves the coordinator)
-    JAX_NUM_PROCESSES=N                 how many processes
-    JAX_PROCESS_ID=i                    this one, 0..N-1
-
-or `HLDSTUDY_DISTRIBUTED=1` under SLURM (JAX reads the rest from SLURM's variables).
-Some of the three without the others is refused in one line (`check_environment`)
-before anything is written: a process that silently ran alone would write the run's
-files as process 0.
-
-JAX's own start-up cannot fail politely: when its wait for the coordinator (or, on
-process 0, for the other processes) expires, the C++ client aborts the process
-(SIGABRT and a stack, nothing Python can catch). So before `initialize`:
-
-- a process other than 0 probes the coordinator with plain TCP connects for at most
-  HLDSTUDY_DISTRIBUTED_PROBE_S seconds (default PROBE_DEFAULT_S): an address nothing
-  answers on ends in one line naming it and the variable to set, exit code 3;
-- process 0 checks that it can listen on the coordinator's port;
-- a watchdog ends the process with one line and exit code 3 when `initialize` has not
-  returned after HLDSTUDY_DISTRIBUTED_TIMEOUT_S seconds (default 300), just before
-  JAX's own limit would abort it.
+Design notes: `docs/infrastructure.md`, under this file's name.
 """
 
 from __future__ import annotations

@@ -1,20 +1,6 @@
 """User-facing errors and the exit codes every hldstudy command shares.
 
-Anything a user can fix (a bad config value, a missing file, incompatible
-teacher and student) raises `ConfigError` or `InputError` with a one-line
-message that names the field or file and the fix; a fault met while running
-(a non-finite train state, a checkpoint that cannot be saved, a configuration
-that would not fit in memory) raises `RuntimeFault`. CLIs print that line and
-exit with the error's code; `--debug` shows the traceback.
-
-Exit codes (the sweep records each run's outcome with the same numbers):
-
-    0        success
-    1        an unexpected error (a bug: the traceback is printed)
-    2        bad input or configuration (EXIT_INPUT)
-    3        a runtime fault (EXIT_RUNTIME): non-finite state, a failed save, a run
-             refused because it would not fit in memory
-    128 + N  stopped by signal N (130 Ctrl-C, 143 SIGTERM), after a checkpoint
+Design notes: `docs/infrastructure.md`, under this file's name.
 """
 
 from __future__ import annotations

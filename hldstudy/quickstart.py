@@ -1,5 +1,26 @@
 """The quickstart: the study in miniature, offline on a CPU.
 
+Design notes: `docs/infrastructure.md`, under this file's name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+from hldstudy.cli_common import EXPERIMENTS, SWEEPS, check_output_dir
+from hldstudy.config import apply_overrides, load_experiment, validate
+from hldstudy.distill import methods as method_registry
+from hldstudy.errors import ConfigError
+
+# The command's --help text.
+HELP = """The quickstart: the study in miniature, offline on a CPU.
+
 synthetic corpus -> SentencePiece tokenizer -> tiny teacher pretraining ->
 the CPU grid of the built-in sweep `cpu` (sweeps/cpu.py: the
 study's methods x learning rate x temperature) at one FLOP budget ->
@@ -20,21 +41,6 @@ first seed, pick each method's best config on its validation perplexity, and
 re-run that config with the other seeds: best vs best then has a seed mean and
 a seed standard deviation, and the selection does not see the re-run seeds.
 """
-
-from __future__ import annotations
-
-import argparse
-import dataclasses
-import json
-import math
-import sys
-import time
-from pathlib import Path
-
-from hldstudy.cli_common import EXPERIMENTS, SWEEPS, check_output_dir
-from hldstudy.config import apply_overrides, load_experiment, validate
-from hldstudy.distill import methods as method_registry
-from hldstudy.errors import ConfigError
 
 SWEEP_FILE = SWEEPS / "cpu.py"
 # Cohorts by default: compatible runs (one method, differing in lr / temperature) train
@@ -329,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     from hldstudy.cli_common import quiet_libraries
     from hldstudy.errors import user_errors
 
-    parser = argparse.ArgumentParser(prog="hldstudy quickstart", description=__doc__,
+    parser = argparse.ArgumentParser(prog="hldstudy quickstart", description=HELP,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workdir", default="runs/quickstart")
     parser.add_argument("--size", default="small", choices=list(SIZES), help=SIZE_HELP)

@@ -1,17 +1,6 @@
 """What a run directory is, and how its files are read and written (no jax).
 
-A run directory (`python -m hldstudy.train --workdir DIR`, one run of a sweep) holds
-
-    config.json     the resolved config (written when the run starts)
-    checkpoints/    Orbax checkpoints, one folder per saved step
-    metrics.jsonl   one JSON record per logged step
-    results.json    written when the run finishes: {"status": "done", ...}
-    error.txt       the traceback of a failed run (sweeps)
-    tokenizer.model the SentencePiece model it trained, when data.tokenizer is unset
-    run.lock        while a job writes it: its owner (host, pid, start; hldstudy.runlock)
-
-Every module that asks "is this a run?", "what is its config / tokenizer /
-status?" or writes one of its JSON files asks here.
+Design notes: `docs/infrastructure.md`, under this file's name.
 """
 
 from __future__ import annotations

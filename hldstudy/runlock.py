@@ -1,25 +1,6 @@
 """An owner file: one job at a time may hold a directory (no jax).
 
-Why a file and not `fcntl`: POSIX record locks are unreliable or absent on the
-network file systems run directories often live on (NFS without lockd, some
-FUSE/SMB mounts, object-store mounts), and they die silently with the process.
-So the lock is the *existence* of a file, made with O_CREAT | O_EXCL (atomic on
-local file systems and on NFSv3+), holding its owner as JSON:
-
-    {"host": ..., "pid": ..., "started": "2026-12-01T22:00:00Z",
-     "boot_id": ..., "proc_start": ..., "token": ...}
-
-The record is written to a temporary sibling first and moved onto the lock
-path only by the process that created the (empty) lock file, so a reader sees
-either nothing, an empty file being filled, or the whole record.
-
-A lock whose owner ran on this host and is gone (no such pid, or that pid now
-belongs to a process that started later, or the machine rebooted since) is
-stale: it is taken over with a warning. A lock from another host cannot be
-checked from here and is never taken over: the message says how to remove it.
-Taking over renames the stale file aside first (only one contender's rename
-succeeds) and re-reads it, so two processes that found the same stale lock do
-not both proceed.
+Design notes: `docs/infrastructure.md`, under this file's name.
 """
 
 from __future__ import annotations

@@ -1,28 +1,7 @@
 """Device mesh and shardings: a (data, fsdp, expert) mesh over all devices (below the
 trainer and the teacher, which both place arrays on it).
 
-Parameters are sharded FSDP-style: each array's largest dimension that
-divides the fsdp axis size is split over "fsdp"; the rest is replicated.
-A mixture-of-experts weight (a Variable carrying `EXPERT_DIM` metadata, set by
-model/moe.py) is first split along its expert dimension over "expert", then FSDP over
-"fsdp" on its largest other dimension; every other weight is replicated over "expert".
-Batches are split along their first axis over all three axes together: the expert axis
-holds distinct tokens too (expert parallelism inside data parallelism), and XLA's
-sharding propagation moves the routed rows to their experts' devices. On one
-device every spec degenerates to replication, so the same code runs
-everywhere.
-
-Multi-process (several hosts, or several processes on one): `maybe_initialize_distributed()`
-joins the job before JAX touches a device, from JAX's own environment variables:
-
-    JAX_COORDINATOR_ADDRESS=host:port   process 0's address (it serves the coordinator)
-    JAX_NUM_PROCESSES=N                 how many processes
-    JAX_PROCESS_ID=i                    this one, 0..N-1
-
-or, under SLURM (`srun`, one task per process), `HLDSTUDY_DISTRIBUTED=1` alone: JAX
-reads the rest from SLURM's variables. The mesh then spans every process's devices;
-every process builds the same global batch (`batch_at(step)` is a pure function) and
-places only its own rows (`put_batch`); CPU collectives go through gloo.
+Design notes: `docs/infrastructure.md`, under this file's name.
 """
 
 from __future__ import annotations

@@ -1,29 +1,6 @@
 """Reading one run's comparison against the paper it reproduces.
 
-Guigon, Dixon, Sander, "A Study on Hidden Layer Distillation for Large
-Language Model Pre-Training" (arXiv 2605.11513, 2026), as DESIGN.md states
-it, makes three claims this module reads a run against:
-
-1. HLDF gives a small but systematic validation-perplexity gain over KD
-   across the shared hyperparameter configurations (about 0.26% on average,
-   at both student sizes).
-2. No method wins consistently downstream (HLD vs KD).
-3. HLD's gains appear mainly where KD itself is weak.
-
-Each ``read_*`` function is pure: it takes the tables ``tables`` builds for
-one FLOP budget (``point_table`` pairs, ``grid_summary``, ``best_table``) and
-returns a ``ClaimReading``: what the run shows, its statistics, and a verdict
-from a fixed vocabulary. The setting the run differs in (budget, stage-1
-share, model and corpus size, seeds) is ``RunSetting``, read from the runs'
-config.json files by ``read_setting``. ``against_paper_md`` renders both.
-
-What "resolved" means here: a direction counts as shown when the 95%
-bootstrap CI of the mean delta over the grid points excludes zero and the
-sign test gives p < 0.05 (claim 1; the CI of a handful of points alone is
-too optimistic),
-when the Holm-adjusted sign test gives p < 0.05 (claim 2), or when the exact
-rank-correlation p < 0.05 (claim 3). With few grid points none of these can
-be reached; the reading then says so instead of reading noise as agreement.
+Design notes: `docs/analysis.md`, under this file's name.
 """
 
 from __future__ import annotations

@@ -1,33 +1,6 @@
 """Statistics for comparing distillation methods (pure numpy / scipy).
 
-Everything here works on *paired* observations: at one shared grid point
-(same learning rate, temperature, NLL weight, seed, FLOP budget) we have one
-run of method M and one run of the reference method (KD). The unit of
-analysis is the per-point difference ``delta = metric(M) - metric(KD)``; the
-pairing removes the (large) variation of the metric across the grid, so the
-tests below only ask about the *distribution of those differences*.
-
-What each test answers:
-
-- ``paired_bootstrap_ci``: percentile bootstrap CI of the mean delta. Pairs
-  (points) are resampled with replacement, so the CI describes how much the
-  mean delta *across this grid* would move had we run a different set of grid
-  points drawn like these. It does not cover seed noise within a point unless
-  the deltas were averaged over seeds first (see ``tables``), nor the
-  evaluation-set sampling error of each number.
-- ``sign_test``: exact two-sided binomial test of "a point is as likely to
-  favour M as KD" (median delta = 0). Ties (delta == 0) are dropped.
-  Distribution-free and robust to a few huge deltas; low power for small n.
-- ``wilcoxon_signed_rank``: secondary test (symmetric deltas around 0), more
-  power than the sign test, more assumptions.
-- ``holm``: Holm-Bonferroni step-down adjustment when several metrics (tasks)
-  are tested for the same method, controlling the family-wise error rate.
-- ``seed_variance``: std across seeds at a fixed point, pooled over points -
-  the noise floor a systematic delta has to beat.
-- ``select_best``: best config per method on validation perplexity, seed-mean
-  first, ties broken deterministically.
-- ``rank_correlation``: Spearman's rho between two per-point quantities (e.g. the
-  reference's perplexity and the delta), with an exact permutation p for small n.
+Design notes: `docs/analysis.md`, under this file's name.
 """
 
 from __future__ import annotations

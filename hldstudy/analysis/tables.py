@@ -1,23 +1,6 @@
 """Comparison tables (pandas) and their markdown rendering.
 
-All tables work on the finished runs of *one* FLOP budget (``report`` splits
-by budget). Conventions:
-
-- A *grid point* is a value of ``df.attrs["grid_cols"]`` (learning rate,
-  temperature, NLL weight, plus any other config field that varies across the
-  distillation runs); a *pair* is a grid point plus a seed.
-- An *arm* is a method plus the method-specific knobs that vary within it
-  (e.g. ``hldc[hw=0.5]``); with one value per knob the arm is the method name.
-- Deltas are ``arm - reference`` (reference = KD) at the same pair. For
-  validation perplexity the delta is relative, in % of the reference
-  (negative = the arm is better). Downstream deltas are absolute differences
-  of the metric (accuracy points as fractions; perplexity-like metrics keep
-  "lower is better").
-- Across-grid statistics average the per-seed deltas of a grid point first,
-  so the unit of resampling / of the sign test is the grid point, not the seed
-  (seeds of one point are not independent draws of the grid).
-- The baseline has no temperature / NLL weight, so it is not paired point by
-  point; it appears in best-vs-best and in the FLOPs table.
+Design notes: `docs/analysis.md`, under this file's name.
 """
 
 from __future__ import annotations

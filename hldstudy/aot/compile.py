@@ -3,16 +3,7 @@
 (`jax.ShapeDtypeStruct`s placed on the config's mesh over the target's compile-only
 devices), lowered and compiled by the target's compiler (libtpu, the CUDA plugin).
 
-Per step it keeps what that compiler says: `memory_analysis()` per device (argument,
-output, temporary, alias bytes) and on TPU `cost_analysis()` FLOPs (the GPU compiler
-gives none), and the buffers live at the program's peak by the JAX operation that made
-them (`hldstudy.aot.peak`, from the buffer assignment the compiler dumps). The planner's
-and the FLOP model's figures for the same step are set beside them by
-`hldstudy.aot.report`.
-
-Everything `auto` decides is resolved against the target (`resolve_for_target`): the
-attention path, the fused KD loss's kernel family (Mosaic on TPU, Triton on GPU) and
-the cohort mode (vmap on accelerators), never against this host's CPU backend.
+Design notes: `docs/aot.md`, under this file's name.
 """
 
 from __future__ import annotations

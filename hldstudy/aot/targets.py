@@ -1,17 +1,7 @@
 """Named compile targets: a chip (hldstudy.chips) and how many of them, as devices the
 target's own compiler accepts without the hardware.
 
-Spellings (case-insensitive):
-
-    v5e:2x4, v4:2x2x1, v5p:2x2x1, v6e:2x2    a TPU slice: generation:topology, as libtpu
-                                            names it (libtpu refuses some, e.g. v6e:1x1)
-    h100:8, 8xh100, a100:4, h200:8          N NVIDIA GPUs on one host (h100 = h100:1)
-
-TPU devices come from libtpu (`jax.experimental.topologies.get_topology_desc`), GPU
-devices from the JAX CUDA plugin given a target config (`gpu_targets/*.txtpb`, shipped
-with the package: the plugin has no Python API for its own). Both are the `aot` extra
-(`pip install -e '.[aot]'`); the plugin only initialises under JAX_PLATFORMS=cpu, which
-`python -m hldstudy.aot` sets.
+Design notes: `docs/aot.md`, under this file's name.
 """
 
 from __future__ import annotations

@@ -1,5 +1,22 @@
 """python -m hldstudy.compress --checkpoint RUN --prune {magnitude,wanda,sparsegpt}-2:4 --out DIR
 
+Design notes: `docs/compression.md`, under this file's name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from hldstudy.cli_common import quiet_libraries
+from hldstudy.compress.config import CompressConfig
+from hldstudy.config import field_rules
+from hldstudy.distill import methods
+from hldstudy.errors import user_errors
+
+# The command's --help text.
+HELP = """python -m hldstudy.compress --checkpoint RUN --prune {magnitude,wanda,sparsegpt}-2:4 --out DIR
+
     [--calibration-batches N] [--recover-steps N | --recover-flops F] [--teacher T]
     [--method kd|patient] [--divergence forward_kl|reverse_kl] [--quantize fp8]
     [--quantize-in-loop] [--eval TASKS] [--calibration-data PATH [--calibration-tfds NAME]]
@@ -13,17 +30,6 @@ evaluates every stage. Writes DIR/report.json, DIR/report.md, DIR/config.json
 directory `python -m hldstudy.eval` reads). The flags are shorthands for the
 fields of hldstudy.compress.config.CompressConfig.
 """
-
-from __future__ import annotations
-
-import argparse
-import sys
-
-from hldstudy.cli_common import quiet_libraries
-from hldstudy.compress.config import CompressConfig
-from hldstudy.config import field_rules
-from hldstudy.distill import methods
-from hldstudy.errors import user_errors
 
 PROG = "python -m hldstudy.compress"
 
@@ -44,7 +50,7 @@ def _choices(field: str) -> tuple:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[2],
+    p = argparse.ArgumentParser(prog=PROG, description=HELP.split("\n\n")[2],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", help="hldstudy run directory, GGUF file or Hugging Face "
                                         "directory to compress")

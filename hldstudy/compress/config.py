@@ -1,19 +1,6 @@
 """The `compress` config section: what `python -m hldstudy.compress` does.
 
-Resolution order: the defaults below < `--config FILE` (a JSON file with a
-`compress` section, e.g. a previous DIR/config.json, or a Python file whose
-`get_compress_config()` returns a CompressConfig) < the command-line
-shorthands (`--prune`, `--recover-steps`, ...) < `--set compress.FIELD=VALUE`.
-The resolved section is written to DIR/config.json.
-
-Calibration set (SparseGPT / Wanda): `calibration_tokens` tokens (or, when 0,
-`calibration_batches` batches) in batches of `calibration_batch_size` sequences of
-`calibration_seq_len` tokens (0 = the checkpoint's data.batch_size / data.seq_len,
-or the data defaults for an imported checkpoint), the first batches of the
-checkpoint's training stream, or of `calibration_data` when set (a text / JSONL
-file or folder, or a TFDS data_dir with `calibration_tfds`: hldstudy.compress.data;
-recovery and held-out perplexity then read the same source). Default: 16 batches
-(16 x 8 x 128 = 16,384 tokens for the CPU configs; SparseGPT's paper used 128 x 2048).
+Design notes: `docs/compression.md`, under this file's name.
 """
 
 from __future__ import annotations

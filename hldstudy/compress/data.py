@@ -1,26 +1,6 @@
 """The text a compression reads: calibration, recovery and held-out perplexity, one source.
 
-Without `compress.calibration_data`, an hldstudy run is compressed on its own data
-section (calibration = the first batches of its training stream, held-out = its
-validation split, recovery = its training stream). With it, all three come from
-that source, tokenized with the checkpoint's own tokenizer:
-
-    a .txt / .txt.gz file or a folder of them   paragraphs (blank-line separated) are
-                                                 documents; the last ones (at most 10%,
-                                                 `calibration_holdout_docs`) are held out
-    a .jsonl file or a folder of them            `calibration_text_field` of each line
-    an offline TFDS dataset                      `calibration_tfds` = its name (e.g.
-                                                 "my_text:1.0.0"), `calibration_data` = its
-                                                 local data_dir, `calibration_split` and
-                                                 `calibration_valid_split` its splits
-
-An imported checkpoint (GGUF, Hugging Face) has no data section, so it needs a
-source. The amount is `calibration_tokens` (0 = `calibration_batches` batches) in
-batches of `calibration_batch_size` sequences of `calibration_seq_len` tokens.
-
-Everything a user can get wrong about a source is refused in one line naming
-`compress.calibration_data`, before any compute: missing, empty, not text, or
-tokenizing to fewer tokens than asked for.
+Design notes: `docs/compression.md`, under this file's name.
 """
 
 from __future__ import annotations

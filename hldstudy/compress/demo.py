@@ -1,24 +1,6 @@
 """The CPU-scale demonstration of the compression pipeline (analysis/compression/).
 
-    python -m hldstudy.compress.demo --workdir runs/compression --report analysis/compression
-
-1. trains the quickstart teacher (tiny-teacher: 6 layers, d 128) and two
-   quickstart-shaped students (tiny: 4 layers, d 64, d_ff 192) on the synthetic
-   corpus with the suite's trainer: one distilled from the teacher (kd), one
-   self-supervised (baseline), same steps;
-2. compresses them with `hldstudy.compress.pipeline.run`:
-   - distill -> prune (magnitude / Wanda / SparseGPT 2:4) -> recover (KD from the
-     dense student, masks held) -> FP8 e4m3 per output channel;
-   - the baseline student through the same SparseGPT path;
-   - distill -> prune (SparseGPT) -> FP8 -> recover with FP8 in the loop
-     (straight-through);
-   - the SparseGPT path recovered with reverse KL, and with Patient KD from the
-     6-layer teacher (hidden-layer pairs);
-   - a control: the dense KD student through the same recovery steps and FP8,
-     unpruned;
-3. writes REPORT/results.json (every stage of every pipeline) and REPORT/report.md.
-
-Reruns reuse finished training runs and compression outputs.
+Design notes: `docs/compression.md`, under this file's name.
 """
 
 from __future__ import annotations
@@ -39,6 +21,30 @@ from hldstudy.data.pipeline import make_batches
 from hldstudy.distill import methods
 from hldstudy.fileio import write_json_atomic
 from hldstudy.model.loading import load_model
+
+# The command's --help text.
+HELP = """The CPU-scale demonstration of the compression pipeline (analysis/compression/).
+
+    python -m hldstudy.compress.demo --workdir runs/compression --report analysis/compression
+
+1. trains the quickstart teacher (tiny-teacher: 6 layers, d 128) and two
+   quickstart-shaped students (tiny: 4 layers, d 64, d_ff 192) on the synthetic
+   corpus with the suite's trainer: one distilled from the teacher (kd), one
+   self-supervised (baseline), same steps;
+2. compresses them with `hldstudy.compress.pipeline.run`:
+   - distill -> prune (magnitude / Wanda / SparseGPT 2:4) -> recover (KD from the
+     dense student, masks held) -> FP8 e4m3 per output channel;
+   - the baseline student through the same SparseGPT path;
+   - distill -> prune (SparseGPT) -> FP8 -> recover with FP8 in the loop
+     (straight-through);
+   - the SparseGPT path recovered with reverse KL, and with Patient KD from the
+     6-layer teacher (hidden-layer pairs);
+   - a control: the dense KD student through the same recovery steps and FP8,
+     unpruned;
+3. writes REPORT/results.json (every stage of every pipeline) and REPORT/report.md.
+
+Reruns reuse finished training runs and compression outputs.
+"""
 
 DATA = DataConfig(source="synthetic", seq_len=128, batch_size=8, tokenizer_vocab_size=512,
                   synthetic_docs=4000, synthetic_valid_docs=200)
@@ -193,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     from hldstudy.cli_common import quiet_libraries
     from hldstudy.errors import user_errors
 
-    p = argparse.ArgumentParser(prog="python -m hldstudy.compress.demo", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m hldstudy.compress.demo", description=HELP,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workdir", default="runs/compression")
     p.add_argument("--report", default="analysis/compression")

@@ -1,17 +1,6 @@
 """Writing and reading a compressed model.
 
-* `save_safetensors`: every parameter by its dotted path (`blocks.0.attn.q`,
-  `embedding`, ...). A quantized linear is stored in its FP8 dtype (F8_E4M3 /
-  F8_E5M2) in the parameter's own shape, with its float32 scale under
-  `<path>.scale` (shaped like the output axes, or a scalar per tensor). 2:4
-  masks are implied by the zeros; the metadata records which matrices are
-  N:M sparse and along which axis, the FP8 format, the model config and the
-  stage. `load_safetensors` rebuilds the Transformer and dequantizes, giving
-  exactly the weights the pipeline evaluated.
-* `save_run_dir`: an hldstudy run directory (config.json, tokenizer.model,
-  checkpoints/ through the trainer's Checkpointer) that `python -m
-  hldstudy.eval --checkpoint` and every loader read like a trained run. Its
-  weights are the dequantized float32 values (what the CPU simulation runs).
+Design notes: `docs/compression.md`, under this file's name.
 """
 
 from __future__ import annotations

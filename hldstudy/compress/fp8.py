@@ -1,54 +1,6 @@
 """FP8 weight quantization (e4m3 / e5m2, scaled). Pure functions.
 
-A matrix `W [in, out]` is stored as `q = round_fp8(W / s)` with a float32 scale
-`s` per output channel (`s_j = max_i |W_ij| / fmax`, the column's absmax mapped
-to the format's largest finite value) or one per tensor; dequantized as
-`q * s`. Rounding is to nearest even, so the error of one weight is at most
-half a unit in the last place of the format at its magnitude:
-
-    |W - q s| <= max(|W| 2^-(m+1), s 2^(e_min - m - 1))
-
-with m mantissa bits and e_min the smallest normal exponent (e4m3: m=3,
-e_min=-6; e5m2: m=2, e_min=-14); the second term covers subnormals. Zeros
-stay exactly zero, so 2:4 masks survive quantization.
-
-On CPU the forward is *simulated*: weights are dequantized to float32 before
-the matmul. `fp8_dot` runs a real FP8 x FP8 dot (activations quantized per
-tensor, float32 accumulation) where the backend has FP8 matmuls (the
-`fp8_matmul` column of hldstudy/chips.py); elsewhere it falls back to the
-simulated path. `fp8_ragged_dot` is the same for a mixture of experts' grouped
-matmul (`jax.lax.ragged_dot` with FP8 operands, float32 accumulation, the row's
-expert's scales applied after). `compress/fp8_forward.py` puts both in the
-model's forward.
-
-What XLA makes of the FP8 grouped matmul for an H100 (the JAX CUDA plugin
-0.10.2, compiled on a CPU host: tests/test_compress_fp8_forward.py, marker
-aot): the FP8 operands reach the GEMM (a Triton `__triton_nested_gemm_fusion`
-with f8e4m3fn x f8e4m3fn -> f32), but `ragged_dot` is expanded densely: the
-rows are masked per expert ([M, E, in]) and multiplied by every expert's
-weights, then summed over experts - E times the dropless FLOPs, for bfloat16
-operands as for FP8 (it is XLA's lowering of ragged_dot on GPU, not an FP8
-limitation). A grouped GEMM kernel (megablox-style) is what would remove it.
-
-Why not qwix (v0.1.8, evaluated for this): `qwix.quantize` on one matrix
-(e4m3, channelwise on the output axis) gives bit-identical values and scales
-to `quantize_fp8` here, but (1) its PTQ provider does not run on this
-decoder: the forward reads weights as `param[...].astype(dtype)`, and qwix's
-PTQ wrapper (`WithAux` over a `QArray`) fails on that astype with
-"ValueError: Unsupported type: QArray" - fixing it means changing the model;
-(2) its quantized state is a tree of QArray / WithAux nodes, not the
-Transformer's parameter tree, so the trainer's checkpoints, every loader and
-the safetensors export would each need a translation layer; (3) its QAT
-provider runs, but on this model it quantizes only the attention einsums and
-silently leaves the MLP's `x @ W` matmuls (gate, up, down: most of the block
-weights) in float32 - with our FP8 restricted to q, k, v, o the two agree
-bit for bit on the logits, with all seven they do not; it also wraps a model
-instance, while the suite's Trainer builds the student itself from the
-config, so using it for recovery with FP8 in the loop would mean changing the trainer; the
-optimizer-side straight-through wrapper in `recover.py` gives the same
-arithmetic without that. What is left (scale, cast, dequantize, bound) is
-the few lines below. qwix's sparsity module covers N:M magnitude masks only
-(no Wanda, no SparseGPT).
+Design notes: `docs/compression.md`, under this file's name.
 """
 
 from __future__ import annotations

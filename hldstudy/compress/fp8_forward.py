@@ -1,22 +1,6 @@
 """The forward of an FP8-compressed model with the real FP8 dot where the chip has one.
 
-`fp8_model(model, quantized)` returns a copy of `model` whose quantized linears hold an
-`FP8Weight` (the FP8 values and their float32 scales) instead of float32 weights. The
-model's own forward code runs unchanged: it reads a projection as
-`x @ param[...].astype(dtype).reshape(in, out)`, and an `FP8Weight` answers `astype`
-and `reshape` on its FP8 values and `x @ w` with `fp8.fp8_dot`: the FP8 x FP8 matmul
-(activations quantized per tensor, float32 accumulation) where the backend has FP8
-matrix units (`chips.py`'s `fp8_matmul`, via `fp8.backend_has_fp8_matmul`), the
-simulated path (weights dequantized, float32 matmul: the same numbers as the pipeline's
-dequantized model) elsewhere. `real=True` forces the FP8 dot (XLA emulates it on CPU:
-how the tests check its numbers), `real=False` the simulation.
-
-A mixture of experts' stacked weights (`gate`, `up` [E, D, F], `down` [E, F, D]: one
-quantized target per expert, layout.py) become one `FP8Experts` each (the experts' FP8
-values stacked, their scales [E, out] or [E]); the MoE's grouped matmul
-(model/moe.py) runs its `grouped_matmul`: `fp8.fp8_ragged_dot`, FP8 operands in
-`jax.lax.ragged_dot` where the chip has FP8 matmuls, the simulated path elsewhere.
-Every target layout.py lists then runs in FP8.
+Design notes: `docs/compression.md`, under this file's name.
 """
 
 from __future__ import annotations

@@ -1,55 +1,7 @@
 """`--export compressed-tensors`: the compressed model as a Hugging Face directory that
 transformers and vLLM load (the `compressed-tensors` format llm-compressor writes).
 
-    DIR/compressed-tensors/
-        config.json         the architecture's config (importers.export_hf) plus
-                            `quantization_config` (quant_method compressed-tensors,
-                            format float-quantized, written by the library's
-                            ModelCompressor.update_config)
-        model.safetensors   every FP8 linear as `<module>.weight` float8_e4m3fn
-                            [out, in] with `<module>.weight_scale` float32 [out, 1]
-                            (written by the library's FloatQuantizationCompressor from
-                            our dequantized weights and scales); the rest dense
-        hldstudy_sparsity.json  which modules are 2:4 and along which axis (the library's
-                            current release writes no sparsity: the zeros are stored
-                            densely, the masks recorded here)
-        tokenizer.*         the checkpoint's tokenizer
-
-Weights are FP8 only (W8A16: no activation quantization, as the pipeline's simulated
-forward). The scheme is per output channel; a per-tensor FP8 stage is written with its
-one scale repeated over the channels (the same numbers). The HF layout of each scale is
-found by exporting a copy of the model whose quantized weights are replaced by their
-scales broadcast over the input axis (so fused or permuted HF tensors, e.g. Qwen3.5's
-interleaved q/gate projection, get their scales by the same code as their weights).
-A linear that is partly quantized in its HF tensor is written dense (dequantized: the
-same values) and listed in `ignore`.
-
-Mixture-of-experts experts (Qwen3.5 MoE) are FP8 too, in the per-expert layout
-llm-compressor writes for MoE models and vLLM's loader reads:
-`model.layers.L.mlp.experts.N.{gate,up,down}_proj.weight` float8_e4m3fn + `weight_scale`
-[out, 1] (importers.export_hf already writes one 2-D tensor per expert). Checked with
-transformers 5.24 / compressed-tensors 0.20.1 (tests/test_compress_export_ct.py, optional
-tier): its loader dequantizes each expert's (weight, weight_scale) and stacks them into its
-fused `experts.gate_up_proj` [E, 2F, D] / `experts.down_proj` [E, D, F]
-(integrations/compressed_tensors.CompressedTensorsDequantize + the qwen3_5_moe conversion
-mapping): bit-identical to our dequantized experts; logits within 3.5e-5 of ours on the
-tiny MoE (max |logit| 4.2). The
-experts get a config group of their own (`group_1`, target EXPERTS_TARGET, a `re:` target
-naming "experts", which is how transformers finds the experts' scheme) with the same
-weights and dynamic per-token FP8 input activations (W8A8, llm-compressor's FP8_DYNAMIC
-for experts), because vLLM has no FP8 weight-only MoE method: its
-CompressedTensorsMoEMethod.get_moe_method (model_executor/layers/quantization/
-compressed_tensors/compressed_tensors_moe.py) accepts FP8 experts only with quantized
-input activations (`_is_fp8_w8a8` returns False when `input_activations` is None) and
-raises "RuntimeError: Unsupported FusedMoe scheme: <weights>, None" for W8A16 experts,
-while W8A16 FP8 dense linears have a kernel (CompressedTensorsW8A16Fp8). So vLLM runs the
-experts with per-token FP8 activations (read from its source, not run here: vLLM is not
-installed on this CPU machine), transformers weight-only as the pipeline measured them
-(the weights stored are the same either way). vLLM wants gate, up and down of an MoE
-under one scheme: an FP8 stage that quantizes only some of them writes a file transformers
-loads and vLLM refuses ("All MoE projections need to have same quantization scheme").
-
-Needs torch and compressed-tensors (`pip install 'hldstudy[export]'`).
+Design notes: `docs/compression.md`, under this file's name.
 """
 
 from __future__ import annotations

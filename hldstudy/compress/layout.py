@@ -1,24 +1,6 @@
 """Which matrices compression touches, in every model family, and their 2-D `[in, out]` views.
 
-hldstudy stores every projection input dimension first (model/layers.py,
-model/qwen_layers.py, model/deltanet.py, model/moe.py). Flattening the input
-axes and the output axes gives `[in, out]`; `o` has two input axes (N, H),
-flattened head-major, the order of the attention output it contracts. A block's
-linears, by the module attribute that holds them:
-
-    attn   (Gemma 3)               q, k, v [D, N|K, H], o [N, H, D]
-    mixer  gated attention         q, q_gate, k, v, o  (as above)
-    mixer  Gated DeltaNet          in_qkv, in_z [D, *], out [Hv V, D]
-    mlp    GeGLU / SwiGLU          gate, up [D, F], down [F, D]
-    mlp    mixture of experts      gate, up [E, D, F], down [E, F, D]: one target per
-                                   expert (the 2-D view is the expert's slice);
-                                   shared_gate, shared_up [D, Fs], shared_down [Fs, D]
-
-Kept dense: embeddings, the head, norms, the DeltaNet's convolution and its
-decay/beta gate projections `in_a`, `in_b` [D, Hv] (a handful of outputs that
-set per-head exponential decays), the MoE router and the shared expert's
-sigmoid gate [D, 1] (routing decisions: llm-compressor leaves `mlp.gate` and
-`shared_expert_gate` unquantized for the same reason).
+Design notes: `docs/compression.md`, under this file's name.
 """
 
 from __future__ import annotations

@@ -1,22 +1,6 @@
 """2:4 pruning of a whole decoder, block by block, on the pruned model's activations.
 
-Every block of every family (Gemma 3, Qwen3.5 dense and MoE; layout.py lists
-the linears) is pruned the same way. For block l, with x the residual stream
-entering it computed by the already-pruned blocks 0..l-1 on the calibration
-batches, the block's forward is run eagerly with each not-yet-pruned target's
-weight replaced by a *tap* (`x @ tap` records x and multiplies by the weight),
-so every linear's input is read from the model's own forward code. The linears
-are pruned in groups, in the order the forward reaches them: the first group is
-every linear fed the very same input array (q, k, v and the query gate; gate and
-up; DeltaNet's in_qkv and in_z), then the forward is run again with the pruned
-group ("true sequential": every linear sees inputs produced by pruned weights
-only), until the block is done; then x moves through the pruned block.
-
-Mixture-of-experts weights (stacked `[E, in, out]`, fed by `ragged_dot`) are
-pruned expert by expert from the MoE input (the router's input, tapped):
-expert e's gate and up see the valid tokens the router sends to e, its down
-sees `silu(x W_gate_e) * (x W_up_e)` of those tokens with the pruned gate, up.
-Tokens outside the loss mask (padding) never enter the Hessians or norms.
+Design notes: `docs/compression.md`, under this file's name.
 """
 
 from __future__ import annotations

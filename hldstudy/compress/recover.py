@@ -1,20 +1,6 @@
 """Recovery distillation with 2:4 masks held (and optionally the FP8 grid in the loop).
 
-`hold_masks(inner, masks)` wraps the suite's optimizer (an optax
-GradientTransformation): gradients of masked weights are zeroed before the
-inner optimizer sees them (so Adam's moments never accumulate them) and its
-updates are zeroed after, so a masked weight is `0 + 0 = 0` exactly after
-every step, weight decay included.
-
-With `quant=(format, granularity)` the wrapper also keeps float32 *latent*
-copies of the masked matrices in its state: the model's parameters are the
-FP8-rounded latents (the forward and the gradient see quantized weights) and
-each update is applied to the latents, then re-rounded (the straight-through
-estimator: d loss / d latent := d loss / d quantized weight).
-
-`recover(...)` runs the suite's Trainer (kd or patient strategies, any of its
-divergences) from the pruned weights; the teacher is any checkpoint the suite
-can load (by default the dense model before pruning).
+Design notes: `docs/compression.md`, under this file's name.
 """
 
 from __future__ import annotations

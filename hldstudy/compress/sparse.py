@@ -1,22 +1,6 @@
 """N:M (2:4) pruning math on one matrix: masks, scores, SparseGPT. Pure functions.
 
-Layout: every matrix here is `W [in, out]`, input dimension first (the layout of
-hldstudy's projections flattened to 2-D), and calibration inputs are `X [n, in]`
-(one row per token). A 2:4 mask keeps at most 2 of every 4 consecutive weights
-along the input dimension: for output column j, rows 4g..4g+3 hold at most two
-non-zeros. That is the layout sparse tensor cores need when the weight is the
-right-hand side of `x @ W` (the contraction dimension is the one grouped).
-
-* magnitude: score |W|.
-* Wanda (Sun et al. 2023): score |W_ij| * ||X[:, i]||_2, no weight update.
-* SparseGPT (Frantar & Alistarh 2023): H = 2 X^T X / n + damp I with
-  damp = percdamp * mean(diag H); U = upper Cholesky factor of H^-1; columns
-  (input rows here) are visited in order in blocks of `blocksize`; at the first
-  row of each group of M the group's mask is chosen by the removal error
-  w^2 / U_qq^2 (U_qq^2 = [H_F^-1]_qq over the rows F not yet visited); each
-  visited row's error (w - w_masked) / U_qq is propagated to the later rows of
-  the block at once and to the rows after the block lazily, in one matmul
-  per block (the OBS update -(w / [H_F^-1]_qq) [H_F^-1]_{q,:}).
+Design notes: `docs/compression.md`, under this file's name.
 """
 
 from __future__ import annotations

@@ -1,53 +1,6 @@
 """Packing tokenized documents into fixed-length training rows.
 
-Convention
-----------
-Every document is tokenized and gets EOS appended (and BOS prepended when
-`DataConfig.add_bos`). Documents are packed into *rows* of ``L = seq_len + 1``
-token ids plus a parallel row of *segment ids*. A batch is built from ``B``
-rows as::
-
-    tokens      [B, T] int32    row[:, :-1]            (model inputs, T = seq_len)
-    targets     [B, T] int32    row[:, 1:]             (next tokens)
-    segment_ids [B, T] int32    seg[:, :-1]            1, 2, 3, ... per document
-                                                       within the row; 0 = padding
-    positions   [B, T] int32    0, 1, 2, ... restarting at every segment start
-                                (0 on padding)
-    mask        [B, T] float32  1 where seg[t] != 0 and seg[t+1] == seg[t],
-                                i.e. the target is the real next token of the
-                                same document; 0 on padding and on the last
-                                token of a segment (whose "next token" would be
-                                the next document's first token or padding)
-
-Because the last token of every document is EOS, the transition
-"last word -> EOS" is trained (mask 1) and "EOS -> next document" is not
-(mask 0). Attention must be restricted to equal segment ids (block-diagonal
-causal mask); `positions` are the RoPE positions.
-
-Long documents
-~~~~~~~~~~~~~~
-A document longer than a row is split into chunks. Consecutive chunks of the
-same document *overlap by one token*: a chunk ends with token ``x_k`` (used
-only as the target of ``x_{k-1}``) and the next chunk starts with ``x_k``, so
-every within-document transition is trained exactly once and none is lost at
-the cut. A continuation chunk is a new segment whose positions start again
-at 0 (the model sees it as a document without its beginning).
-
-Two packers
-~~~~~~~~~~~
-* `pack_first_fit` (finite corpora, cached): documents in order go into the
-  first of up to ``open_rows`` partially filled rows with room for them, so
-  documents that fit in a row are never split; a document longer than a row is
-  cut into full rows plus a tail placed like any other document. When more
-  than ``open_rows`` rows are open, the fullest one is closed. Little padding.
-* `StreamPacker` (streaming sources such as TFDS C4, and ``packing=False``):
-  concatenate-then-split over a document stream, no padding except where a
-  row has a single free slot left. Its exact state between rows is a tiny
-  cursor ``(document index, token offset)``, so a checkpoint is two integers.
-  With ``cross_document=True`` (``DataConfig.packing = False``) documents are
-  not separated: each row is one segment (positions 0..T-1, mask all 1,
-  including the transition EOS -> next document), the classic GPT-style
-  stream.
+Design notes: `docs/data.md`, under this file's name.
 """
 
 from __future__ import annotations

@@ -1,29 +1,6 @@
 """Deterministic, resumable batch streams and the `prepare_data` entry point.
 
-The batch of step i is a pure function of (data, seed, batch_size, i):
-
-* **Finite sources** (synthetic, text, jsonl, hf): the split is tokenized and
-  packed once (`packing.pack_first_fit`, or the concatenate-then-split packer
-  when ``packing=False``) into rows cached as ``.npy`` files under
-  ``workdir/data_cache/`` (keyed by a hash of the source content, tokenizer,
-  seq_len and packing options). The training stream is the infinite sequence
-  of row indices ``perm(seed, 0) ++ perm(seed, 1) ++ ...`` (a fresh numpy
-  permutation per epoch); batch i takes positions ``[i*B, (i+1)*B)`` of it, so
-  `batch_at(i)` is O(B) random access and no row is dropped at epoch ends.
-  The validation stream is the rows in order, one pass, the last batch padded
-  with empty rows (mask 0).
-* **TFDS** (C4): documents come from a `grain.MapDataset` over
-  `tfds.data_source` (array_record), shuffled with grain's per-epoch index
-  shuffle, tokenized on the fly and packed by `packing.StreamPacker`
-  (concatenate-then-split). The packer's exact position is a cursor
-  ``(document index, token offset)``; the stream records it at batch
-  boundaries, so resuming is O(1) and `batch_at(i)` replays forward from the
-  nearest recorded cursor (O(i) the first time for a cold process).
-
-`get_state()` is a small JSON-serializable dict ({"step", "fingerprint", ...});
-`set_state()` restores it and refuses a state recorded for different data.
-A disaggregated teacher builds the same stream with the same config and asks
-for `batch_at(step)`.
+Design notes: `docs/data.md`, under this file's name.
 """
 
 from __future__ import annotations

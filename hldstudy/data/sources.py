@@ -1,31 +1,6 @@
 """Document sources: synthetic, local text / jsonl files, TFDS (array_record), HF datasets.
 
-Nothing here downloads: every source reads local paths.
-
-* ``synthetic`` — `synthetic.generate_documents(n, cfg.synthetic_seed, split=...)`
-  (``synthetic_docs`` for the train split, ``synthetic_valid_docs`` for the
-  validation split, disjoint random streams), cached as jsonl under
-  ``workdir/synthetic/``.
-* ``text`` — ``data.path`` is a file, a glob or a directory (all ``*.txt`` /
-  ``*.txt.gz`` below it, sorted). **One document per blank-line-separated
-  block** (a file without blank lines is one document); blocks are stripped
-  and empty ones dropped.
-* ``jsonl`` — file / glob / directory (``*.jsonl``, ``*.json``, ``*.jsonl.gz``,
-  ``*.json.gz``); one JSON object per line, the document is field
-  ``data.text_field``.
-* ``hf`` — a directory written by `datasets.Dataset.save_to_disk` /
-  `DatasetDict.save_to_disk` (read with `datasets.load_from_disk`; a
-  DatasetDict's splits are ``data.train_split`` / ``data.valid_split``), or
-  local ``.parquet`` / ``.json(l)`` / ``.csv`` files read with
-  ``datasets.load_dataset(<format>, data_files=...)`` (cache in the workdir).
-* ``tfds`` — ``tfds.data_source(data.tfds_name, split=..., data_dir=data.path)``
-  (array_record, random access) wrapped in a `grain.MapDataset`; streamed, never
-  materialized (C4 is 365M documents).
-
-Splits of local sources: the validation split is ``data.valid_path`` when set,
-otherwise the last ``min(valid_holdout_docs, max(1, n // 10))`` documents of
-``data.path`` (in sorted file order) are held out and excluded from training.
-``data.max_docs`` > 0 keeps only the first documents (before holding out).
+Design notes: `docs/data.md`, under this file's name.
 """
 
 from __future__ import annotations

@@ -1,15 +1,6 @@
 """Tokenizers: SentencePiece (training and a thin wrapper) and Hugging Face `tokenizer.json`.
 
-`train_tokenizer` trains a unigram (default) or BPE model with byte fallback
-and fixed special ids — pad=0, eos=1, bos=2, unk=3 (the Gemma layout) — with
-one thread and no input shuffling, so the same texts give the same model
-bytes. `Tokenizer` wraps any `sentencepiece.SentencePieceProcessor` (a model
-file, serialized model-proto bytes, or a processor built elsewhere, e.g. from
-GGUF metadata). `encode` never adds BOS/EOS; packing adds them.
-
-`JsonTokenizer` wraps a Hugging Face `tokenizer.json` (Qwen3.5, Llama 3, ...) read by the
-`tokenizers` library, with the same interface; `Tokenizer.load` picks it for a `.json`
-path, so the data pipeline, the teacher check and evaluation use either kind alike.
+Design notes: `docs/data.md`, under this file's name.
 """
 
 from __future__ import annotations

@@ -1,31 +1,6 @@
 """The methods, declared once: what each trains, stage by stage.
 
-Everything outside `distill/` that needs a fact about a method (its stages and
-their budget shares, what a stage runs, which teacher outputs it needs, which
-`distill.*` fields change what it trains) reads it here: FLOP accounting,
-the stage planner, config validation, the sweep grid, the analysis arms, the
-CLIs and the teacher service. No code outside `distill/` compares a method
-name. This module imports no jax, so config validation and the CLIs read it
-without loading a model.
-
-A stage is declared by the loss terms it optimises:
-
-- ``"nll"``: next-token NLL of the student (needs the student's head);
-- ``"kd"``: the logit-KD objective ``alpha NLL + (1 - alpha) tau^2 D(p_t, p_s)``
-  (the student's and the teacher's final hidden states and heads);
-- ``"align"``: normalized MSE between the student's and the teacher's hidden
-  states at the method's layer pairs (through learned regressors when
-  ``distill.regressor``).
-
-``depth="aligned"`` runs and trains the student only up to its deepest
-aligned layer (HLDF stage 1); the rest of the student is frozen and its head
-is not run. What a stage needs of the teacher follows from its terms: the KD
-term needs the whole teacher and its head; an alignment-only stage needs the
-teacher only up to its deepest aligned layer.
-
-A new method is one `register(MethodSpec(...))` call, with the loss computed
-by the generic `hldstudy.distill.base.Strategy` from its terms, or by a
-strategy class of its own (`MethodSpec.strategy`).
+Design notes: `docs/methods.md`, under this file's name.
 """
 
 from __future__ import annotations

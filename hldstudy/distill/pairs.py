@@ -1,21 +1,6 @@
 """Which (student layer, teacher layer) pairs a hidden-alignment method aligns.
 
-Layer numbers are 1-based block outputs (`hidden[l]` in
-`hldstudy.model.transformer`: the residual stream after block l), so a pair
-`(l, m)` aligns the student's block-l output with the teacher's block-m
-output. The same resolution is used by the FLOP count (`hldstudy.flops`),
-the strategies and the teacher streaming, so they can never disagree.
-
-Defaults when `distill.layer_pairs` is empty, by the method's pair rule
-(`MethodSpec.pairs`):
-
-- "middle" (hldf, hldc): one pair, the middle layer of each, `(n_s // 2, n_t // 2)`.
-- "patient": `distill.patient_pairs = P` pairs at the same relative depths
-  `i / (P + 1)`, i = 1..P: `((i * n_s) // (P + 1), (i * n_t) // (P + 1))`.
-  P = 1 gives the middle pair. The last block is left to the logit KD term,
-  as in Patient KD (Sun et al., 2019).
-
-Methods without a rule (baseline, kd) align nothing.
+Design notes: `docs/methods.md`, under this file's name.
 """
 
 from __future__ import annotations

@@ -1,6 +1,22 @@
 """python -m hldstudy.eval --checkpoint DIR --tasks hellaswag,piqa,... --out results.json
    python -m hldstudy.eval --checkpoints DIR [DIR ...] --tasks ... [--out-dir OUT]
 
+Design notes: `docs/evaluation.md`, under this file's name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from hldstudy.cli_common import check_output_file, make_output_dir, quiet_libraries, remove_if_empty
+from hldstudy.errors import InputError, user_errors
+
+# The command's --help text.
+HELP = """python -m hldstudy.eval --checkpoint DIR --tasks hellaswag,piqa,... --out results.json
+   python -m hldstudy.eval --checkpoints DIR [DIR ...] --tasks ... [--out-dir OUT]
+
 Evaluates an hldstudy run directory (or an imported Gemma GGUF file / HF
 directory) on lm-eval tasks by name (offline from local JSONL with
 --offline-data DIR or $HLDSTUDY_EVAL_DATA; file names in eval/README.md),
@@ -14,20 +30,11 @@ run's own <run>/eval/results.json), one table for all in OUT/table.md and
 table.json, and printed.
 """
 
-from __future__ import annotations
-
-import argparse
-import os
-import sys
-
-from hldstudy.cli_common import check_output_file, make_output_dir, quiet_libraries, remove_if_empty
-from hldstudy.errors import InputError, user_errors
-
 PROG = "python -m hldstudy.eval"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[1],
+    p = argparse.ArgumentParser(prog=PROG, description=HELP.split("\n\n")[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     which = p.add_mutually_exclusive_group(required=True)
     which.add_argument("--checkpoint",

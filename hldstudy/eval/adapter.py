@@ -1,54 +1,6 @@
 """lm-eval adapter: `HLDStudyLM`, registered with lm-eval as model type `hldstudy`.
 
-Loads an hldstudy run directory (`config.json` + `checkpoints/` + tokenizer)
-or an imported Gemma checkpoint (GGUF file / Hugging Face directory), through
-`hldstudy.model.loading.load_model`, and answers lm-eval's three
-request types:
-
-* `loglikelihood(context, continuation)` -> (log p(continuation | context),
-  is_greedy). Requests become token rows (context + continuation, the
-  context truncated from the left to the model's length); rows are sorted by
-  length, padded on the right to a small fixed set of lengths ("buckets":
-  2^k and 3 * 2^(k-1) from 32 up to the model length, plus the model length) and
-  to a fixed batch size, so the jitted scorer compiles once per bucket, never
-  per request. `is_greedy` is True when every continuation token is the
-  argmax of its position.
-* `loglikelihood_rolling(text)` -> log p(text | prefix token), for documents
-  of any length: lm-eval's rolling windows (`lm_eval.utils.
-  get_rolling_token_windows`) with `context_len = rolling_context`. The first
-  window scores its whole length from the prefix token; every later window is
-  a full model-length input that scores only the tokens not scored yet, so
-  each token is predicted exactly once and, after the first window, with at
-  least `rolling_context - 1` tokens of context. The default is half the model
-  length (`rolling_context=1` gives lm-eval's disjoint chunks, as the
-  Hugging Face backend does).
-* `generate_until(context, {"until": [...], "max_gen_toks": N})`: greedy
-  decoding. There is no KV cache in the model, so every new token re-runs the
-  padded forward over the whole (bucketed) prefix: O(n_new * prefix) work,
-  fine for the short generations of the study's tasks. Generation stops at
-  EOS, at the first stop sequence (the text is cut before it) or after
-  `max_gen_toks` tokens.
-
-Tokenization follows lm-eval's Hugging Face backend: trailing spaces of the
-context move to the continuation; the continuation's tokens are the tail of
-`encode(context + continuation)` after `encode(context)` when that is a
-prefix of it, otherwise `encode(continuation)` on its own. hldstudy packing
-appends EOS to documents and does not add BOS unless `data.add_bos`, so the
-prefix token (what an empty context becomes, and what rolling windows start
-from) is EOS, or BOS for models trained with BOS (and for imported Gemma
-checkpoints, whose documents start with BOS; with `add_bos` every context
-starts with BOS). The model length is `data.seq_len` (the trained context)
-capped by `model.max_seq_len` (for imports: `model.max_seq_len` capped at
-2048); `max_length=` overrides it.
-
-Logits are never materialized for a whole batch: the scorer runs the model
-without its head, gathers the final hidden states at the positions whose
-log-probabilities are needed (a request's continuation; padded to a small set
-of counts, `scored_buckets`) and applies the head there only, fused with the
-log-softmax over vocabulary chunks (`hldstudy.eval.head`); context and padding
-positions never meet the head. Scorers are module-level jits keyed by the
-model's graph definition, so every checkpoint of one architecture reuses the
-compiled functions.
+Design notes: `docs/evaluation.md`, under this file's name.
 """
 
 from __future__ import annotations

@@ -1,18 +1,6 @@
 """Many checkpoints in one process: `evaluate_checkpoints(paths, tasks)`.
 
-Each path is a checkpoint (an hldstudy run directory, a GGUF file, a Hugging Face
-directory) or a folder of runs (a sweep's work directory: every run directory in
-it that has a checkpoint, by name). All paths are checked before the first model
-loads. Checkpoints are evaluated one after another by `runner.evaluate`; the
-scorers are module-level jits keyed by the model's graph definition
-(`hldstudy.eval.adapter`), so checkpoints of one shape compile them once.
-
-Each checkpoint's results are written as a single evaluation writes them:
-`<out_dir>/<label>/results.json` (+ .md, .meta.json) with `out_dir`, else a run's
-own `<run>/eval/results.json` (where a sweep puts them); imports without
-`out_dir` are only in the table. The table of all checkpoints (one row each:
-seconds, scorers compiled, every metric) goes to `<out_dir>/table.md` and
-`table.json`.
+Design notes: `docs/evaluation.md`, under this file's name.
 """
 
 from __future__ import annotations

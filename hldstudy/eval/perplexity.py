@@ -1,25 +1,6 @@
 """Token-level corpus perplexity through hldstudy's own data pipeline.
 
-A corpus task evaluates the validation split of a data config exactly as
-training's validation does: documents are tokenized with the model's
-tokenizer, EOS appended (BOS prepended with `add_bos`), packed into rows of
-`seq_len` tokens with segment ids (a document never attends to another one),
-and every target token inside a document counts (EOS included). Perplexity
-is `exp(mean NLL)` over those tokens, so it is per *token of this tokenizer*:
-compare it only between models that share a tokenizer.
-
-* `valid_ppl`: the run's own `data` config (its validation split / holdout).
-* `synthetic_ppl`: the synthetic corpus' validation split with the run's
-  synthetic settings (the run's own validation split when it trained on the
-  synthetic corpus).
-* `c4_ppl`: TFDS `c4/en` validation, from the run's TFDS `data.path` when it
-  trained on C4, else `$HLDSTUDY_C4_DIR` or `$TFDS_DATA_DIR` (a prepared TFDS
-  data_dir; nothing is downloaded).
-
-`seq_len` is the model length of the adapter (`data.seq_len` capped by
-`model.max_seq_len`). `limit` caps the number of packed rows evaluated.
-`nll_stderr` treats tokens as independent (an underestimate for correlated
-tokens; it is there to flag tiny evaluations, not for significance tests).
+Design notes: `docs/evaluation.md`, under this file's name.
 """
 
 from __future__ import annotations

@@ -1,17 +1,6 @@
 """`evaluate()`: one checkpoint on a list of tasks -> {task: {metric: value}}.
 
-lm-eval tasks go through `lm_eval.simple_evaluate` with `HLDStudyLM` and a
-`TaskManager` over the rendered override YAMLs (see `hldstudy.eval.tasks`);
-corpus tasks through `hldstudy.eval.perplexity`. Metric names are lm-eval's
-with the ",none" filter suffix stripped (`acc`, `acc_stderr`, `acc_norm`,
-`perplexity`, `word_perplexity`, ...); a metric of another filter keeps its
-`,filter` suffix. Stderr values lm-eval could not compute ("N/A") are left out.
-
-Outputs (with `out`): `out` (the results JSON, exactly the returned mapping),
-`<out without .json>.md` (a markdown table plus the evaluation settings) and
-`<out without .json>.meta.json` (settings, versions, sample counts). W&B:
-when `wandb=True` (or the run's config enables it), one run with the flat
-metrics and the table; mode offline unless $WANDB_MODE says otherwise.
+Design notes: `docs/evaluation.md`, under this file's name.
 """
 
 from __future__ import annotations

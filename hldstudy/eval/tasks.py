@@ -1,20 +1,6 @@
 """Which tasks exist, where their data comes from, and the lm-eval YAMLs that say so.
 
-Three kinds of task names:
-
-* **lm-eval tasks** (`hellaswag`, `piqa`, `winogrande`, `lambada_openai`,
-  `arc_easy`, `wikitext`, or any other built-in name): lm-eval's own task
-  definitions. With offline data (`--offline-data DIR` or `$HLDSTUDY_EVAL_DATA`)
-  each task is an override YAML from `eval/overrides/<task>.yaml` that
-  `include`s the built-in YAML and reads `DIR/<task>.jsonl` (the split the task
-  evaluates, in the original dataset's schema) through the `json` builder of
-  `datasets`; nothing touches the hub. Without offline data the built-in task
-  reads its Hugging Face dataset as usual.
-* **synthetic downstream tasks** (`synth_mc`: HellaSwag schema, `synth_cloze`:
-  LAMBADA schema) generated on demand from `hldstudy.data.synthetic` into the
-  folder of rendered YAMLs; always local.
-* **corpus perplexity** (`synthetic_ppl`, `valid_ppl`, `c4_ppl`): token-level
-  perplexity through hldstudy's own data pipeline (`hldstudy.eval.perplexity`).
+Design notes: `docs/evaluation.md`, under this file's name.
 """
 
 from __future__ import annotations

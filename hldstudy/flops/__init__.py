@@ -1,68 +1,6 @@
 """Analytic FLOP accounting and compute matching (DESIGN.md, "FLOP accounting").
 
-Two figures, kept apart on purpose:
-
-**Model FLOPs** (the budget figure; what compute matching uses). Per token,
-forward, for the layers a step runs:
-
-    nonemb    = 2 * (matmul params of the blocks run: q, k, v, o, gate, up, down)
-    deembed   = 2 * d * V                       (LM head; 0 when the head is not run)
-    attention = 4 * sum_layers ctx_eff(layer) * n_heads * head_dim
-
-`ctx_eff` is the *causal average* context for a sequence of T tokens:
-`(T + 1) / 2` on global layers, `mean_t min(t + 1, W)` on local layers with
-window W. Norms, RoPE, softmax, activations and the optimizer are left out,
-as in the 6ND / MFU conventions (they are a few percent at real sizes).
-Training the student is 3x its forward (backward = 2x forward: every matmul
-needs both the input and the weight gradient, including the first block,
-whose input feeds the trainable embedding). A regressor pair adds
-`6 d_s d_t` per token (2 forward + 4 backward; its bias is ignored). The
-teacher adds its forward only, `2 N_t + 2 d_t V + attention_t`, and enters
-`total` only when `budget.count_teacher` is set (the study counts
-student-side compute; every report says which). HLDF stage 1 runs the
-student only up to its deepest aligned layer, with no LM head, and the
-teacher only up to its deepest aligned layer. Recomputation (the fused
-loss's backward rebuilding logit chunks, `model.remat`) is *not* model FLOPs.
-
-**Hardware FLOPs** (`FlopBreakdown.hardware`; what the compiled step
-executes, checked against XLA's `cost_analysis()`): the same matmuls, but
-attention counted *dense* (`ctx = T` on every layer: the implementation
-builds the full `T x T` score matrix and masks it, and XLA counts the
-masked half), plus the recomputation (fused-loss logit chunks, remat
-blocks), the teacher's forward whenever it runs inside the step, the
-elementwise work (norms, RoPE, softmax, GeGLU, losses) from constants
-calibrated against XLA's CPU cost model (jax 0.10.2; see `_EW`), and the
-AdamW update (19 FLOPs per parameter in XLA's count). Matmul terms are exact;
-the elementwise constants are fitted, so treat that term as +-10% (it is
-~5% of the total on the tiny CPU shapes and well under 1% at real sizes).
-
-Compute matching: a budget C gives stage s `floor(C * share_s / flops_per_step_s)`
-steps (`hldstudy.flops.budget.plan_stages`), with `tokens per step = data.batch_size
-* data.seq_len`.
-
-What a step runs comes from the method's declaration
-(`hldstudy.distill.methods`): its stage's loss terms and depth decide the
-student layers and head, the teacher layers and head, and the regressors.
-
-Checked against XLA (`hldstudy.train.probe.xla_flops_for`, `--check-xla`; only the CLI
-imports the probe, so this package stays below `train/`):
-the trainer's real step of every method, colocated or disaggregated, is
-compiled from abstract shapes (`hldstudy.train.program.abstract_train_program`) and XLA's `cost_analysis()["flops"]` is compared
-with the hardware figure (tests: within 5%; measured 0.97-1.004). One XLA
-limitation matters: HloCostAnalysis counts a while-loop (scan) body once, so
-the fused KD loss's row-window scan is undercounted above 64 tokens per step, and a
-Gated DeltaNet's chunk scan above one chunk (`xla_count_is_complete`; the CLI warns).
-The DeltaNet inverts its chunk's system with matmuls, which XLA counts; were a LAPACK
-triangular solve probed, XLA's -1 is replaced by its closed form (`hldstudy.flops.xla_count`).
-
-**Families.** `flops_per_token` is the one dispatch on `ModelConfig.family` (and on the
-planner's `ModelShape`s): gemma3 counts with the formulas here, qwen3_5 (Gated DeltaNet,
-gated attention, MoE: active experts + router + shared expert) with
-`hldstudy.flops.layers_qwen`, whose `attention` term is all sequence mixing. Every method
-and stage (student, teacher forward, regressors, HLDF's prefixes) goes through it.
-
-CLI: `hldstudy flops --config experiments/X.py --method kd
---teacher-preset tiny-teacher --budget 1e15 --check-xla --json`.
+Design notes: `docs/flops.md`, under this file's name.
 """
 
 from __future__ import annotations

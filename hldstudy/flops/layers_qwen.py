@@ -1,33 +1,6 @@
 """Closed-form FLOPs of the Qwen3.5 layers: the family's branch of `hldstudy.flops`.
 
-Model FLOPs are the matmuls of the algorithm hldstudy runs (elementwise work is not
-counted); every function takes the one shape arithmetic (`hldstudy.shapes.ModelShape`,
-so the trainer's configs and the planner's shapes count the same way).
-
-    gated attention   q, gate, k, v, o projections; scores and values over the context
-    Gated DeltaNet    in_qkv, in_z, in_b, in_a, out projections; the causal depthwise conv
-                      (2 FLOPs per tap); the chunked delta rule
-    MLP               SwiGLU (3 matmuls), or the MoE: router, the top-k routed SwiGLU
-                      experts, the shared expert and its sigmoid gate (1 x d)
-
-The chunked delta rule per value head and chunk of C tokens (K, V the key and value head
-dims; hldstudy.model.deltanet), padded to whole chunks as the layer runs it:
-
-    intra-chunk:   k_beta k^T and q k^T (2 x 2 C^2 K), intra-chunk attention x new values
-                   (2 C^2 V); the unit-lower-triangular system's inverse from matmuls
-                   (`unit_lower_inverse_flops`: C padded to P, the next power of two;
-                   levels s = 1, 2, ..., P/2 each run P/(2s) blocks of two s x s x s
-                   matmuls, 2P(P^2 - 1)/3 in all) and the inverse applied to the new values
-                   and decayed keys (2 C^2 (V + K))
-    state:         read by the decayed keys and the queries (2 x 2 C K V) and the update
-                   (2 C K V)
-
-Every term is a matmul, so training is 3x the forward (input and weight gradients):
-`deltanet_mixing_flops(..., train=True)`.
-
-`moe_flops(..., grouped_dense=True)` is what XLA's CPU backend executes for
-`jax.lax.ragged_dot`: every row against every expert (a dense matmul over all experts);
-`grouped_matmuls_run_dense()` says whether the running backend does that.
+Design notes: `docs/flops.md`, under this file's name.
 """
 
 from __future__ import annotations

@@ -1,20 +1,6 @@
 """Token-level NLL and distillation divergences, and the materialized KD loss.
 
-Everything here builds full `[T, V]` logits: it is the readable reference the
-fused loss (`hldstudy.losses.fused`) is tested against, and the right choice
-for small vocabularies. All reductions are means over *valid* tokens (where
-`mask` is true); masked tokens contribute nothing to values or gradients.
-
-Conventions (shared with the fused path):
-
-- Temperature: `a = z_t / tau`, `b = z_s / tau`; every divergence is computed
-  between the tempered distributions `p_t = softmax(a)`, `p_s = softmax(b)`.
-- The divergence helpers return the *unscaled* per-token divergence; the
-  objective multiplies it by `tau**2` (Hinton et al.), for forward and reverse
-  KL and JSD alike, so gradient magnitudes stay comparable across
-  temperatures:  `loss = alpha * NLL + (1 - alpha) * tau**2 * D`.
-- NLL is always at temperature 1 on the (soft-capped) student logits.
-- Soft-capping `c * tanh(z / c)` applies to raw logits, before the temperature.
+Design notes: `docs/losses.md`, under this file's name.
 """
 
 from __future__ import annotations

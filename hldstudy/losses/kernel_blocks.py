@@ -1,28 +1,6 @@
 """Blocks and compiler limits of the fused KD kernels, sized for a target chip.
 
-One rule, one owner: `for_target(chip, d, vocab, dtype)` is the choice the
-fused loss makes when no blocks are given (on the device it is traced for) and
-the choice `hldstudy.aot` reports for a named target. Pure functions of the
-chip's row in `hldstudy.chips` and the head's shape; nothing here traces.
-
-Mosaic (TPU). A kernel's scoped VMEM is its double-buffered blocks (each
-padded to the (8, 128) 32-bit tile; bfloat16 packs 16 rows per tile) plus its
-[rows, cols] float32 temporaries. `mosaic_vmem_bytes` is that closed form, with
-the number of live temporaries per kernel measured against libtpu 0.0.42 (the
-compiler reports a kernel's whole stack allocation when it exceeds the limit;
-tests/test_aot_kernels.py holds the model above what the compiler asks for).
-Blocks are the largest of MOSAIC_CANDIDATES (more rows first: each row block
-re-reads the heads) whose three kernels fit MOSAIC_BUDGET of the chip's VMEM,
-and every kernel sets `vmem_limit_bytes` to that budget, never relying on the
-compiler's scoped default (16 MiB on v4/v5e/v5p, which the (256, 512) float32
-blocks exceed).
-
-Triton (GPU). A program's shared memory is its pipelined dot operands:
-`num_stages` x ([R, k] + [k, C]) in the operands' dtype, k the d slice
-(`triton_smem_bytes`); tiles are powers of two. The candidates are checked
-against the chip's opt-in shared memory per block; (64, 128) with 4 warps is
-the starting point (see pallas_kd), as it keeps the [R, C] float32 tiles of
-the loss in registers.
+Design notes: `docs/losses.md`, under this file's name.
 """
 
 from __future__ import annotations

@@ -1,34 +1,6 @@
 """Pallas kernels for the fused exact KD loss (GPU: Triton, TPU: Mosaic).
 
-Same contract as the XLA path in `hldstudy.losses.fused` (which owns the
-custom_vjp and calls `stats` / `grads` here): the per-chunk math is the very
-same code (`cap_and_mask`, `update_stats`, `logit_grad`), traced inside the
-kernels, so the two paths cannot drift apart. Per-row vectors are `[T, 1]`
-columns so that every in-kernel value is a 2-D tile.
-
-Kernels
--------
-Triton (GPU), where grid programs run concurrently:
-  - stats: grid (row blocks,); each program walks the vocabulary chunks in a
-    loop, building each `[R, C]` logit tile by a K-loop over d (Triton tiles
-    must be powers of two, so d is walked in `d_block` slices), and carries
-    the online log-sum-exp state in registers.
-  - grads: grid (row blocks, vocab chunks); each program rebuilds its logit
-    tile, forms G, and atomically adds `G @ W_s[:, chunk]^T` into dh_s and
-    `h_s^T @ G` into dW_s, d-slice by d-slice (Cut Cross-Entropy's scheme:
-    one recompute, float32 atomics, non-deterministic summation order).
-Mosaic (TPU), where the grid runs sequentially per core and an output block
-stays resident in VMEM while its index does not change:
-  - stats: grid (row blocks, vocab chunks), vocab axis "arbitrary", running
-    state in the (resident) output blocks.
-  - dh: grid (row blocks, vocab chunks) accumulating the dh block over chunks;
-  - dW: grid (vocab chunks, row blocks) accumulating the dW block over rows.
-
-Padding: T is padded by the caller (masked rows); V is padded here to a
-multiple of the chunk with zero columns that the kernels mask to -inf (never
-0); d is padded with zeros to a multiple of the Triton K slice (exact). On
-the Gemma shapes (d = 640/2304/2560, V = 256000/262144) no padding happens.
-Run on CPU with `interpret=True` (tests); on GPU/TPU compiled.
+Design notes: `docs/losses.md`, under this file's name.
 """
 
 from __future__ import annotations

@@ -1,62 +1,6 @@
 """Attention kernels behind `model.attention`: dense, chunked (flash-style), cuDNN.
 
-All paths compute the same function (DESIGN.md "Model" / "Attention paths"):
-queries arrive RoPE'd and pre-scaled, a query t sees key s iff s <= t, the two
-are in the same packed document (equal segment ids) and, on local layers of
-window W, t - W < s. Logits are float32, optionally soft-capped
-(`c * tanh(logit / c)`) before masking; masked logits are a finite "minus
-infinity", so no row ever produces NaN (a row with no visible key, which a real
-token never is since it sees itself, averages all values in dense and is 0 in
-chunked). GQA: query head n reads KV head n // (N / K).
-
-Paths and their executed (hardware) FLOPs per layer, B sequences of length T,
-N query heads of dim H, forward (2 matmuls, QK^T and PV, = 4 B N H per
-(query, key) pair evaluated) and backward:
-
-- `dense`: the reference. Builds the masked `[B, K, G, T, T]` logits, softmax,
-  PV; masked entries are computed and then discarded, so it always executes
-  the full square: forward 4 B N H T^2, backward 8 B N H T^2 (autodiff keeps
-  the probabilities). Memory O(B N T^2) (logits, probabilities and their
-  cotangents live at once).
-- `chunked`: pure JAX (any backend), blockwise online softmax. A scan over
-  query blocks of `block_q` rows runs a loop over only the key blocks of
-  `block_k` columns that intersect that query block's causal / sliding-window
-  band; blocks outside the band are never computed. With P the number of
-  (query, key) pairs in evaluated blocks, P ~ T^2 / 2 + T * b / 2 for a global
-  layer and P ~ T * (W + b) for a local one (b the block size, block_q =
-  block_k), forward 4 B N H P, backward 10 B N H P (a `jax.custom_vjp` flash
-  backward: it recomputes each block's probabilities from the saved row
-  log-sum-exp instead of storing them, one extra QK^T). Total 14 B N H P vs
-  dense's 12 B N H T^2: ~0.6x dense for a global layer at T >> b and
-  ~1.2 (W + b) / T for a local one (0.2x at T = 4096, W = 512, b = 256).
-  Memory O(B N T H + B N block_q block_k); segment ids are masked inside
-  blocks (packed documents do not skip blocks: which blocks are empty is data).
-- `cudnn`: `jax.nn.dot_product_attention(implementation="cudnn")`, NVIDIA GPU
-  only, bfloat16 / float16, head_dim <= 256 and a multiple of 8, no logit
-  soft-cap (cuDNN has none). Causal and sliding window are native (cuDNN skips
-  masked tiles: FLOPs like `chunked`, memory O(B N T H)). Packed documents go
-  in as a `[B, 1, T, T]` boolean mask that JAX turns into an additive bias
-  (2 bytes per entry, plus its cotangent in the backward): O(B T^2) memory,
-  one bf16 T x T per row against dense's several float32 T x T per head.
-- `splash`: TPU only, `jax.experimental.pallas.ops.tpu.splash_attention`
-  (Mosaic kernels, forward and backward): causal or local (`LocalMask` of
-  window W) masks, packed documents as segment ids, GQA natively (N query
-  heads over K KV heads), the logit soft-cap. It skips the blocks the mask
-  leaves empty (FLOPs like `chunked`), memory O(B N T H). It needs T to be a
-  multiple of SPLASH_MIN_BLOCK (128): other lengths are what it cannot express.
-- `auto`: on a TPU, `splash` when T fits it, else `chunked` (with a one-line
-  notice on the `hldstudy.model` logger); on a GPU, `cudnn` when the layer fits
-  it (dtype bfloat16/float16, no soft-cap, head_dim fits), else `chunked`; on a
-  CPU `chunked` when T >= AUTO_CHUNKED_MIN_T (512), else `dense` (a short row is
-  one or two blocks: nothing to skip, and its T x T is small).
-  benchmarks/attention.py measures the crossover. The backend is the one being
-  traced for (`chips.traced_target`: the abstract mesh's device when
-  `hldstudy.aot` compiles for a named target), or the one given to
-  `resolve_implementation`.
-
-A request that cannot run here (`cudnn` off a GPU, or with float32 / a
-soft-cap; `splash` off a TPU or at a length it cannot take) raises ConfigError
-naming `model.attention` with the fix.
+Design notes: `docs/model.md`, under this file's name.
 """
 
 from __future__ import annotations

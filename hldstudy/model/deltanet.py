@@ -1,21 +1,6 @@
 """Gated DeltaNet (Qwen3.5's linear-attention layer) in two equal forms.
 
-The gated delta rule, per head, with state S [K, V], keys/queries L2-normalised and the
-query scaled by K^-1/2:
-
-    S_t = exp(g_t) S_{t-1} + k_t (beta_t (v_t - k_t^T exp(g_t) S_{t-1}))^T,   o_t = S_t^T q_t
-
-(transformers' `torch_recurrent_gated_delta_rule`). `delta_rule_recurrent` runs it token
-by token (the reference, and the decoding form); `delta_rule_chunked` is the parallel
-training form (a UT transform inside chunks of C tokens, a scan over chunks): the same
-function, O(T C) work inside chunks instead of a length-T sequential loop.
-
-Packed documents: `segment_ids` [B, T] (or None). The state starts from zero at every
-document start, and the causal convolution never reads across one; the chunked form does
-this with same-document masks on every cross-position term, so packing costs no padding.
-
-Layouts: q, k [B, T, H, K] (already repeated to the value heads), v [B, T, H, V],
-g (log decay, <= 0) and beta [B, T, H]; all math in float32.
+Design notes: `docs/model.md`, under this file's name.
 """
 
 from __future__ import annotations

@@ -1,18 +1,6 @@
 """SentencePiece tokenizer rebuilt from GGUF metadata.
 
-llama.cpp stores a SentencePiece ("llama") vocabulary as `tokenizer.ggml.tokens`,
-`.scores` and `.token_type` (same type numbering as SentencePiece: 1 normal,
-2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte) plus the special ids and
-`add_space_prefix`. That is enough to rebuild a SentencePiece BPE ModelProto
-(after undoing llama.cpp's space "pre-normalization" of user-defined pieces):
-BPE encoding in SentencePiece merges by piece score, exactly what llama.cpp's
-SPM tokenizer does. For the Gemma 3 GGUF the result encodes like transformers'
-GGUF tokenizer (checked in tests/test_gemma_parity.py).
-
-API:
-  sp_proto_from_gguf(reader, source="") -> bytes   (serialized ModelProto)
-  tokenizer_from_proto(proto, model_path=None)     -> hldstudy Tokenizer
-  gguf_tokenizer(path)                             -> hldstudy Tokenizer
+Design notes: `docs/model.md`, under this file's name.
 """
 
 from __future__ import annotations

@@ -1,22 +1,6 @@
 """Qwen3.5 (dense and MoE) <-> Hugging Face safetensors: config and tensor mapping.
 
-Covers `Qwen3_5ForCausalLM` (`qwen3_5_text`), `Qwen3_5MoeForCausalLM` (`qwen3_5_moe_text`)
-and the language model inside the multimodal `qwen3_5` / `qwen3_5_moe` checkpoints
-(`text_config`; `model.language_model.*` tensors; the vision tower is not read).
-`hldstudy.model.importers` reads the files and dispatches here by `model_type`.
-
-HF -> hldstudy (projections `[out, in]` -> input dim first):
-  q_proj [N*2H, D]      per head [query H | gate H]  -> q, q_gate [D, N, H]
-  k_proj/v_proj, o_proj                              -> k, v [D, K, H], o [N, H, D]
-  linear_attn.in_proj_{qkv,z,b,a}, out_proj          -> in_qkv, in_z, in_b, in_a, out (transposed)
-  linear_attn.conv1d.weight [C, 1, K]                -> conv [C, K]
-  mlp.experts.{j}.{gate,up,down}_proj (or the fused experts.gate_up_proj [E, 2F, D] /
-  experts.down_proj [E, D, F])                       -> gate, up [E, D, F], down [E, F, D]
-  mlp.gate.weight [E, D]                             -> router [D, E]
-  mlp.shared_expert.*, shared_expert_gate [1, D]     -> shared_gate/up/down, shared_expert_gate [D, 1]
-Norms: RMSNorm weights are zero-centred (1 + w) as hldstudy's; the DeltaNet's gated norm
-is one-centred (w) in both. Multi-token-prediction tensors (`mtp.*`) are skipped with a
-notice: hldstudy trains and serves next-token models only.
+Design notes: `docs/model.md`, under this file's name.
 """
 
 from __future__ import annotations

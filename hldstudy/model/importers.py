@@ -1,43 +1,7 @@
 """Real-checkpoint import: Gemma 3 from GGUF (llama.cpp) or Hugging Face safetensors, and
 Qwen3.5 dense / MoE from Hugging Face safetensors (mapping: hldstudy.model.hf_qwen).
 
-Both formats store projections as `[out, in]` matrices (GGUF's reversed
-dimension order makes its numpy view `[out, in]` too), so both are first
-brought to one canonical form -- a dict of numpy arrays under Hugging Face
-`Gemma3ForCausalLM` names, with HF norm convention (`weight` such that the
-norm multiplies by `1 + weight`) -- and then reshaped into the hldstudy
-parameter tree (`q: [D, N, H]`, `k/v: [D, K, H]`, `o: [N, H, D]`,
-`gate/up: [D, F]`, `down: [F, D]`, `embedding: [V, D]`).
-
-Conventions checked against llama.cpp's converter and transformers' GGUF
-loader:
-  * llama.cpp adds 1 to every Gemma norm weight; we subtract it again.
-  * llama.cpp does not permute Q/K for Gemma (it uses NEOX / half-split rope,
-    the layout hldstudy and HF use), so Q/K are taken as they are (confirmed:
-    logits match transformers' GGUF loader to ~1e-4, scripts/gemma_parity.py).
-  * transformers' Gemma 3 never applies `attn_logit_softcapping`; load_hf
-    ignores it too and export_hf refuses models with `attn_softcap`.
-  * gemma3 GGUF metadata has no local rope base nor sliding-window pattern:
-    llama.cpp hardcodes 10000 and "every 6th layer global"; we do the same
-    unless the newer `rope.freq_base_swa` / `attention.sliding_window_pattern`
-    keys are present.
-
-Loaders take local paths only; nothing is downloaded.
-
-API:
-  load_gguf(path, **overrides) -> (ModelConfig, nnx.State, Tokenizer | None)
-  load_hf(path, **overrides) -> (ModelConfig, nnx.State, Tokenizer | None)
-  load_pretrained(path, **overrides) -> (Transformer, Tokenizer | None)
-  export_hf(model, path, *, tokenizer=None, dtype="float32") -> Path
-  checkpoint_format(path) -> "gguf" | "hf"
-  gguf_model_config(path) / hf_model_config(path) -> ModelConfig (the header only)
-
-Safetensors files are read and written by the `safetensors` package
-(`safetensors.numpy`; bfloat16 through ml_dtypes).
-
-`overrides` replace ModelConfig fields after the checkpoint's own values
-(e.g. `dtype="bfloat16"`, `max_seq_len=4096`); shape fields cannot be
-overridden.
+Design notes: `docs/model.md`, under this file's name.
 """
 
 from __future__ import annotations

@@ -1,16 +1,6 @@
 """Gemma-style building blocks in Flax NNX.
 
-Parameter layouts are chosen so checkpoint import is a reshape, not a
-rewrite: projections are stored input-dim first (`q: [D, N, H]`,
-`o: [N, H, D]`, `gate/up: [D, F]`, `down: [F, D]`). Normalisation and
-softmax run in float32 whatever the compute dtype.
-
-Projections multiply token-flattened 2-D operands (`[B*T, D] @ [D, N*H]`), not
-`[B, T, D]` einsums: the same dot products (bit-identical results), but XLA's CPU
-backend lays out the backward of a 3-D contraction with transposing elementwise
-fusions (for the GeGLU, a transposed `[F, B*T]` copy of the gate gradient per
-layer: 15% of the paper-123m KD step, benchmarks/README.md "CPU step profile"),
-which the 2-D form does not need.
+Design notes: `docs/model.md`, under this file's name.
 """
 
 from __future__ import annotations

@@ -1,19 +1,7 @@
 """Mixture of experts (Qwen3.5-MoE): softmax router, top-k, dropless grouped SwiGLU experts,
 one sigmoid-gated shared expert, and the router's load-balancing loss.
 
-Routing: probabilities `softmax(x W_router)` in float32, the top `k` experts per token
-(`jax.lax.top_k`: ties go to the lower expert index, so routing is a deterministic function
-of the inputs), their weights renormalised to sum to 1 (transformers' Qwen3.5-MoE router).
-
-Experts run dropless: the (token, slot) pairs are sorted by expert (a stable argsort) and
-every expert multiplies exactly its own rows with `jax.lax.ragged_dot` -- no capacity, no
-dropped tokens, no dense pass over all experts in the math. The k slot outputs are put back
-in token order and summed in a fixed order (no scatter-add), so results are bitwise
-reproducible.
-
-Load-balancing loss (Switch Transformer, as transformers' `load_balancing_loss_func` for
-one layer): `E * sum_e f_e P_e`, f_e the share of (token, slot) assignments to expert e and
-P_e the mean router probability of e; 1 when balanced.
+Design notes: `docs/model.md`, under this file's name.
 """
 
 from __future__ import annotations

@@ -1,38 +1,6 @@
 """Memory and network terms of the planner: pure functions of model shapes, bytes.
 
-Memory terms (bytes per device):
-
-- weights / grads: `P * param_bytes / D`; AdamW: `2 * P * param_bytes / D`
-  (optax keeps mu and nu in the parameter dtype); FSDP all-gather buffer: two
-  layers' full weights (double-buffered prefetch) when D > 1.
-- activations (training, per token per layer, compute dtype `c` bytes):
-  `c * (4 d + 4 F + 4 (N + 2K) H)` + attention scores `N * T * (8 + c)`
-  (dense implementation: float32 logits and probabilities plus the cast
-  probabilities, as hldstudy's model builds them) or `8 N` (flash-style:
-  row statistics only). The copy counts are calibrated against XLA's
-  `memory_analysis()` of the compiled baseline step (see
-  `hldstudy.plan.step_memory.predict_step_memory`). With `remat`, only each block's input survives
-  (`c d` per layer) plus one block's working set during its recompute.
-  Qwen3.5 (qwen3_5): a gated-attention layer adds its output gate; a Gated DeltaNet
-  layer builds no scores but keeps its conv channels, the in-chunk rows (C per value
-  head) and the state entering each chunk (`deltanet_activation_bytes_per_token`); an MoE
-  layer keeps its router probabilities and routed rows. Serving: `deltanet_state_bytes`
-  (float32 recurrent state + conv tail per sequence and linear layer).
-- logits peak: materialized = student logits + their gradient + teacher
-  logits, float32 `[tokens, V]` (`3 * tokens * V * 4`); fused =
-  `4 * row_block * vocab_block * 4` (student/teacher chunk, probabilities,
-  gradient) + the `d_s x V` float32 head-gradient accumulator + per-row
-  statistics (`16` bytes per token).
-- ring (disaggregated): `K * tokens_dev_step * n_streamed * d_t * stream_bytes`.
-- fan-out window (a replica serving a cohort of trainer processes,
-  `hldstudy.teacher.fanout`): `W * tokens_per_step * n_union * d_t *
-  stream_bytes` of host memory per replica, W = `--window` steps of the
-  hidden states of the union of the members' layers (`fanout_window_bytes`).
-
-Network bytes per step: hidden = `tokens * n_streamed * d_t * stream_bytes`
-(n_streamed = final hidden + `hidden_layers` intermediate layers) versus
-logits = `tokens * V * stream_bytes`; the ratio is `V / (n_streamed * d_t)`.
-GB are decimal (1e9 bytes).
+Design notes: `docs/planner.md`, under this file's name.
 """
 
 from __future__ import annotations

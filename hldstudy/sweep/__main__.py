@@ -2,6 +2,24 @@
 [--json] [--workdir DIR] [--set key=value ...] [--force] [--cohort K] [--methods a,b]
 [--teacher-replicas N]`.
 
+Design notes: `docs/sweeps.md`, under this file's name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from hldstudy.errors import InputError, user_errors
+
+# The command's --help text.
+HELP = """`python -m hldstudy.sweep SWEEP [--executor local|slurm|wandb] [--parallel N] [--dry-run]
+[--json] [--workdir DIR] [--set key=value ...] [--force] [--cohort K] [--methods a,b]
+[--teacher-replicas N]`.
+
 Expands the sweep file's grid into runs (one directory each under WORKDIR,
 default runs/<sweep name>), writes WORKDIR/sweep.json listing every expected
 run, trains the runs that are not finished (resuming interrupted ones from
@@ -30,22 +48,11 @@ SWEEP is a sweep file or the name of a built-in one (sweeps/):
 
     python -m hldstudy.sweep cpu --dry-run
     python -m hldstudy.sweep cpu --parallel 2 --set teacher.checkpoint=runs/quickstart/teacher
-    python -m hldstudy.sweep c4_123m --executor slurm --parallel 16 \
-        --slurm slurm_partition=gpu --slurm gpus_per_node=8 --set data.path=/data/tfds
+    python -m hldstudy.sweep c4_123m --executor slurm --parallel 16         --slurm slurm_partition=gpu --slurm gpus_per_node=8 --set data.path=/data/tfds
     python -m hldstudy.sweep my_sweeps/grid.py --executor wandb
     python -m hldstudy.sweep cpu --methods kd,hldf,hldc --cohort 4 --teacher-replicas 1
     python -m hldstudy.analysis runs/cpu --out runs/cpu/report
 """
-
-from __future__ import annotations
-
-import argparse
-import json
-import logging
-import sys
-from pathlib import Path
-
-from hldstudy.errors import InputError, user_errors
 
 PROG = "python -m hldstudy.sweep"
 log = logging.getLogger("hldstudy.sweep")
@@ -54,9 +61,9 @@ log = logging.getLogger("hldstudy.sweep")
 def parse_args(argv=None) -> argparse.Namespace:
     from hldstudy.sweep.executors import EXECUTORS
 
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog=PROG, description=HELP.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog=__doc__.split("\n\n", 1)[1])
+                                epilog=HELP.split("\n\n", 1)[1])
     p.add_argument("sweep", metavar="SWEEP",
                    help="sweep file with get_sweep(), or the name of a built-in one "
                         "(sweeps/<name>.py, e.g. cpu)")

@@ -1,19 +1,6 @@
 """Running a sweep's runs as cohorts (`python -m hldstudy.sweep SWEEP --cohort K`).
 
-`hldstudy.sweep.cohorts.group` puts compatible runs (same method, stage steps and
-every non-member field) into cohorts of at most K; each cohort trains in one
-process as one `hldstudy.train.cohort.CohortTrainer` (one teacher forward per
-step for all its members), with `--parallel N` worker processes taking cohorts
-from a queue. Every member writes its own run directory exactly as a solo run
-does and is then completed by the sweep's `Worker` (identity fields in
-results.json, evaluation, outcome.json), so the sweep's accounting, `--dry-run`
-statuses and the analysis are unchanged.
-
-Finished members are skipped; a half-finished cohort resumes, each member from its
-own last checkpoint (members at different steps, e.g. trained before in other
-groupings, are brought forward by `hldstudy.train.loop.train_members` without
-dropping any work). A member that diverges is recorded failed (exit 3, error.txt)
-alone.
+Design notes: `docs/sweeps.md`, under this file's name.
 """
 
 from __future__ import annotations

@@ -1,28 +1,7 @@
 """Cohorts: runs of a grid that can share one teacher forward per step, and what the
 whole study costs with and without them.
 
-Every run of a sweep reads `batch_at(step)`, a pure function of the data seed and
-the step, so two runs that differ only in fields tagged `member` in the config
-(learning rate, KD temperature and NLL weight, alignment weight, init seed) see
-the same batches and need the same teacher outputs at every step. `group` puts
-such runs (same method, same stage steps, every other result-changing field
-equal) into cohorts of at most K.
-
-`auto_cohort` is `--cohort auto`: the largest K whose cohort step fits a device, by the
-planner's `hldstudy.plan.cohort_memory`.
-
-`study_flops` is the closed form of DESIGN.md's "Cohorts" section, per run and
-summed over the grid, for three layouts:
-
-- colocated: every run runs its own teacher forward inside its step;
-- disaggregated: the same forwards, on teacher replicas (the layout moves the
-  teacher's work off the trainer, it does not remove it);
-- cohort: one teacher forward per step per cohort, serving all its members;
-- grid: one replica set for every cohort of every method (`--teacher-replicas`):
-  one forward per step of the longest schedule.
-
-Student FLOPs (training, regressors) are the same in every layout. FLOPs are
-model FLOPs (`hldstudy.flops.step_flops`): what the budget counts.
+Design notes: `docs/sweeps.md`, under this file's name.
 """
 
 from __future__ import annotations

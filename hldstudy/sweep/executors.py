@@ -1,25 +1,6 @@
 """Executors: where the runs of a sweep execute.
 
-- ``local``: N worker processes on this machine (``--parallel N``; N = 1 runs in
-  this process). Each worker keeps its teacher and data between runs. Finished
-  runs are skipped, interrupted ones resume from their checkpoint; one overall
-  progress bar counts the steps of every run. SIGINT / SIGTERM stop every
-  worker at its next step (each saves a checkpoint) and exit 130 / 143.
-- ``slurm``: submitit jobs (``--parallel N`` jobs, each a worker running its
-  share of the runs one after another); ``--cluster local|debug`` runs them
-  through submitit's local / debug executors (tests). Preempted or timed-out
-  jobs are requeued (``checkpoint()``) and resume where their checkpoints are.
-- ``wandb``: a W&B grid sweep over the run ids (so W&B never creates a run the
-  grid does not have) and an in-process agent (``wandb.agent(function=...)``:
-  runs execute in this process, one teacher load). Writes
-  ``WORKDIR/wandb_sweep.yaml`` always; starting the sweep and the agent needs a
-  W&B server (online mode) - offline, it says how to start them.
-
-Every executor records each run's outcome in its `outcome.json` (see
-`hldstudy.sweep.worker`): done (0), failed (2 bad input / configuration, 3 runtime
-fault, 1 a bug), interrupted (128 + N). A run a previous sweep left marked running
-(its process killed with SIGKILL, say) is reported as `killed earlier` and resumed.
-The sweep itself exits 0, 128 + N when a signal stopped it, 1 when a run failed.
+Design notes: `docs/sweeps.md`, under this file's name.
 """
 
 from __future__ import annotations

@@ -1,32 +1,7 @@
 """One teacher replica set for a whole sweep (`python -m hldstudy.sweep SWEEP --cohort K
 --teacher-replicas N`).
 
-Every run of a grid reads `batch_at(step)`, a pure function of the data config and
-the step, so one set of teacher replicas can serve every cohort of every method at
-once: each cohort's trainer process is one member of the replicas' fan-out cohort
-(`hldstudy.teacher.fanout`), declared with the union of the teacher layers its
-method's stages need, and each step is computed once for the union of every
-member's layers. The teacher then runs for the longest schedule's steps (HLDF's
-50,466 on c4_123m, not KD's 40,000 as well), plus any step recomputed for a member
-that fell behind the window.
-
-`grid_members` declares the members: one per cohort that still has a run to train
-(a finished cohort would hold the window until the lag timeout). `check_grid` refuses
-a grid one replica set cannot serve (runs that read different batches or name
-different teachers, a layer the teacher does not have, a `teacher.timeout_s` not
-above the lag timeout) before anything starts.
-
-`ReplicaSet` starts the N replicas (`python -m hldstudy.teacher.serve --cohort ...`)
-as local processes or as submitit jobs (`hldstudy.sweep.replica_launch`), waits
-(bounded by `ready_timeout_s`) until each has written its address and answers
-`Info`, and on exit (the sweep ended, failed or was interrupted) reads their counters
-into WORKDIR/.sweep/teacher/stats.json and stops them: SIGTERM, then SIGKILL after a
-grace period; a local replica also stops by itself when the sweep's process is gone
-(`--parent-pid`), so a SIGKILLed sweep leaves none behind. While the sweep runs, a
-local replica that dies is restarted on its port (up to `restarts` times); the
-trainers' rings fail its steps over to the other replicas meanwhile and take it back
-when it answers. A SLURM replica is not resubmitted (it may land on another node,
-at an address the trainers do not know): its members fail over to the others.
+Design notes: `docs/sweeps.md`, under this file's name.
 """
 
 from __future__ import annotations

@@ -1,19 +1,6 @@
 """Sweep definitions and their expansion into runs.
 
-A sweep file (the built-in ones: ``sweeps/<name>.py``) exposes ``get_sweep() -> Sweep``: one
-student configuration, one FLOP budget, one teacher, a grid of methods x
-learning rate x temperature x NLL weight x HLD weight x seeds (plus any
-other config field as an extra axis), and the evaluation tasks.
-
-``expand(sweep)`` turns it into ``Run``s. An axis only multiplies the runs of
-the methods it applies to (``hldstudy.distill.methods.applies``: the fields
-each method declares): the baseline has no temperature, NLL weight or HLD
-weight; HLDF's stage 1 is NMSE alone, so the HLD weight is not swept for it;
-only HLDC and Patient KD weigh the alignment term. So no two runs train the
-same thing. Each run gets its own directory
-``WORKDIR/<run_id>`` where the run id encodes the method and the swept
-values in the folder-name format ``hldstudy.analysis`` checks
-(``kd_lr3e-3_T2_a0.5_s0``, ``hldc_lr1e-2_T1_a0.5_hw1_s0``).
+Design notes: `docs/sweeps.md`, under this file's name.
 """
 
 from __future__ import annotations

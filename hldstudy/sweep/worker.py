@@ -1,19 +1,6 @@
 """Training and evaluating the runs of a sweep inside one worker process.
 
-A `Worker` keeps what runs can share for as long as the process lives: the
-teacher (loaded once per worker process, not once per run) and the prepared
-data (tokenizer + packed rows) per data config. `Worker.run(run, dir)` trains
-or resumes the run (`hldstudy.train.loop.Trainer`), evaluates it
-(`hldstudy.eval.evaluate`), and completes its results.json with `run_id`,
-`config_hash`, `sweep` and `eval`.
-
-Each run's outcome is recorded in its `outcome.json` (written atomically):
-`{"status": "running", "pid", "host", "started"}` while a worker trains it, then
-`done` (exit_code 0), `failed` (the exit code `python -m hldstudy.train` would give:
-2 bad input or configuration, 3 runtime fault, 1 a bug; the traceback in error.txt)
-or `interrupted` (128 + N for signal N; resumable from its checkpoint). A run still
-marked `running` by a process that is gone (kill -9, a lost node) is recognised as
-interrupted by the next sweep (`killed_earlier`) and resumed.
+Design notes: `docs/sweeps.md`, under this file's name.
 """
 
 from __future__ import annotations

@@ -1,20 +1,6 @@
 """What the trainer sees of a teacher: the `Teacher` protocol and its per-stage `StageFeed`.
 
-The trainer asks its teacher, once per stage, for a `StageFeed`; it then calls
-
-    feed.begin(start, end, workdir)           the stage trains steps [start, end)
-    t_in = feed.inputs(step, batch)           every step: the step's teacher input
-    state, metrics = train_step(state, batch, t_in)
-    feed.metrics()                            at each log record (e.g. stall time)
-
-and builds the train step with `feed.forward(t_in, batch) -> TeacherOutputs`, which
-runs inside the compiled step (None: `t_in` already is the TeacherOutputs). A
-colocated teacher's input is its parameters and its forward the teacher model;
-a remote teacher's input is the streamed hidden states and its forward only
-assembles them with the head. `teacher.close()` ends every feed.
-
-A run without a teacher (the baseline) gets `NO_FEED`, so the trainer never
-asks which kind it has.
+Design notes: `docs/teacher.md`, under this file's name.
 """
 
 from __future__ import annotations

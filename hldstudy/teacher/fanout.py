@@ -1,52 +1,6 @@
 """Fan-out: one teacher replica serves a cohort of trainer processes, one forward per step.
 
-A replica started with `--cohort "a=final;b=final;c=final,3"` knows its cohort before
-anyone connects: the members' ids and the teacher layers each needs. It computes
-every step once, for the union of those layers, keeps the result in a bounded
-window, and streams each member its own part of it (`serve.TeacherServer`). A
-trainer names its member with `teacher.checkpoint=remote://host:port?member=a`.
-
-`StepWindow` is the logic (no gRPC, no JAX; tests drive it with threads):
-
-- **Window.** At most `window` computed steps are held (host memory: `window`
-  steps x the union of layers x `[B, T, D]` in the stream dtype; the planner's
-  `fanout_window_bytes`). A member *holds* a cached step while it is attached
-  and has not passed it yet (its floor: the step it is taking, else the one
-  after the last it took, else its declared start; never-connected members hold
-  everything), and the step is before the member's end. A step nobody holds is
-  dropped.
-- **Backpressure.** A member asking for a step beyond the window's newest waits
-  while the window is full: the slowest attached member sets the pace, and the
-  fastest runs at most `window` steps ahead of it (per replica).
-- **Laggards.** A waiter that waits longer than `lag_s` (`--lag-timeout-s`; the
-  join deadline of members that have not connected yet too) detaches every
-  member holding the window's oldest step, with a warning naming them; the
-  others go on. A detached member is not lost: a step it asks for that is still
-  in the window is served from it (and it is attached again); a step behind the
-  window (one that an attached member has passed) is computed for it alone
-  (`recomputed`, counted apart from the shared forwards); a step nobody has
-  passed yet enters the window as usual and attaches it.
-- **Rejoin after a crash.** A member's stream that ends before its last step
-  keeps holding its place until the lag deadline detaches it. When the trainer
-  comes back (it resumes at its checkpoint, so from an earlier step), the steps
-  behind the window are recomputed for it alone (it is detached at once: the
-  others do not wait for it to catch up) and it is attached again when it
-  reaches the window.
-- **Stage boundaries.** A stream opened for a stage that is not the member's
-  last (HLDF stage 1) holds the steps past its end too (before and after it
-  closes), so the next stage's stream finds them in the window; the last
-  stage's stream holds nothing once it has taken its last step (a member that
-  finishes early never slows the rest).
-- A step the window does not hold that an attached member has already passed
-  (the asker is behind: it is detached), or that lies inside the window's range
-  (a step of a failed replica, reissued here), is computed for the asker alone,
-  never waited for, so a member cannot wait on a window it holds itself.
-
-Exactly-once per member stays the trainer's (its prefetch ring and
-`teacher_steps.log`): the window only decides who computes what. Counters:
-`forwards` (every teacher forward), `recomputed` (those for one member alone),
-`detached` (times a member was detached), `peak` / `peak_bytes` (most steps, and
-bytes, held at once: the planner's `fanout_window_bytes` bounds the latter).
+Design notes: `docs/teacher.md`, under this file's name.
 """
 
 from __future__ import annotations

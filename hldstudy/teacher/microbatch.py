@@ -1,20 +1,6 @@
 """A teacher replica's forward in micro-batches, and how many sequences each one holds.
 
-A replica (`hldstudy.teacher.serve`) computes each step's whole global batch on one
-device. For a large teacher that does not fit: the float32 3.4B teacher over 256 x 2048
-tokens compiles to ~90 GiB on an 80 GB H100, mostly the dense attention scores. So the
-forward runs over [n, B/n, T] micro-batches with `jax.lax.map` inside one compiled
-program: its working set is one micro-batch's, its outputs are the whole batch's,
-reshaped back, so what is served does not change.
-
-`teacher.replica_batch` sets the micro-batch (sequences); 0 picks the largest divisor of
-the global batch whose forward the planner (`predict_teacher_forward_memory`, the one
-estimate of a teacher forward's memory) says fits the replica's device, and then, where
-the device's memory is known, lets the compiler have the last word (`compiler_checked`):
-the planner's share of the forward's working set is the replica's compiler's row
-(`hldstudy.plan.compilers`, fitted on a few compiles), so a pick the compiled program
-does not fit steps down to the next divisor. Where the memory is unknown (a CPU) nothing
-is compiled ahead: the whole batch.
+Design notes: `docs/teacher.md`, under this file's name.
 """
 
 from __future__ import annotations

@@ -1,40 +1,6 @@
 """Wire format of the disaggregated teacher (gRPC, generic handlers, no codegen).
 
-Service `hldstudy.teacher.v1.Teacher`, four methods. Every message is one
-frame: a 4-byte big-endian header length, a UTF-8 JSON header, then raw bytes
-(tensor data, little-endian, C order). No logits ever cross the wire.
-
-- `Info` (unary): `{}` -> the replica's identity: checkpoint fingerprint,
-  teacher model config, compute/stream dtype, served layers, tokenizer
-  fingerprint, the data it reproduces (seq_len, batch size, seed, train
-  stream fingerprint). The client checks it before anything streams.
-- `Head` (server streaming): `{}` -> the tied embedding `[V, D]` in the stream
-  dtype, in chunks; the trainer rebuilds teacher logits from it (it never
-  loads the teacher's blocks).
-- `Stream` (bidirectional): the first request opens the stream
-  `{"open": {"layers": [...], "final": bool, "dtype", "fingerprint"}}`; each
-  further request `{"step": s}` is one credit: the replica computes the
-  teacher over `batch_at(s)` and answers with the step's frames
-  `{"step", "digest", "tensors": [{"name", "shape", "dtype"}], "chunk", "chunks"}`
-  whose payloads, concatenated, are the tensors' bytes in order ("final",
-  then "layer:<i>" ascending). Credits are the backpressure: a replica never
-  computes a step nobody asked for, so the trainer's ring bounds how far
-  teachers run ahead. `digest` hashes the step's tokens and segment ids so the
-  trainer proves both sides saw the same batch. A cohort replica
-  (`hldstudy.teacher.fanout`, `Info` has `"cohort": {"members", "window",
-  "lag_timeout_s"}`) also needs `"member"`, `"start"`, `"end"` (the stage's
-  steps) and `"last_stage"` in the open request, and answers from its shared
-  window of steps computed once for the union of its members' layers.
-- `Stats` (unary): counters (steps served, teacher forwards run, tensor payload
-  bytes, frame bytes; a cohort replica adds `recomputed` and its window's
-  `cohort` state).
-
-Every call carries the replica's shared secret when it has one (metadata
-`x-hldstudy-token`, compared in constant time); a replica bound beyond
-loopback refuses to start without one, and may add TLS. The client checks
-every frame against the handshake (names, shapes and dtype of the tensors it
-asked for, the head's `[vocab, d_model]`) before it allocates anything, so a
-confused or hostile server cannot make it read a wrong layout or a huge buffer.
+Design notes: `docs/teacher.md`, under this file's name.
 """
 
 from __future__ import annotations

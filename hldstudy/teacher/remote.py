@@ -1,41 +1,6 @@
 """The trainer side of a disaggregated teacher: `teacher.checkpoint=remote://h:p[,h:p...]`.
 
-`RemoteTeacher.connect(cfg)` handshakes with every replica (`Info`): all must
-serve the same checkpoint (parameter fingerprint; optionally pinned with
-`remote://...?fingerprint=<hex>`), in `teacher.dtype`, for the student's data
-(sequence length, batch size, seed, stream fingerprint), with the student's
-tokenizer and every layer the method needs; anything else is refused with a
-ConfigError naming teacher.checkpoint. Only the teacher's embedding (its tied
-head) is fetched, and only for stages that need the head: the trainer never
-holds the teacher's blocks.
-
-`RemoteTeacher` implements the `Teacher` protocol (`hldstudy.teacher.base`).
-Per stage, `stage_feed` returns a `RemoteFeeder`: the loop calls
-`feeder.inputs(step, batch)` every step and gets the step's streamed hidden
-states from a `PrefetchRing`; `feeder.forward` turns them plus the embedding
-into `TeacherOutputs` inside the student's jitted step (the head is `E^T`,
-built the same way the colocated teacher builds it, so the losses match
-bitwise when the dtypes match). Each consumed step is appended to
-`<workdir>/teacher_steps.log` (`{"step", "replica", "stall_s"}`), truncated
-to the resume step when a run resumes, so the log holds each trained step once.
-
-Every call has a deadline: `Info`/`Stats` `min(teacher.timeout_s, 10)` s, the
-head an idle deadline of `teacher.timeout_s` per chunk (a large head may take
-long, a silent replica may not), a stream's steps the ring's `timeout_s`. A
-replica that fails or hangs in `Head` is skipped for the next one; SIGTERM /
-SIGINT received while waiting for the head stop the run at once
-(`Interrupted`). With `teacher.token_file` every call carries the shared
-secret; with `teacher.tls_ca` the channel is TLS, trusting that root. Every
-frame is checked against the handshake before it is used.
-
-Cohorts (`hldstudy.teacher.fanout`): a replica started with `--cohort` serves
-several trainer processes from one forward per step; each names itself with
-`remote://host:port?member=ID`. The handshake refuses a run that names no
-member of the replicas' cohort (or a member of a replica without one), and a
-`teacher.timeout_s` not above the cohort's lag timeout (a member waiting for
-the slowest would take the replica for dead). Each stream's open request tells
-the replica the member, the stage's `[start, end)` and whether it is the run's
-last stage, so the replica knows which steps the member still needs.
+Design notes: `docs/teacher.md`, under this file's name.
 """
 
 from __future__ import annotations

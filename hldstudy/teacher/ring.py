@@ -1,28 +1,6 @@
 """The trainer-side prefetch ring of a disaggregated teacher.
 
-`PrefetchRing` hands the trainer the teacher outputs of steps `start, start+1,
-..., end-1`, in order, each exactly once. Steps are requested from teacher
-replicas ahead of use: while the trainer works on step s, steps s+1..s+K are
-in flight or buffered (K = `teacher.ring_size`; K = 0 asks for a step only
-when the trainer wants it, i.e. synchronous). A request is a credit on the
-replica's stream, so replicas never run further ahead than the ring allows
-(backpressure), and the trainer's memory for streamed steps is bounded by K.
-
-Ownership is interleaved: step s belongs to replica s mod n; if that
-replica is down, to the (s mod m)-th of the m live ones. Absolute, not counted
-from the stream's start: every trainer a replica set serves (cohort members of
-different methods, an HLDF stage 2, a resumed run) sends step s to the same
-replica, whose window then computes it once for all of them. A
-replica whose stream breaks, or that holds a requested step longer than
-`timeout_s` without answering, is declared dead: its stream is cancelled,
-its outstanding steps go back to the queue and are reissued (first, being
-the oldest) to live replicas, and any late answer of the dead stream is
-dropped. A background thread keeps trying dead replicas (`Link.connect`, the
-full handshake) and reopens a stream when one is back: a restarted replica
-rejoins and takes its interleaved share of the steps not yet issued.
-
-The ring knows nothing about gRPC: a `Link` opens `Session`s (see
-`hldstudy.teacher.remote.GrpcLink`); tests drive it with in-process fakes.
+Design notes: `docs/teacher.md`, under this file's name.
 """
 
 from __future__ import annotations

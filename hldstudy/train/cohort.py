@@ -1,36 +1,6 @@
 """Cohort training: K students of one method and one shape, one teacher forward per step.
 
-The members of a cohort differ only in config fields tagged `member`
-(`hldstudy.config`): the peak learning rate, the KD temperature and NLL weight,
-the alignment weight and the init seed. Everything else (method, shapes, data,
-teacher, budget, stage steps) is the same, so at every step they read the same
-`batch_at(step)` and need the same teacher outputs. One jitted step runs the
-teacher once and the K students stacked on a leading axis (params, optimizer state
-and the per-member hyperparameters; the batch and the teacher's outputs are
-shared), either batched (`jax.vmap`, accelerators) or one after the other inside
-the step (`jax.lax.map`, the CPU default: see `default_mode`). A hyperparameter that varies within the cohort is
-a traced value (the fused KD loss takes temperature / alpha as operands, the
-optimizer is built in the step around a traced peak lr); one that does not stays a
-constant of the program, exactly as in a solo run. The cohort compiles once per
-stage.
-
-Each member is a `Trainer` (`hldstudy.train.loop`): it validates its config, writes
-its run directory (config.json, metrics.jsonl, checkpoints/, results.json), plans
-its stages, initialises, saves, restores and evaluates itself. The members train
-through the solo run's own loop (`hldstudy.train.loop.train_members`) with
-`CohortSteps`: the stacked step, and a diverging member stopped alone. A member is
-charged its solo run's FLOPs and trains its solo run's steps.
-
-Resume: each member resumes from its own newest checkpoint (after SIGTERM, saved at
-once, or kill -9); the members furthest behind are brought forward alone up to the
-next member's step, then the cohort goes on together (`train_members` says why).
-No intact checkpoint is deleted; a damaged one is moved to checkpoints.damaged/.
-
-Divergence: the step keeps, per member, the first step whose loss or gradient
-norm was not finite (on the device). A member found non-finite at a log step or
-before a save is stopped alone: it is not saved again (its last good checkpoint
-stays), its results.json says `"status": "diverged"` with a one-line reason, and
-the others go on (its lane keeps computing, unread, until the stage ends).
+Design notes: `docs/training.md`, under this file's name.
 """
 
 from __future__ import annotations
