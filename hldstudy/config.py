@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hldstudy import teacher_source
 from hldstudy.distill import methods
 from hldstudy.distill.pairs import parse_layer_pairs
 from hldstudy.errors import ConfigError, InputError
@@ -634,19 +635,8 @@ def validate(cfg: Config, *, check_paths: bool = True, need_teacher: bool = True
     if rb and d.batch_size % rb:
         raise ConfigError("teacher.replica_batch", f"{rb} does not divide data.batch_size="
                           f"{d.batch_size}", "give a divisor of the batch, or 0 (auto)")
-    if (cfg.teacher.checkpoint or "").startswith("remote://"):
-        _check_remote_ports(cfg.teacher.checkpoint)
+    teacher_source.parse(cfg.teacher.checkpoint)  # a remote address: hosts and ports
     return cfg
-
-
-def _check_remote_ports(spec: str) -> None:
-    """remote://host:port[,host:port...][?options]: every port an integer in 1..65535."""
-    for addr in spec[len("remote://"):].partition("?")[0].split(","):
-        port = addr.strip().rpartition(":")[2]
-        if addr.strip() and ":" in addr and not (port.isdigit() and 1 <= int(port) <= 65535):
-            raise ConfigError("teacher.checkpoint", f"{addr.strip()!r}: port {port!r} is not "
-                              "1..65535", "write remote://host:port[,host:port...] with the "
-                              "ports the replicas printed")
 
 
 # --------------------------------------------------------------------------- #

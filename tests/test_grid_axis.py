@@ -72,7 +72,7 @@ def get_sweep():
 
 
 from hldstudy.sweep.__main__ import main as sweep_main
-from hldstudy.train import cohort
+from hldstudy.train import program as cohort_program
 
 if mode == "plan":
     import io, contextlib
@@ -90,10 +90,10 @@ if mode == "plan":
     sweep = load_sweep(work / "scaled_sweep.py")
     out["sweep_keywords"] = [f for f in Sweep.__dataclass_fields__]
     out["axes"] = [[k, list(v)] for k, v in sweep.axes()]
-    out["hparams"] = {k: list(v) for k, v in cohort.HPARAMS.items()}
+    out["hparams"] = {k: list(v) for k, v in cohort_program.HPARAMS.items()}
     run = next(r for r in expand(sweep) if r.method == "scaledkd")
     strategy = make_strategy(run.config, run.config.model, preset("tiny-teacher", vocab_size=384))
-    out["with_hparams"] = cohort.with_hparams(strategy, {"kd_scale": 0.25}).cfg.distill.kd_scale
+    out["with_hparams"] = cohort_program.with_hparams(strategy, {"kd_scale": 0.25}).cfg.distill.kd_scale
     out["base_columns"] = BASE_COLUMNS
     flat = flatten(config_to_dict(run.config))
     out["run_id"] = run.run_id

@@ -38,7 +38,7 @@ def _tiny_forward(layers=(1,), head=True):
     graphdef, params = nnx.split(model, nnx.Param)
     fwd = teacher_forward_fn(graphdef, layers, head)
 
-    def run(params, batch):  # what TeacherServer._forward jits
+    def run(params, batch):  # what Replica._forward jits
         out = fwd(params, batch)
         return out.final_hidden, out.hidden
 
@@ -272,21 +272,21 @@ def test_a_replica_steps_down_to_the_micro_batch_its_compiler_fits(teacher_dir, 
     from helpers.runs import student_config
 
     from hldstudy.plan import xla_memory
-    from hldstudy.teacher import serve
+    from hldstudy.teacher import replica
     from hldstudy.teacher.microbatch import forward_bytes
 
     cfg = student_config("kd", teacher_dir, tokenizer=tokenizer_path)
     b = cfg.data.batch_size
-    monkeypatch.setattr(serve, "device_memory", lambda device: 2**50)  # everything fits
-    whole = serve.TeacherServer(cfg, str(teacher_dir), layers="final,3", workdir=tmp_path / "a")
+    monkeypatch.setattr(replica, "device_memory", lambda device: 2**50)  # everything fits
+    whole = replica.Replica(cfg, str(teacher_dir), layers="final,3", workdir=tmp_path / "a")
     fwd, micro = whole._forward(whole.final, whole.layers)
     assert micro == b
     total = xla_memory(fwd)["total_bytes"]
     limit = int(total) - 1
     planned = forward_bytes(whole.model_cfg, b, b, cfg.data.seq_len, layers=whole.layers,
                             head=whole.final, dtype=whole.dtype, backend="cpu")
-    monkeypatch.setattr(serve, "device_memory", lambda device: limit)
-    small = serve.TeacherServer(cfg, str(teacher_dir), layers="final,3", workdir=tmp_path / "b")
+    monkeypatch.setattr(replica, "device_memory", lambda device: limit)
+    small = replica.Replica(cfg, str(teacher_dir), layers="final,3", workdir=tmp_path / "b")
     fwd2, micro2 = small._forward(small.final, small.layers)
     assert micro2 < b and b % micro2 == 0
     assert xla_memory(fwd2)["total_bytes"] <= limit

@@ -31,7 +31,7 @@ def _parse(path: Path) -> ast.Module:
 
 FLOORS = (
     ("__root__", "errors", "family", "mesh_axes", "numerics", "shipped", "signals", "wandb_online"),  # import nothing of ours
-    ("checkpoint", "chips", "distributed", "fileio", "runlock"),  # on errors / numerics only
+    ("checkpoint", "chips", "distributed", "fileio", "runlock", "teacher_source"),  # on errors / numerics only
     ("losses",),  # loss math; its kernels sized from the chip table
     ("distill",),  # the method registry: declarations, no config
     ("config",),  # the schema, validated against the registry

@@ -29,6 +29,7 @@ from hldstudy.config import (
 from hldstudy.distill import methods
 from hldstudy.errors import InputError
 from hldstudy.rundir import has_run_files
+from hldstudy.teacher_source import is_remote
 
 log = logging.getLogger("hldstudy.analysis")
 
@@ -555,7 +556,7 @@ def _teacher_dirs(root: Path, dirs: list[Path], flats: list[dict]) -> set[Path]:
     refs = set()
     for f in flats:
         ck = _cfg_get(f, "teacher.checkpoint")
-        if not ck or not isinstance(ck, str) or ck.startswith("remote://"):
+        if not ck or not isinstance(ck, str) or is_remote(ck):
             continue
         p = Path(ck)
         for cand in ([p] if p.is_absolute() else [Path.cwd() / p, root / p, root.parent / p]):

@@ -98,33 +98,6 @@ def hold_masks(inner: optax.GradientTransformation, masks: dict[str, np.ndarray]
     return optax.GradientTransformation(init, update)
 
 
-def _trainer_class():
-    class RecoveryTrainer(loop.Trainer):
-        """The suite's Trainer, started from given student weights with the optimizer
-        wrapped (no change to the trainer itself: its first stage's initial student and
-        optimizer are replaced in `_init_state`)."""
-
-        def __init__(self, *args, init_student=None, wrap=None, **kwargs):
-            self._init_student = init_student
-            self._wrap = wrap
-            super().__init__(*args, **kwargs)
-
-        def _init_state(self, plan, student_params=None):
-            if student_params is None and self._init_student is not None:
-                # host arrays: the jitted init places them on the trainer's mesh
-                student_params = jax.tree_util.tree_map(np.asarray, self._init_student)
-            graphdefs, optimizer, state, shardings = super()._init_state(plan, student_params)
-            if self._wrap is None:
-                return graphdefs, optimizer, state, shardings
-            optimizer = self._wrap(optimizer)
-            new = {"params": state["params"], "step": state["step"]}
-            new["opt_state"] = jax.jit(optimizer.init)(state["params"])
-            shardings = loop.mesh_lib.tree_shardings(self.mesh, new)
-            return graphdefs, optimizer, jax.device_put(new, shardings), shardings
-
-    return RecoveryTrainer
-
-
 def recovery_config(run_cfg, ccfg, *, teacher_path: str, workdir: Path):
     """The training config of a recovery run: the checkpoint's model and data, the
     recovery objective of the compress section."""
@@ -153,8 +126,8 @@ def recover(model, masks: dict[str, np.ndarray], run_cfg, ccfg, *, teacher_path:
     cfg = recovery_config(run_cfg, ccfg, teacher_path=teacher_path, workdir=workdir)
     _, student = nnx.split(model, nnx.Param)
     masks_shaped = {k: np.asarray(v) for k, v in masks.items()}
-    trainer = _trainer_class()(cfg, workdir, data=data, init_student=student,
-                               wrap=lambda opt: hold_masks(opt, masks_shaped, quant))
+    trainer = loop.Trainer(cfg, workdir, data=data, init_student=student,
+                           wrap_optimizer=lambda opt: hold_masks(opt, masks_shaped, quant))
     result = trainer.run()
     loaded = load_model(workdir)
     return loaded.model, result

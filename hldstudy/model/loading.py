@@ -24,6 +24,7 @@ from hldstudy.data.tokenizer import Tokenizer
 from hldstudy.errors import InputError
 from hldstudy.model import importers
 from hldstudy.model.transformer import Transformer
+from hldstudy.teacher_source import is_remote
 
 
 @dataclass
@@ -88,7 +89,7 @@ def model_config_of(path: str | Path | None) -> ModelConfig | None:
     """The ModelConfig of the checkpoint at `path`, reading only its config (a run's
     config.json, an HF config.json, a GGUF header). None for no path, a remote:// address
     or a path that does not exist (yet); InputError for a path that is no checkpoint."""
-    if not path or str(path).startswith("remote://"):
+    if not path or is_remote(str(path)):
         return None
     path = Path(path)
     if not path.exists():

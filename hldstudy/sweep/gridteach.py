@@ -26,7 +26,8 @@ from hldstudy.sweep.cohort_exec import cohort_id
 from hldstudy.sweep.spec import Run
 from hldstudy.teacher import protocol as proto
 from hldstudy.teacher.base import method_needs
-from hldstudy.teacher.remote import GrpcLink, ReplicaDown, Security, is_remote
+from hldstudy.teacher.remote import GrpcLink, ReplicaDown, Security
+from hldstudy.teacher_source import SCHEME, is_remote
 
 log = logging.getLogger("hldstudy.sweep")
 
@@ -203,7 +204,7 @@ class ReplicaSet:
 
     @property
     def spec(self) -> str:
-        return "remote://" + ",".join(a for a in self.addresses if a)
+        return SCHEME + ",".join(a for a in self.addresses if a)
 
     def _argv(self, index: int, port: int) -> list[str]:
         cfg_path = self.dir / "replica_config.json"

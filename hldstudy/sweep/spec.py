@@ -34,6 +34,7 @@ from hldstudy.flops import step_flops
 from hldstudy.flops.budget import plan_stages
 from hldstudy.model.loading import model_config_of
 from hldstudy.model.presets import preset
+from hldstudy.teacher_source import is_remote
 
 # The grid axes and their names, declared on the config fields (`knob(axis=, short=)`):
 # {dotted field: {"column": Sweep keyword / entry key, "short": run-id name, ...}}.
@@ -216,7 +217,7 @@ def run_id_for(method: str, params: dict[str, Any]) -> str:
 
 
 def _abs_path(value: str | None) -> str | None:
-    if not value or value.startswith("remote://") or "://" in value:
+    if not value or is_remote(value) or "://" in value:
         return value
     return str(Path(value).expanduser().absolute())
 

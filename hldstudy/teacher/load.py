@@ -12,7 +12,8 @@ from hldstudy.errors import ConfigError
 from hldstudy.model.loading import load_model
 from hldstudy.teacher.base import Teacher
 from hldstudy.teacher.colocated import ColocatedTeacher
-from hldstudy.teacher.remote import RemoteTeacher, is_remote
+from hldstudy.teacher.remote import RemoteTeacher
+from hldstudy.teacher_source import is_remote
 
 
 def with_teacher_tokenizer(cfg: Config) -> Config:

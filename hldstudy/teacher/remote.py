@@ -13,12 +13,11 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import parse_qs
 
 import jax
 import numpy as np
 
-from hldstudy import rundir, sharding
+from hldstudy import rundir, sharding, teacher_source
 from hldstudy.config import Config, ModelConfig, config_from_dict
 from hldstudy.data.tokenizer import mismatch as tokenizer_mismatch
 from hldstudy.distill.base import Batch, Strategy, TeacherOutputs, make_strategy
@@ -29,30 +28,18 @@ from hldstudy.signals import Interrupted, StopSignals
 from hldstudy.teacher import protocol as proto
 from hldstudy.teacher.base import StageFeed, method_needs, stage_needs
 from hldstudy.teacher.ring import PrefetchRing
+from hldstudy.teacher_source import FIELD
 
 log = logging.getLogger(__name__)
-FIELD = "teacher.checkpoint"
 STEPS_LOG = "teacher_steps.log"
-SCHEME = "remote://"
-
-
-def is_remote(spec: str | None) -> bool:
-    """Whether `teacher.checkpoint` names replicas (remote://...) rather than a local path."""
-    return bool(spec) and spec.startswith(SCHEME)
 
 
 def parse_spec(spec: str) -> tuple[list[str], dict]:
     """`remote://h:p,h:p?fingerprint=abc` -> (["h:p", "h:p"], {"fingerprint": "abc"})."""
-    if not is_remote(spec):
+    source = teacher_source.parse(spec)
+    if not source.remote:
         raise ConfigError(FIELD, f"{spec!r} is not a remote:// address")
-    rest = spec[len(SCHEME):]
-    rest, _, query = rest.partition("?")
-    addrs = [a.strip() for a in rest.split(",") if a.strip()]
-    if not addrs or any(":" not in a for a in addrs):
-        raise ConfigError(FIELD, f"{spec!r} has no host:port list",
-                          "write remote://host:port[,host:port...]")
-    opts = {k: v[-1] for k, v in parse_qs(query).items()}
-    return addrs, opts
+    return list(source.addresses), dict(source.options)
 
 
 class ReplicaDown(ConnectionError):

@@ -6,51 +6,38 @@ Design notes: `docs/teacher.md`, under this file's name.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import dataclasses
 import errno
-import hashlib
 import hmac
 import ipaddress
-import json
 import logging
 import math
 import os
 import queue
 import re
-import shutil
 import signal
 import socket
 import sys
-import tempfile
 import threading
 import time
 from concurrent import futures
 from pathlib import Path
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
+from hldstudy import teacher_source
 from hldstudy.cli_common import EXPERIMENTS, find_builtin, quiet_libraries
 from hldstudy.config import apply_overrides, load_experiment, read_config
-from hldstudy.data import prepare_data
 from hldstudy.distill.base import make_strategy
-from hldstudy.errors import ConfigError, HLDError, InputError, user_errors
+from hldstudy.errors import ConfigError, user_errors
 from hldstudy.fileio import write_text_atomic
-from hldstudy.model.loading import load_model
 from hldstudy.teacher import protocol as proto
-from hldstudy.teacher.base import check_layers, method_needs, stage_needs
-from hldstudy.teacher.colocated import ColocatedTeacher
+from hldstudy.teacher.base import stage_needs
 from hldstudy.teacher.fanout import CohortSpec, MemberGone, StepWindow, parse_cohort
-from hldstudy.teacher.load import with_teacher_tokenizer
-from hldstudy.teacher.microbatch import (
-    compiled_fits,
-    compiler_checked,
-    device_memory,
-    micro_batched,
-    replica_candidates,
-    served,
+from hldstudy.teacher.replica import (
+    Replica,
+    check_dtype,
+    format_layers,
+    serves_problem,
 )
 
 # The command's --help text.
@@ -114,20 +101,6 @@ removed on exit.
 log = logging.getLogger("hldstudy.teacher.serve")
 
 
-def parse_layers(text: str) -> tuple[bool, tuple[int, ...]]:
-    final, layers = False, []
-    for part in (p.strip() for p in text.split(",") if p.strip()):
-        if part == "final":
-            final = True
-        else:
-            try:
-                layers.append(int(part))
-            except ValueError:
-                raise ConfigError("--layers", f"{part!r} is neither 'final' nor a layer index",
-                                  "write e.g. final,9") from None
-    return final, tuple(sorted(set(layers)))
-
-
 _HOSTNAME = re.compile(r"(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
                        r"(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*")
 
@@ -158,13 +131,6 @@ def check_port(port) -> int:
     return port
 
 
-def check_dtype(dtype: str) -> str:
-    if dtype not in proto.STREAM_DTYPES:
-        raise ConfigError("--dtype", f"a replica computes in {', '.join(proto.STREAM_DTYPES)}, "
-                          f"not {dtype!r}", "pass --dtype float32 or bfloat16")
-    return dtype
-
-
 def _bind_address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
@@ -188,32 +154,6 @@ def _probe_port(host: str, port: int) -> None:
                                   "pick another --port, or 0 for a free one") from None
             raise ConfigError("--host", f"cannot bind {host}:{port}: {e.strerror}",
                               "give an address of this machine") from None
-
-
-@contextlib.contextmanager
-def _quiet(*loggers: str):
-    """Only CRITICAL records of these loggers while the block runs."""
-    saved = [(lg, lg.level) for lg in map(logging.getLogger, loggers)]
-    for lg, _ in saved:
-        lg.setLevel(logging.CRITICAL)
-    try:
-        yield
-    finally:
-        for lg, level in saved:
-            lg.setLevel(level)
-
-
-def format_layers(final: bool, layers) -> str:
-    return ",".join((["final"] if final else []) + [str(i) for i in sorted(layers)])
-
-
-def params_fingerprint(model_cfg, params) -> str:
-    h = hashlib.sha256(json.dumps(dataclasses.asdict(model_cfg), sort_keys=True).encode())
-    for path, leaf in sorted(jax.tree_util.tree_leaves_with_path(params),
-                             key=lambda kv: jax.tree_util.keystr(kv[0])):
-        h.update(jax.tree_util.keystr(path).encode())
-        h.update(np.ascontiguousarray(np.asarray(leaf)).tobytes())
-    return h.hexdigest()[:16]
 
 
 class _Inbox:
@@ -278,62 +218,31 @@ def _decode(context, raw) -> dict:
 
 
 class TeacherServer:
-    """A teacher replica: model + data + gRPC service. `start()` binds, `stop()` ends."""
+    """The transport of a teacher replica (`hldstudy.teacher.replica.Replica`): a gRPC
+    service with auth, bounded streams, deadlines and a cohort's step window. `start()`
+    binds, `stop()` ends."""
 
     def __init__(self, cfg, checkpoint: str, *, layers: str | None = None,
                  dtype: str | None = None, step: int | None = None,
                  workdir: str | Path | None = None, cohort: str | CohortSpec | None = None,
                  window: int = 4, lag_s: float = 20.0):
-        dtype = check_dtype(dtype or cfg.teacher.dtype)
-        cfg = dataclasses.replace(cfg, teacher=dataclasses.replace(
-            cfg.teacher, checkpoint=checkpoint, dtype=dtype))
-        cfg = with_teacher_tokenizer(cfg)
-        self.cfg, self.dtype, self.checkpoint = cfg, dtype, checkpoint
-        if not Path(checkpoint).exists():
-            raise ConfigError("--checkpoint", f"{checkpoint} does not exist",
-                              "give an hldstudy run directory, a .gguf file or an HF directory")
-        try:
-            with _quiet("absl", "orbax"):  # a damaged checkpoint is reported in one line below
-                loaded = load_model(checkpoint, step)
-        except HLDError:
-            raise
-        except (OSError, ValueError, KeyError, TypeError) as e:  # a damaged checkpoint
-            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-            raise InputError(f"--checkpoint: cannot load {checkpoint}: {first[:300]}") from e
-        self.teacher = ColocatedTeacher(loaded.model, loaded.tokenizer, dtype=dtype,
-                                        source=checkpoint)
-        self.model_cfg = self.teacher.model_cfg
-        # The served layers are checked before anything is made (the data cache below),
+        # The served layers are checked before anything is made (the replica's data cache),
         # each against the flag it came from.
         cohort = parse_cohort(cohort) if isinstance(cohort, str) else cohort
         if cohort is not None and layers:
             raise ConfigError("--layers", "a cohort replica serves the union of its members' "
                               "layers (--cohort)", "drop --layers")
-        if cohort is not None:
-            self.final, self.layers = cohort.union
-        elif layers:
-            self.final, self.layers = parse_layers(layers)
-        else:
-            needs = method_needs(make_strategy(cfg, cfg.model, self.model_cfg), self.model_cfg)
-            self.final, self.layers = needs.final, needs.layers
-        check_layers(self.layers, self.model_cfg.n_layers,
-                     "--cohort" if cohort is not None else "--layers", first=0,
-                     what="teacher layer")
-        self._own_workdir = workdir is None  # a temporary one: removed by cleanup()
-        self.workdir = Path(workdir or tempfile.mkdtemp(prefix="hldstudy-teacher-"))
-        try:
-            self.data = prepare_data(cfg.data, self.workdir)
-            self.teacher.check_tokenizer(self.data.tokenizer)
-        except BaseException:
-            self.cleanup()
-            raise
-        self.fingerprint = params_fingerprint(self.model_cfg, self.teacher.params)
-        self.params = jax.device_put(self.teacher.params)
-        self._jits: dict = {}
-        self._lock = threading.Lock()
-        self._stats_lock = threading.Lock()
+        self.replica = Replica(cfg, checkpoint, layers=cohort.union if cohort else layers,
+                               flag="--cohort" if cohort is not None else "--layers",
+                               dtype=dtype, step=step, workdir=workdir)
         self._init_service()
         self.set_cohort(cohort, window, lag_s)
+
+    def __getattr__(self, name: str):
+        # What the replica knows (its model, data, served layers, fingerprint) is asked of it.
+        if name.startswith("_") or name == "replica":
+            raise AttributeError(name)
+        return getattr(self.replica, name)
 
     def _init_service(self) -> None:
         self._stats_lock = threading.Lock()
@@ -367,18 +276,10 @@ class TeacherServer:
                                  lambda step: self.compute(step, final, layers),
                                  nbytes=lambda out: sum(a.nbytes for _, a in out[1]))
 
-    # ------------------------------------------------------------- compute
+    # ------------------------------------------------------------- the replica
 
     def info(self) -> dict:
-        # The checkpoint's name only: no absolute path, no pid leaves the machine.
-        return {"protocol": proto.PROTOCOL_VERSION, "fingerprint": self.fingerprint,
-                "checkpoint": Path(self.checkpoint).name, "dtype": self.dtype,
-                "model": dataclasses.asdict(self.model_cfg),
-                "final": self.final, "layers": list(self.layers),
-                "tokenizer": {"fingerprint": self.data.tokenizer.fingerprint(),
-                              "vocab_size": self.data.tokenizer.vocab_size},
-                "data": proto.data_identity(self.cfg.data, self.data.train),
-                **self._cohort_info()}
+        return {**self.replica.info(), **self._cohort_info()}
 
     def _cohort_info(self) -> dict:
         if self.cohort is None:
@@ -386,56 +287,11 @@ class TeacherServer:
         return {"cohort": {"members": sorted(self.cohort.members), "window": self.window.window,
                            "lag_timeout_s": self.window.lag_s}}
 
-    def replica_batch(self, final: bool, layers: tuple[int, ...]) -> int:
-        """Sequences per micro-batch of the forward serving (final, layers)."""
-        return self._forward(final, layers)[1]
-
-    def _forward(self, final: bool, layers: tuple[int, ...]):
-        """(forward, sequences per micro-batch) for (final, layers): teacher.replica_batch,
-        or the largest divisor of the batch that fits this device by the planner and by
-        the compiler (`replica_candidates`, `compiler_checked`: compiled ahead for the
-        step's shapes where the device's memory is known)."""
-        key = (final, layers)
-        if key not in self._jits:
-            run = served(self.teacher.forward_fn(layers, final))
-            d = self.cfg.data
-            b, memory = d.batch_size, device_memory(jax.devices()[0])
-            candidates = replica_candidates(
-                self.cfg.teacher.replica_batch, self.model_cfg, b, d.seq_len, layers=layers,
-                head=final, dtype=self.dtype, backend=jax.default_backend(), memory_bytes=memory)
-            if len(candidates) == 1:  # nothing to check ahead: compiled at the first call
-                self._jits[key] = jax.jit(micro_batched(run, b // candidates[0])), candidates[0]
-            else:
-                inputs = self._inputs(self.data.train.batch_at(0))
-                abstract = jax.tree_util.tree_map(
-                    lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (self.params, inputs))
-                micro, compiled = compiler_checked(
-                    candidates,
-                    lambda m: jax.jit(micro_batched(run, b // m)).lower(*abstract).compile(),
-                    lambda c: compiled_fits(c, memory))
-                self._jits[key] = compiled, micro
-        return self._jits[key]
-
-    @staticmethod
-    def _inputs(batch) -> dict:
-        return {k: jnp.asarray(batch[k]) for k in ("tokens", "positions", "segment_ids")}
-
     def compute(self, step: int, final: bool, layers: tuple[int, ...]):
-        """(digest, [(name, array)]) of one step, in protocol order (IndexError: a step
-        outside the data)."""
-        if step < 0:
-            raise IndexError(step)
-        batch = self.data.train.batch_at(step)
-        digest = proto.batch_digest(batch["tokens"], batch["segment_ids"])
-        inputs = self._inputs(batch)
-        with self._lock:
-            final_h, hidden = self._forward(final, layers)[0](self.params, inputs)
-            tensors = ([("final", np.asarray(final_h))] if final else []) + \
-                [(f"layer:{i}", np.asarray(hidden[i])) for i in sorted(layers)]
-        return digest, tensors
+        return self.replica.compute(step, final, layers)
 
     def head(self) -> np.ndarray:
-        return np.asarray(self.teacher.head_vxd())
+        return self.replica.head()
 
     # ------------------------------------------------------------- service
 
@@ -541,15 +397,11 @@ class TeacherServer:
 
     def check_open(self, spec: dict) -> str | None:
         """Why a stream request cannot be served (None if it can)."""
-        if spec.get("fingerprint") not in (None, self.fingerprint):
-            return (f"this replica serves checkpoint {self.fingerprint} "
-                    f"({Path(self.checkpoint).name}), the trainer expects {spec['fingerprint']}")
-        if spec.get("dtype") not in (None, self.dtype):
-            return f"this replica computes in {self.dtype}, the trainer wants {spec['dtype']}"
+        problem = serves_problem(spec, self.fingerprint, self.checkpoint, self.dtype, self.final,
+                                 self.layers)
+        if problem:
+            return problem
         want_final, want = bool(spec.get("final")), set(spec.get("layers", []))
-        if (want_final and not self.final) or not want <= set(self.layers):
-            return (f"this replica serves layers {format_layers(self.final, self.layers)}, the "
-                    f"trainer wants {format_layers(want_final, want)}")
         if self.cohort is not None:
             member = spec.get("member")
             ids = ", ".join(sorted(self.cohort.members))
@@ -747,9 +599,9 @@ class TeacherServer:
             self._server.stop(grace).wait()
 
     def cleanup(self) -> None:
-        """Removes the temporary work directory (never one the user gave)."""
-        if getattr(self, "_own_workdir", False):
-            shutil.rmtree(self.workdir, ignore_errors=True)
+        """Removes the replica's temporary work directory (never one the user gave)."""
+        if "replica" in self.__dict__:
+            self.replica.cleanup()
 
     def wait(self, timeout: float | None = None) -> bool:
         """Blocks until the server stops (True) or `timeout` passes (False)."""
@@ -919,7 +771,7 @@ def main(argv: list[str] | None = None, server_cls: type[TeacherServer] = Teache
                 _probe_port(args.host, args.port)
             cfg = load_student_config(args.config, args.overrides)
             checkpoint = args.checkpoint or cfg.teacher.checkpoint
-            if not checkpoint or checkpoint.startswith("remote://"):
+            if not teacher_source.parse(checkpoint).local:
                 raise ConfigError("--checkpoint", "no local teacher checkpoint given",
                                   "pass --checkpoint RUN_DIR (or a .gguf / HF directory)")
             server = server_cls(cfg, checkpoint, layers=args.layers, dtype=args.dtype,

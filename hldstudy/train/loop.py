@@ -104,7 +104,11 @@ class Trainer:
     finish). `run` trains it alone through `train_members`; a cohort trains several."""
 
     def __init__(self, cfg: Config, workdir: str | Path, *, teacher=None, data=None,
-                 devices=None):
+                 devices=None, init_student=None, wrap_optimizer=None):
+        """init_student: the student's parameters the first stage starts from (instead of
+        a fresh init); wrap_optimizer: applied to every stage's optimizer (e.g. to hold a
+        pruning mask; `hldstudy.compress.recover`)."""
+        self.init_student, self.wrap_optimizer = init_student, wrap_optimizer
         # A multi-process job is joined before anything touches a device (hldstudy.sharding).
         mesh_lib.maybe_initialize_distributed()
         cfg = validate(with_teacher_tokenizer(cfg))
@@ -154,6 +158,11 @@ class Trainer:
         seed = cfg.train.seed
         optimizer = make_optimizer(cfg.train, plan.steps,
                                    trainable_layers=self.strategy.trainable_student_layers(stage))
+        if self.wrap_optimizer is not None:
+            optimizer = self.wrap_optimizer(optimizer)
+        if student_params is None and self.init_student is not None:
+            # host arrays: the jitted init places them on the trainer's mesh
+            student_params = jax.tree_util.tree_map(np.asarray, self.init_student)
 
         def build():
             student = Transformer(cfg.model, rngs=nnx.Rngs(seed))
