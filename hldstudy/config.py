@@ -417,6 +417,11 @@ class TrainConfig:
     mesh_fsdp: int = knob(1, operational=True, domain=_MESH)
     mesh_expert: int = knob(1, operational=True, domain=COUNT)
     progress: bool = knob(True, operational=True)
+    # Gradient accumulation: the batch as this many micro-batches per step, their
+    # gradients summed (the same gradient as the whole batch's: losses weighted by valid
+    # tokens, the NMSE's teacher norms over the whole batch). 0 = auto: one micro-batch
+    # when the step fits the device, else the fewest that fit (the compiler decides).
+    microbatches: int = knob(0, operational=True, domain=NONNEG)
 
 
 @dataclass(frozen=True)
@@ -631,6 +636,10 @@ def validate(cfg: Config, *, check_paths: bool = True, need_teacher: bool = True
     if need_teacher and spec.needs_teacher and not cfg.teacher.checkpoint:
         raise ConfigError("teacher.checkpoint", f"method {k.method!r} needs a teacher",
                           "pass --set teacher.checkpoint=RUN_DIR (an hldstudy run) or a Gemma path")
+    mb = cfg.train.microbatches
+    if mb and d.batch_size % mb:
+        raise ConfigError("train.microbatches", f"{mb} does not divide data.batch_size="
+                          f"{d.batch_size}", "give a divisor of the batch, or 0 (auto)")
     rb = cfg.teacher.replica_batch
     if rb and d.batch_size % rb:
         raise ConfigError("teacher.replica_batch", f"{rb} does not divide data.batch_size="

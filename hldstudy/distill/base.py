@@ -14,6 +14,7 @@ import importlib
 from typing import TypedDict
 
 import jax
+import jax.numpy as jnp
 from flax import nnx, struct
 
 from hldstudy.distill import methods
@@ -46,6 +47,17 @@ class TeacherOutputs:
     final_hidden: jax.Array | None  # final_hidden_BxTxD: input of the teacher's LM head
     hidden: dict  # {teacher layer: hidden_BxTxD}
     head_weight: jax.Array | None  # head_DxV: to rebuild teacher logits inside the loss
+
+
+@struct.dataclass
+class WholeBatch:
+    """The denominators of the whole batch when the loss sees one micro-batch of it
+    (gradient accumulation): its valid tokens and, per aligned teacher layer, the sum of
+    the teacher's squares over them. With these, each micro-batch's loss and metrics are
+    its share of the whole batch's, and their sum is the whole batch's."""
+
+    tokens: jax.Array
+    teacher_sq: dict  # {teacher layer: sum of squares over the valid positions}
 
 
 class Regressors(nnx.Module):
@@ -144,24 +156,51 @@ class Strategy:
                     temperature=d.temperature, alpha=d.alpha, divergence=d.divergence,
                     softcap=self.student_cfg.final_softcap, **kwargs)
 
-    def alignment(self, hidden: dict, aux, batch: Batch, teacher: TeacherOutputs):
+    def alignment(self, hidden: dict, aux, batch: Batch, teacher: TeacherOutputs,
+                  whole: WholeBatch | None = None):
         """Normalized MSE averaged over the aligned pairs."""
         regressors = list(aux.items) if aux is not None else [lambda h: h] * len(self.pairs)
+        norms = None if whole is None else [whole.teacher_sq[t] for _, t in self.pairs]
         return hidden_alignment_loss([hidden[s] for s, _ in self.pairs],
                                      [teacher.hidden[t] for _, t in self.pairs],
-                                     regressors, batch["mask"] > 0)
+                                     regressors, batch["mask"] > 0, norms)
 
-    def loss(self, stage: Stage, student, aux, batch: Batch,
-             teacher: TeacherOutputs | None) -> tuple[jax.Array, dict]:
+    def whole_batch(self, stage: Stage, batch: Batch, teacher: TeacherOutputs | None
+                    ) -> WholeBatch:
+        """The whole batch's denominators, for a loss computed micro-batch by micro-batch."""
+        mask = batch["mask"] > 0
+        teacher_sq = {}
+        if stage.spec.aligns:
+            for _, t in self.pairs:
+                h = teacher.hidden[t].astype(jnp.float32)
+                teacher_sq[t] = jnp.sum(jnp.where(mask[..., None], jnp.square(h), 0.0))
+        return WholeBatch(jnp.sum(mask.astype(jnp.float32)), teacher_sq)
+
+    def loss(self, stage: Stage, student, aux, batch: Batch, teacher: TeacherOutputs | None,
+             whole: WholeBatch | None = None) -> tuple[jax.Array, dict]:
         """Scalar loss and a dict of scalar metrics for one batch; an MoE student adds its
-        router's load-balancing loss x model.router_aux_weight (metric `router_aux`)."""
-        loss, metrics, out = self._loss(stage, student, aux, batch, teacher)
+        router's load-balancing loss x model.router_aux_weight (metric `router_aux`). With
+        `whole`, the batch is a micro-batch and both are its share of the whole batch's."""
+        loss, metrics, out = self._loss(stage, student, aux, batch, teacher, whole)
         weight = student.cfg.router_aux_weight
         if out.router_aux_loss is None or not weight:
             return loss, metrics
-        return loss + weight * out.router_aux_loss, {**metrics, "router_aux": out.router_aux_loss}
+        # The router's balance is a statistic of its own batch: a micro-batch's is weighted
+        # by its tokens, which is not exactly the whole batch's balance.
+        aux_loss = self._shared(out.router_aux_loss, batch, whole)
+        return loss + weight * aux_loss, {**metrics, "router_aux": aux_loss}
 
-    def _loss(self, stage: Stage, student, aux, batch: Batch, teacher: TeacherOutputs | None):
+    @staticmethod
+    def _shared(value, batch: Batch, whole: WholeBatch | None):
+        """A token mean over `batch` as its share of the whole batch's (as it is without
+        `whole`)."""
+        if whole is None:
+            return value
+        tokens = jnp.sum((batch["mask"] > 0).astype(jnp.float32))
+        return value * (tokens / jnp.maximum(whole.tokens, 1.0))
+
+    def _loss(self, stage: Stage, student, aux, batch: Batch, teacher: TeacherOutputs | None,
+              whole: WholeBatch | None = None):
         """(loss, metrics, the student's ModelOutput) of the method's own terms."""
         spec = stage.spec
         kwargs = {}
@@ -174,14 +213,16 @@ class Strategy:
         out = student(batch["tokens"], batch["positions"], batch["segment_ids"], **kwargs)
         terms, metrics = {}, {}
         if "nll" in spec.terms:
-            terms["nll"] = nll_from_logits(out.logits, batch["targets"], batch["mask"])
+            terms["nll"] = self._shared(
+                nll_from_logits(out.logits, batch["targets"], batch["mask"]), batch, whole)
             metrics["nll"] = terms["nll"]
         if spec.kd:
-            terms["kd"], kd_metrics = self.kd_loss(student, out.final_hidden, batch, teacher)
-            metrics.update(kd_metrics)
+            kd, kd_metrics = self.kd_loss(student, out.final_hidden, batch, teacher)
+            terms["kd"] = self._shared(kd, batch, whole)
+            metrics.update({k: self._shared(v, batch, whole) for k, v in kd_metrics.items()})
         if not spec.aligns:
             return terms.get("kd", terms.get("nll")), metrics, out
-        nmse = self.alignment(out.hidden, aux, batch, teacher)
+        nmse = self.alignment(out.hidden, aux, batch, teacher, whole)
         metrics["nmse"] = nmse
         if not terms:  # alignment alone (HLDF stage 1): its weight would only rescale it
             return nmse, metrics, out

@@ -9,12 +9,14 @@ import jax.numpy as jnp
 from flax import nnx
 
 
-def normalized_mse(pred_TxD: jax.Array, target_TxD: jax.Array, mask_T: jax.Array | None = None):
+def normalized_mse(pred_TxD: jax.Array, target_TxD: jax.Array, mask_T: jax.Array | None = None,
+                   norm: jax.Array | None = None):
     """`sum_valid ||pred - target||^2 / sum_valid ||target||^2` (float32).
 
     Scale-free: multiplying pred and target by the same constant leaves it
     unchanged, so its weight is comparable across layers and models. Leading
-    dims `[..., T, D]` are allowed; `mask_T` has the shape `[..., T]`.
+    dims `[..., T, D]` are allowed; `mask_T` has the shape `[..., T]`. `norm`: the
+    denominator when the batch is a micro-batch of a larger one (its teacher norms).
     """
     dtype = jnp.promote_types(target_TxD.dtype, jnp.float32)  # f32, or f64 under x64
     pred = pred_TxD.astype(dtype)
@@ -23,7 +25,8 @@ def normalized_mse(pred_TxD: jax.Array, target_TxD: jax.Array, mask_T: jax.Array
         mask_T = jnp.ones(target.shape[:-1], bool)
     valid = mask_T.astype(bool)[..., None]
     err = jnp.sum(jnp.where(valid, jnp.square(pred - target), 0.0))
-    norm = jnp.sum(jnp.where(valid, jnp.square(target), 0.0))
+    if norm is None:
+        norm = jnp.sum(jnp.where(valid, jnp.square(target), 0.0))
     # Tiny floor only guards the all-masked / all-zero-target case (returns err / eps).
     return err / jnp.maximum(norm, jnp.finfo(dtype).tiny)
 
@@ -53,6 +56,7 @@ def hidden_alignment_loss(
     teacher_hiddens: Sequence[jax.Array],
     regressors: Sequence[Regressor],
     mask: jax.Array | None = None,
+    norms: Sequence[jax.Array] | None = None,
 ) -> jax.Array:
     """Mean over (student, teacher, regressor) pairs of `normalized_mse(R(h_s), h_t)`.
 
@@ -63,8 +67,10 @@ def hidden_alignment_loss(
             "student_hiddens/teacher_hiddens/regressors: need the same non-zero number of each, "
             f"got {len(student_hiddens)}, {len(teacher_hiddens)}, {len(regressors)}"
         )
+    norms = [None] * len(regressors) if norms is None else norms
     losses = [
-        normalized_mse(reg(h_s), jax.lax.stop_gradient(h_t), mask)
-        for h_s, h_t, reg in zip(student_hiddens, teacher_hiddens, regressors, strict=True)
+        normalized_mse(reg(h_s), jax.lax.stop_gradient(h_t), mask, norm)
+        for h_s, h_t, reg, norm in zip(student_hiddens, teacher_hiddens, regressors, norms,
+                                       strict=True)
     ]
     return sum(losses) / len(losses)

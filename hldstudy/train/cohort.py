@@ -53,7 +53,8 @@ class CohortSteps:
     def __init__(self, varying: list[str], mode: str | None):
         self.varying, self.mode = varying, mode  # mode None: default_mode of the platform
 
-    def build(self, members: list[Trainer], plan, graphdefs, optimizer, feed):
+    def build(self, members: list[Trainer], plan, graphdefs, optimizer, feed,
+              microbatches: int = 1):
         lead = members[0]
         trainable = lead.strategy.trainable_student_layers(plan.stage)
 
@@ -64,7 +65,7 @@ class CohortSteps:
                for n in self.varying}
         mode = self.mode or default_mode(lead.mesh.devices.flat[0].platform)
         return train_program(lead.strategy, plan.stage, graphdefs, optimizer, feed.forward,
-                             Members(make_opt, mode)), hps
+                             Members(make_opt, mode), microbatches), hps
 
     def fit_hint(self, k: int) -> str:
         return f"; or train fewer students per cohort (now {k}: --cohort K, or --cohort auto)"

@@ -38,7 +38,7 @@ from hldstudy.teacher import load_teacher, with_teacher_tokenizer
 from hldstudy.teacher.base import NO_FEED, StageFeed
 from hldstudy.train.metrics import MetricsLogger
 from hldstudy.train.optim import make_optimizer
-from hldstudy.train.program import make_eval_step, train_program
+from hldstudy.train.program import make_eval_step, microbatch_candidates, train_program
 from hldstudy.train.step import GraphDefs, split_params, to_master
 
 # Config fields a resumed run may change (tagged `resume` in hldstudy.config); a
@@ -315,10 +315,12 @@ class SoloSteps:
 
     stacked = False  # the state as it is (a cohort stacks its members' on axis 0)
 
-    def build(self, members: list[Trainer], plan: StagePlan, graphdefs, optimizer, feed):
+    def build(self, members: list[Trainer], plan: StagePlan, graphdefs, optimizer, feed,
+              microbatches: int = 1):
         """(step, hps): `step(states, batch, teacher_in, hps, bad) -> (states, metrics, bad)`."""
         lead = members[0]
-        return train_program(lead.strategy, plan.stage, graphdefs, optimizer, feed.forward), {}
+        return train_program(lead.strategy, plan.stage, graphdefs, optimizer, feed.forward,
+                             microbatches=microbatches), {}
 
     def fit_hint(self, k: int) -> str:
         return ""
@@ -480,7 +482,11 @@ def _run_stage(members, group, plan, graphdefs, optimizer, states, shardings, lo
     feed.begin(step, end, lead.workdir)
     bar = None
     try:
-        fn, hps = steps.build([members[i] for i in group], plan, graphdefs, optimizer, feed)
+        def build(microbatches: int):
+            return steps.build([members[i] for i in group], plan, graphdefs, optimizer, feed,
+                               microbatches)
+
+        hps = build(1)[1]  # the hyperparameters do not depend on the micro-batches
         if steps.stacked:
             packed = stack([states[i] for i in group])
             out_shardings = jax.tree_util.tree_map(lambda x: x.sharding, packed)
@@ -495,10 +501,6 @@ def _run_stage(members, group, plan, graphdefs, optimizer, states, shardings, lo
         # per member; 0: none.
         bad = jax.device_put(jnp.zeros((k,) if steps.stacked else (), jnp.int32),
                              mesh_lib.replicated(lead.mesh))
-        # The step's outputs keep its inputs' placement, so the one compiled program
-        # (checked for memory before it runs) takes them back at every step.
-        train_step = jax.jit(fn, out_shardings=(out_shardings, None, bad.sharding),
-                             donate_argnums=(0,))
         compiled = None
         lanes = _Lanes(members, group, plan, steps, outcomes)
         tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
@@ -508,11 +510,8 @@ def _run_stage(members, group, plan, graphdefs, optimizer, states, shardings, lo
             batch = mesh_lib.put_batch(lead.data.train.batch_at(step), lead.mesh)
             args = (packed, batch, feed.inputs(step, batch), hps, bad)
             if compiled is None:
-                # Traced under the mesh: the fused KD loss partitions itself over the batch.
-                with jax.set_mesh(lead.mesh):
-                    compiled = train_step.lower(*args).compile()
-                check_fits(compiled, lead.mesh, cfg, plan.stage.name if k == 1 else
-                           f"{plan.stage.name}, cohort of {k}", hint=steps.fit_hint(k))
+                compiled = _compile_fitting(build, args, (out_shardings, None, bad.sharding),
+                                            lead, plan, k, steps.fit_hint(k))
             packed, metrics, bad = compiled(*args)
             del args
             step += 1
@@ -556,6 +555,39 @@ def _run_stage(members, group, plan, graphdefs, optimizer, states, shardings, lo
         if bar is not None:
             bar.close()
         feed.close()
+
+
+def _compile_fitting(build, args, out_shardings, lead, plan, k: int, hint: str):
+    """The stage's train program compiled in the fewest micro-batches that fit the device
+    (train.microbatches, or 0: auto), checked against the memory available (`check_fits`)."""
+    cfg = lead.cfg
+    label = plan.stage.name if k == 1 else f"{plan.stage.name}, cohort of {k}"
+    candidates = microbatch_candidates(cfg.train.microbatches, cfg.data.batch_size,
+                                       lead.mesh.devices.size)
+    for i, m in enumerate(candidates):
+        # The step's outputs keep its inputs' placement, so the one compiled program
+        # (checked for memory before it runs) takes them back at every step.
+        jitted = jax.jit(build(m)[0], out_shardings=out_shardings, donate_argnums=(0,))
+        # Traced under the mesh: the fused KD loss partitions itself over the batch.
+        with jax.set_mesh(lead.mesh):
+            compiled = jitted.lower(*args).compile()
+        last = i == len(candidates) - 1
+        if cfg.train.microbatches:
+            more = f"; or train in more micro-batches (train.microbatches, now {m})"
+        else:
+            more = f" (train.microbatches=0 tried 1 to {m} micro-batches)"
+        try:
+            check_fits(compiled, lead.mesh, cfg, label, hint=hint + more)
+        except RuntimeFault:
+            if last:
+                raise
+            continue
+        if m > 1 and not cfg.train.microbatches:
+            warn(f"{label}: the whole batch does not fit; training it in {m} micro-batches of "
+                 f"{cfg.data.batch_size // m} sequences (train.microbatches=0, auto)",
+                 "hldstudy.train")
+        return compiled
+    raise AssertionError("no micro-batch candidate")  # candidates always hold 1 or more
 
 
 def memory_available(device) -> int | None:

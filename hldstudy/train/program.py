@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import inspect
 import os
 from collections.abc import Callable
 from typing import Any
@@ -74,23 +75,102 @@ def with_hparams(strategy, hp: dict):
 
 def make_loss_fn(strategy: Strategy, stage: Stage, graphdefs: GraphDefs,
                  teacher_forward: Callable | None = None):
-    def loss_fn(params, batch, teacher_in):
+    def loss_fn(params, batch, teacher_in, whole=None):
         student, aux = merge_params(graphdefs, params)
         teacher = teacher_outputs(teacher_in, batch, teacher_forward)
-        return strategy.loss(stage, student, aux, batch, teacher)
+        if whole is None:
+            return strategy.loss(stage, student, aux, batch, teacher)
+        return strategy.loss(stage, student, aux, batch, teacher, whole=whole)
 
     return loss_fn
 
 
+def _split(x, k: int):
+    """[B, ...] -> [k, B/k, ...]: micro-batch i is rows i, i + k, i + 2k, ...: a device
+    holding a contiguous block of the batch holds a part of every micro-batch."""
+    return jnp.swapaxes(x.reshape(x.shape[0] // k, k, *x.shape[1:]), 0, 1)
+
+
+def _merge(x):
+    """The inverse of `_split`."""
+    return jnp.swapaxes(x, 0, 1).reshape(-1, *x.shape[2:])
+
+
+def microbatch_candidates(microbatches: int, batch_size: int, n_devices: int) -> list[int]:
+    """The micro-batch counts a run may use, fewest first: `microbatches` itself, or
+    (0, auto) every k whose micro-batches split evenly over the devices' rows."""
+    if microbatches:
+        return [microbatches]
+    rows = batch_size // n_devices
+    return [k for k in range(1, rows + 1) if rows % k == 0]
+
+
+def micro_teacher_outputs(teacher_in, batch, teacher_forward: Callable | None, k: int):
+    """The whole batch's teacher outputs (under stop_gradient), a colocated teacher's
+    forward run one micro-batch at a time (its activations bounded by a micro-batch)."""
+    if teacher_in is None or teacher_forward is None or k == 1:
+        return teacher_outputs(teacher_in, batch, teacher_forward)
+    micro = jax.tree_util.tree_map(lambda x: _split(x, k), batch)
+    # The first micro-batch outside the map gives the head weight once (not k copies).
+    first = teacher_forward(teacher_in, jax.tree_util.tree_map(lambda x: x[0], micro))
+    rest = jax.lax.map(lambda mb: teacher_forward(teacher_in, mb).replace(head_weight=None),
+                       jax.tree_util.tree_map(lambda x: x[1:], micro))
+    joined = jax.tree_util.tree_map(lambda a, b: _merge(jnp.concatenate([a[None], b])),
+                                    first.replace(head_weight=None), rest)
+    return jax.lax.stop_gradient(joined.replace(head_weight=first.head_weight))
+
+
+def _check_accumulates(strategy: Strategy, k: int) -> None:
+    if k > 1 and "whole" not in inspect.signature(strategy.loss).parameters:
+        raise ConfigError("train.microbatches", f"the strategy of method "
+                          f"{strategy.cfg.distill.method!r} ({type(strategy).__name__}) computes "
+                          "its loss over a whole batch only (its loss() takes no `whole`)",
+                          "set train.microbatches=1, or give its loss() a `whole` argument "
+                          "(hldstudy.distill.base.WholeBatch)")
+
+
+def _accumulated_grads(loss_fn, strategy, stage, params, batch, teacher, k: int):
+    """(loss, metrics, grads) of the whole batch, summed over k micro-batches: each
+    micro-batch's loss is its share of the whole batch's (`WholeBatch`)."""
+    whole = strategy.whole_batch(stage, batch, teacher)
+    head = None if teacher is None else teacher.head_weight
+    split = (jax.tree_util.tree_map(lambda x: _split(x, k), batch),
+             None if teacher is None else
+             jax.tree_util.tree_map(lambda x: _split(x, k), teacher.replace(head_weight=None)))
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+    def one(x):
+        mb, t_mb = x
+        t_mb = None if t_mb is None else t_mb.replace(head_weight=head)
+        (loss, metrics), grads = grad_fn(params, mb, t_mb, whole)
+        return loss, metrics, grads
+
+    def body(acc, x):
+        return jax.tree_util.tree_map(jnp.add, acc, one(x)), None
+
+    shapes = jax.eval_shape(one, jax.tree_util.tree_map(lambda x: x[0], split))
+    zeros = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+    return jax.lax.scan(body, zeros, split)[0]
+
+
 def make_train_step(strategy: Strategy, stage: Stage, graphdefs: GraphDefs,
                     optimizer: optax.GradientTransformation,
-                    teacher_forward: Callable | None = None):
-    """`step(state, batch, teacher_in) -> (state, metrics)`: one member's update."""
+                    teacher_forward: Callable | None = None, microbatches: int = 1):
+    """`step(state, batch, teacher_in) -> (state, metrics)`: one member's update, its
+    gradient summed over `microbatches` micro-batches of the batch."""
+    _check_accumulates(strategy, microbatches)
     loss_fn = make_loss_fn(strategy, stage, graphdefs, teacher_forward)
+    whole_loss_fn = make_loss_fn(strategy, stage, graphdefs)
 
     def train_step(state, batch, teacher_in):
-        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-            state["params"], batch, teacher_in)
+        if microbatches == 1:
+            (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+                state["params"], batch, teacher_in)
+        else:
+            teacher = micro_teacher_outputs(teacher_in, batch, teacher_forward, microbatches)
+            loss, metrics, grads = _accumulated_grads(whole_loss_fn, strategy, stage,
+                                                      state["params"], batch, teacher,
+                                                      microbatches)
         updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
         metrics = {**metrics, "loss": loss, "grad_norm": optax.global_norm(grads)}
@@ -113,16 +193,19 @@ def with_finite_record(train_step):
 
 
 def make_cohort_step(strategy, stage, graphdefs, optimizer, make_opt, teacher_forward,
-                     mode: str = "vmap"):
+                     mode: str = "vmap", microbatches: int = 1):
     """The train program of K members stacked on axis 0; hps: {name: [K] float32} for the
     hyperparameters that vary (the others are the program's constants); bad: [K]."""
+    _check_accumulates(strategy, microbatches)
 
     def step(states, batch, teacher_in, hps, bad):
-        teacher = teacher_outputs(teacher_in, batch, teacher_forward)  # once for all
+        # once for all members
+        teacher = micro_teacher_outputs(teacher_in, batch, teacher_forward, microbatches)
 
         def member(state, hp, bad_k):
             opt = make_opt(hp["lr"]) if "lr" in hp else optimizer
-            train_step = make_train_step(with_hparams(strategy, hp), stage, graphdefs, opt)
+            train_step = make_train_step(with_hparams(strategy, hp), stage, graphdefs, opt,
+                                         microbatches=microbatches)
             return with_finite_record(train_step)(state, batch, teacher, hp, bad_k)
 
         if mode == "map":  # sequential over the members: the solo step's shapes
@@ -136,13 +219,15 @@ def make_cohort_step(strategy, stage, graphdefs, optimizer, make_opt, teacher_fo
 
 def train_program(strategy: Strategy, stage: Stage, graphdefs: GraphDefs,
                   optimizer: optax.GradientTransformation,
-                  teacher_forward: Callable | None = None, members: Members | None = None):
-    """The train program (not jitted) of one run, or of a cohort with `members`."""
+                  teacher_forward: Callable | None = None, members: Members | None = None,
+                  microbatches: int = 1):
+    """The train program (not jitted) of one run, or of a cohort with `members`; its
+    gradient accumulated over `microbatches` micro-batches of the batch."""
     if members is None:
         return with_finite_record(make_train_step(strategy, stage, graphdefs, optimizer,
-                                                  teacher_forward))
+                                                  teacher_forward, microbatches))
     return make_cohort_step(strategy, stage, graphdefs, optimizer, members.make_opt,
-                            teacher_forward, members.mode)
+                            teacher_forward, members.mode, microbatches)
 
 
 def make_eval_step(graphdefs: GraphDefs):
@@ -250,13 +335,14 @@ def abstract_train_program(cfg: Config, method: str | None = None, stage: str | 
     run or (`cohort` K) K members with `varying` hyperparameters traced, and its abstract
     arguments: `jax.jit(program, donate_argnums=(0,)).lower(*args)` for XLA's analyses."""
     run = abstract_run(cfg, method, stage, teacher_model, layout=layout)
+    k = max(cfg.train.microbatches, 1)  # auto compiles one micro-batch first
     if cohort is None:
         program = train_program(run.strategy, run.stage, run.graphdefs, run.optimizer,
-                                run.teacher_forward)
+                                run.teacher_forward, microbatches=k)
         return program, (run.state, run.batch, run.teacher_in, {},
                          jax.ShapeDtypeStruct((), jnp.int32))
     program = train_program(run.strategy, run.stage, run.graphdefs, run.optimizer,
-                            run.teacher_forward, Members(run.make_opt, mode))
+                            run.teacher_forward, Members(run.make_opt, mode), k)
     states = jax.tree_util.tree_map(
         lambda x: jax.ShapeDtypeStruct((cohort, *x.shape), x.dtype), run.state)
     hps = {n: jax.ShapeDtypeStruct((cohort,), jnp.float32) for n in varying}
