@@ -251,6 +251,8 @@ DTYPES = ("float32", "bfloat16", "float16")
 SOURCES = ("synthetic", "text", "jsonl", "tfds", "hf")
 DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")
 SCHEDULES = ("cosine", "linear", "constant")
+STAGE_BOUNDARIES = ("restart", "continue")
+NMSE_FORMS = ("batch", "token")
 ATTENTIONS = ("dense", "chunked", "cudnn", "splash", "auto")
 LOSS_IMPLS = ("fused", "materialized")
 FUSED_BACKENDS = ("auto", "xla", "pallas", "pallas_triton", "pallas_mosaic")
@@ -400,6 +402,11 @@ class TrainConfig:
     b1: float = knob(0.9, domain=Domain("[0, 1)", note="Adam's first-moment decay, e.g. 0.9"))
     b2: float = knob(0.95, domain=Domain("[0, 1)", note="Adam's second-moment decay, e.g. 0.95-0.999"))
     grad_clip: float = knob(1.0, domain=Domain(">= 0", note="0 = no clipping"))
+    # Between the stages of a two-stage method (HLDF): restart (each stage its own
+    # optimizer and schedule, warm-up included: FitNets' two trainings) or continue (one
+    # schedule over the run's steps; Adam's moments carried for every parameter both
+    # stages train, zero for those stage 1 froze; the regressor dropped).
+    stage_boundary: str = knob("restart", domain=STAGE_BOUNDARIES, axis=5, short="sb")
     seed: int = knob(0, domain=NONNEG, member="init", axis=REPLICATE, short="s")
     log_every: int = knob(10, operational=True, domain=COUNT)
     eval_every: int = knob(0, operational=True,
@@ -444,7 +451,11 @@ class DistillConfig:
     # Learned dense regressor d_s -> d_t per pair; False aligns raw states (needs d_s == d_t).
     regressor: bool = True
     # Share of the FLOP budget spent in HLDF stage 1, in (0, 1).
-    hldf_stage1_share: float = knob(0.2, domain="(0, 1)")
+    hldf_stage1_share: float = knob(0.2, domain="(0, 1)", axis=7, short="s1")
+    # The alignment loss: batch (sum of squared errors over the batch / sum of the
+    # teacher's squares) or token (each valid position's own ratio, averaged: no
+    # high-norm position outweighs the others).
+    nmse: str = knob("batch", domain=NMSE_FORMS, axis=6, short="nmse")
     # fused | materialized
     loss_impl: str = knob("fused", analysis="ignore", domain=LOSS_IMPLS)
     # auto | xla | pallas (only for loss_impl=fused)

@@ -20,7 +20,7 @@ import pytest
 
 import hldstudy
 
-LINE = '    kd_scale: float = knob(1.0, domain=POSITIVE, member="traced", axis=5, short="ks")'
+LINE = '    kd_scale: float = knob(1.0, domain=POSITIVE, member="traced", axis=8, short="ks")'
 ANCHOR = "class DistillConfig:\n"
 
 # Run in the copy. Registers the method that uses the new field, then reports what the
@@ -175,7 +175,8 @@ def test_a_new_axis_reaches_sweep_cohort_and_analysis(package_with_new_axis, tmp
     assert out["with_hparams"] == 0.25
     # The analysis: a column, and a folder-name token checked against the config.
     cols = out["base_columns"]
-    assert cols.index("kd_scale") == cols.index("hidden_weight") + 1 == cols.index("seed") - 1
+    # the last grid axis: after the config's own, before the seed
+    assert cols.index("kd_scale") == cols.index("hldf_stage1_share") + 1 == cols.index("seed") - 1
     assert out["run_id"] == "scaledkd_T2_ks0.5_s0" and out["name_check_same"] == []
     assert out["name_check_other"] == ["name says ks=30.5 but distill.kd_scale=0.5"]
 

@@ -113,13 +113,15 @@ def test_field_rules_are_derived_from_tags():
     assert rules["distill.jsd_beta"]["relevant_if"] == ("distill.divergence", "jsd")
     # The grid axes, in run-id order, the seed axis, and what a cohort traces per member.
     assert grid_axes() == ("train.lr", "distill.temperature", "distill.alpha",
-                           "distill.hidden_weight")
+                           "distill.hidden_weight", "train.stage_boundary", "distill.nmse",
+                           "distill.hldf_stage1_share")
     assert replicate_axis() == "train.seed" and fields_where("member", "init") == {"train.seed"}
     assert traced_members() == {"lr": ("train", "lr"), "temperature": ("distill", "temperature"),
                                 "alpha": ("distill", "alpha"),
                                 "hidden_weight": ("distill", "hidden_weight")}
     names = axis_names()
-    assert [names[k]["short"] for k in (*grid_axes(), "train.seed")] == ["lr", "T", "a", "hw", "s"]
+    assert [names[k]["short"] for k in (*grid_axes(), "train.seed")] == \
+        ["lr", "T", "a", "hw", "sb", "nmse", "s1", "s"]
     assert names["distill.temperature"]["names"] == ("temperature", "T", "temp", "tau")
     assert names["distill.alpha"]["names"] == ("alpha", "a", "nllw", "nll")
     assert {k for k in names} <= fields_where("analysis", "column")  # an axis is a column

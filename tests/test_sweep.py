@@ -56,20 +56,21 @@ def test_axes_keywords_and_run_ids_come_from_the_config_fields():
 
     axis_kw = [f.name for f in dataclasses.fields(Sweep)
                if f.name not in {g.name for g in dataclasses.fields(_SweepSpec)}]
-    assert axis_kw == ["lr", "temperature", "alpha", "hidden_weight"]
+    assert axis_kw == ["lr", "temperature", "alpha", "hidden_weight", "stage_boundary", "nmse",
+                       "hldf_stage1_share"]
     assert [axis_names()[k]["column"] for k in grid_axes()] == axis_kw
-    sweep = _sweep(extra_axes=(("distill.hldf_stage1_share", (0.2, 0.4)),), seeds=(0, 1))
+    sweep = _sweep(extra_axes=(("train.weight_decay", (0.1, 0.2)),), seeds=(0, 1))
     assert [k for k, _ in sweep.axes()] == ["train.lr", "distill.temperature", "distill.alpha",
-                                             "distill.hidden_weight", "distill.hldf_stage1_share",
+                                             "distill.hidden_weight", "train.weight_decay",
                                              "train.seed"]
     runs = {r.run_id: r for r in expand(sweep)}
     # an axis' short name; another field's name without underscores and "="
-    assert "hldf_lr1e-2_T2_a0.5_hldfstage1share=0.4_s1" in runs
-    entry = runs["hldc_lr3e-3_T1_a0.5_hw0.5_s1"].entry()
+    assert "hldf_lr1e-2_T2_a0.5_weightdecay=0.2_s1" in runs
+    entry = runs["hldc_lr3e-3_T1_a0.5_hw0.5_weightdecay=0.1_s1"].entry()
     assert {k: entry[k] for k in ("lr", "temperature", "alpha", "hidden_weight", "seed")} == \
         {"lr": 3e-3, "temperature": 1.0, "alpha": 0.5, "hidden_weight": 0.5, "seed": 1}
-    hldf = runs["hldf_lr1e-2_T2_a0.5_hldfstage1share=0.4_s1"].entry()
-    assert hldf["distill.hldf_stage1_share"] == 0.4 and "hidden_weight" not in hldf
+    hldf = runs["hldf_lr1e-2_T2_a0.5_weightdecay=0.2_s1"].entry()
+    assert hldf["train.weight_decay"] == 0.2 and "hidden_weight" not in hldf
     with pytest.raises(TypeError, match="unexpected keyword argument 'tau'"):
         _sweep(tau=(1.0,))  # an alias names an axis in folder names, not a keyword
 

@@ -160,10 +160,13 @@ class Strategy:
                   whole: WholeBatch | None = None):
         """Normalized MSE averaged over the aligned pairs."""
         regressors = list(aux.items) if aux is not None else [lambda h: h] * len(self.pairs)
+        form = self.cfg.distill.nmse
+        args = ([hidden[s] for s, _ in self.pairs], [teacher.hidden[t] for _, t in self.pairs],
+                regressors, batch["mask"] > 0)
+        if form == "token":  # a token mean: a micro-batch's share is its tokens'
+            return self._shared(hidden_alignment_loss(*args, form=form), batch, whole)
         norms = None if whole is None else [whole.teacher_sq[t] for _, t in self.pairs]
-        return hidden_alignment_loss([hidden[s] for s, _ in self.pairs],
-                                     [teacher.hidden[t] for _, t in self.pairs],
-                                     regressors, batch["mask"] > 0, norms)
+        return hidden_alignment_loss(*args, norms)
 
     def whole_batch(self, stage: Stage, batch: Batch, teacher: TeacherOutputs | None
                     ) -> WholeBatch:

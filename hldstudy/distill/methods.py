@@ -15,7 +15,9 @@ DEPTHS = ("all", "aligned")
 # distill.* fields of the logit-KD objective, and of hidden alignment.
 KD_FIELDS = ("distill.alpha", "distill.temperature", "distill.divergence", "distill.jsd_beta",
              "distill.loss_impl", "distill.fused_backend")
-ALIGN_FIELDS = ("distill.layer_pairs", "distill.regressor")
+ALIGN_FIELDS = ("distill.layer_pairs", "distill.regressor", "distill.nmse")
+# Fields outside distill.* that change only what a method of several stages trains.
+MULTI_STAGE_FIELDS = ("train.stage_boundary",)
 
 
 @dataclass(frozen=True)
@@ -199,6 +201,8 @@ def applies(key: str, method: str) -> bool:
         return True
     if key.startswith("distill."):
         return key in spec.fields
+    if key in MULTI_STAGE_FIELDS:
+        return len(spec.stages) > 1
     if key.startswith("teacher."):
         return spec.needs_teacher
     return True

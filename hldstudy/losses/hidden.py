@@ -10,13 +10,15 @@ from flax import nnx
 
 
 def normalized_mse(pred_TxD: jax.Array, target_TxD: jax.Array, mask_T: jax.Array | None = None,
-                   norm: jax.Array | None = None):
+                   norm: jax.Array | None = None, form: str = "batch"):
     """`sum_valid ||pred - target||^2 / sum_valid ||target||^2` (float32).
 
     Scale-free: multiplying pred and target by the same constant leaves it
     unchanged, so its weight is comparable across layers and models. Leading
     dims `[..., T, D]` are allowed; `mask_T` has the shape `[..., T]`. `norm`: the
     denominator when the batch is a micro-batch of a larger one (its teacher norms).
+    form="token": the mean over valid positions of each position's own ratio (`norm` is
+    then ignored: a micro-batch's share is weighted by its tokens).
     """
     dtype = jnp.promote_types(target_TxD.dtype, jnp.float32)  # f32, or f64 under x64
     pred = pred_TxD.astype(dtype)
@@ -24,6 +26,12 @@ def normalized_mse(pred_TxD: jax.Array, target_TxD: jax.Array, mask_T: jax.Array
     if mask_T is None:
         mask_T = jnp.ones(target.shape[:-1], bool)
     valid = mask_T.astype(bool)[..., None]
+    if form == "token":
+        err_T = jnp.sum(jnp.square(pred - target), axis=-1)
+        norm_T = jnp.sum(jnp.square(target), axis=-1)
+        ratio_T = err_T / jnp.maximum(norm_T, jnp.finfo(dtype).tiny)
+        count = jnp.maximum(jnp.sum(valid[..., 0].astype(dtype)), 1.0)
+        return jnp.sum(jnp.where(valid[..., 0], ratio_T, 0.0)) / count
     err = jnp.sum(jnp.where(valid, jnp.square(pred - target), 0.0))
     if norm is None:
         norm = jnp.sum(jnp.where(valid, jnp.square(target), 0.0))
@@ -57,6 +65,7 @@ def hidden_alignment_loss(
     regressors: Sequence[Regressor],
     mask: jax.Array | None = None,
     norms: Sequence[jax.Array] | None = None,
+    form: str = "batch",
 ) -> jax.Array:
     """Mean over (student, teacher, regressor) pairs of `normalized_mse(R(h_s), h_t)`.
 
@@ -69,7 +78,7 @@ def hidden_alignment_loss(
         )
     norms = [None] * len(regressors) if norms is None else norms
     losses = [
-        normalized_mse(reg(h_s), jax.lax.stop_gradient(h_t), mask, norm)
+        normalized_mse(reg(h_s), jax.lax.stop_gradient(h_t), mask, norm, form)
         for h_s, h_t, reg, norm in zip(student_hiddens, teacher_hiddens, regressors, norms,
                                        strict=True)
     ]

@@ -37,7 +37,7 @@ from hldstudy.signals import Interrupted, StopSignals  # noqa: F401  (Interrupte
 from hldstudy.teacher import load_teacher, with_teacher_tokenizer
 from hldstudy.teacher.base import NO_FEED, StageFeed
 from hldstudy.train.metrics import MetricsLogger
-from hldstudy.train.optim import make_optimizer
+from hldstudy.train.optim import carry_moments, lr_schedule, make_optimizer
 from hldstudy.train.program import make_eval_step, microbatch_candidates, train_program
 from hldstudy.train.step import GraphDefs, split_params, to_master
 
@@ -146,17 +146,33 @@ class Trainer:
         self.strategy = make_strategy(cfg, cfg.model, teacher_model_cfg)
         self.plans = plan_stages(cfg, teacher_model_cfg)
         self.total_steps = total_steps(self.plans)
+        if self._continues() and self.init_student is not None:
+            raise ConfigError("train.stage_boundary", "continue carries the optimizer from "
+                              "a stage the run trains; a run started from given weights "
+                              "restarts", "set train.stage_boundary=restart")
         self._eval_steps: dict = {}
         self.ckpt = Checkpointer(self.workdir / CHECKPOINTS_DIR, cfg.train.keep_checkpoints)
         self.damaged: dict[int, str] = {}  # step -> why it cannot be restored
 
     # ------------------------------------------------------------------ #
 
-    def _init_state(self, plan: StagePlan, student_params=None):
-        """Fresh (or stage-carried) params + optimizer state, sharded on the mesh."""
+    def _continues(self) -> bool:
+        return self.cfg.train.stage_boundary == "continue" and len(self.plans) > 1
+
+    def lr_at(self, plan: StagePlan, step: int) -> float:
+        """The learning rate of the update that brought the run to global `step`."""
+        if self._continues():  # one schedule over the run, its count carried across stages
+            return float(lr_schedule(self.cfg.train, self.total_steps)(step - 1))
+        return float(lr_schedule(self.cfg.train, plan.steps)(step - 1 - plan.start))
+
+    def _init_state(self, plan: StagePlan, student_params=None, carried_opt=None):
+        """Fresh (or stage-carried) params + optimizer state, sharded on the mesh; with
+        train.stage_boundary=continue, one schedule over the run and `carried_opt` (the
+        previous stage's optimizer state) carried into it."""
         cfg, stage = self.cfg, plan.stage
         seed = cfg.train.seed
-        optimizer = make_optimizer(cfg.train, plan.steps,
+        optimizer = make_optimizer(cfg.train,
+                                   self.total_steps if self._continues() else plan.steps,
                                    trainable_layers=self.strategy.trainable_student_layers(stage))
         if self.wrap_optimizer is not None:
             optimizer = self.wrap_optimizer(optimizer)
@@ -183,6 +199,11 @@ class Trainer:
         abstract_state = jax.eval_shape(init, student_params)
         shardings = mesh_lib.tree_shardings(self.mesh, abstract_state)
         state = jax.jit(init, out_shardings=shardings)(student_params)
+        if carried_opt is not None and self._continues():
+            # Through a jit: every leaf its own buffer (the carried count fills two fields,
+            # and the step donates each one).
+            state = jax.jit(lambda s: s, out_shardings=shardings)(
+                {**state, "opt_state": carry_moments(carried_opt, state["opt_state"])})
         return graphdefs, optimizer, state, shardings
 
     def _teacher_feed(self, plan: StagePlan) -> StageFeed:
@@ -401,13 +422,14 @@ def _train_group(members, group, points, steps, stop, until, outcomes) -> None:
     try:
         for i in group:
             loggers[i] = members[i].open_logger(resume)
-        carried, states, graphdefs = {}, {}, None
+        carried, carried_opt, states, graphdefs = {}, {}, {}, None
         for plan in lead.plans:
             here = meta is not None and meta["stage"] == plan.stage.name \
                 and plan.start <= resume <= plan.end
             if resume >= plan.end and not here:
                 continue
-            inits = {i: members[i]._init_state(plan, carried.get(i)) for i in group}
+            inits = {i: members[i]._init_state(plan, carried.get(i), carried_opt.get(i))
+                     for i in group}
             graphdefs, optimizer = inits[group[0]][:2]
             states = {i: members[i].restore(resume, init[2], init[3]) if here else init[2]
                       for i, init in inits.items()}
@@ -417,6 +439,7 @@ def _train_group(members, group, points, steps, stop, until, outcomes) -> None:
                                 loggers, stop, flops, steps, until, outcomes)
             group = list(states)
             carried = {i: s["params"]["student"] for i, s in states.items()}
+            carried_opt = {i: s["opt_state"] for i, s in states.items()}
             meta = None
             if not group or (until is not None and until < lead.total_steps
                              and plan.end >= until):
@@ -526,6 +549,7 @@ def _run_stage(members, group, plan, graphdefs, optimizer, states, shardings, lo
                 for j, i in lanes.live():
                     loggers[i].log({"step": step, "stage": plan.stage.name,
                                     **{key: float(lane(v, j)) for key, v in host.items()},
+                                    "lr": members[i].lr_at(plan, step),
                                     "tokens_per_s": tok_s, "flops_spent": flops[i], **extra})
                 if bar is not None:
                     bar.set_postfix(loss=f"{float(np.reshape(host['loss'], -1)[0]):.3f}",

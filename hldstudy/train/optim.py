@@ -106,3 +106,23 @@ def make_optimizer(cfg: TrainConfig, total_steps: int | None = None,
     return _master_only(optax.multi_transform(
         {"train": opt, "freeze": optax.set_to_zero()},
         lambda params: frozen_labels(params, trainable_layers)))
+
+
+def carry_moments(prev, fresh):
+    """`fresh` (the next stage's initial optimizer state) with the previous stage's step
+    count and Adam moments for every parameter both stages train: zero for the ones the
+    previous stage froze; the ones only it had (a regressor) are dropped."""
+    def field(state, name):
+        return optax.tree_utils.tree_get_all_with_path(state, name)[0][1]
+
+    def masked(x):
+        return isinstance(x, optax.MaskedNode)
+
+    out = fresh
+    for name in ("mu", "nu"):
+        old, _ = jax.tree_util.tree_flatten_with_path(field(prev, name), is_leaf=masked)
+        trained = {jax.tree_util.keystr(p): v for p, v in old if not masked(v)}
+        filled = jax.tree_util.tree_map_with_path(
+            lambda p, v, t=trained: t.get(jax.tree_util.keystr(p), v), field(fresh, name))
+        out = optax.tree_utils.tree_set(out, **{name: filled})
+    return optax.tree_utils.tree_set(out, count=field(prev, "count"))
