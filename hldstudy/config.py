@@ -490,6 +490,10 @@ class BudgetConfig:
                         domain=Domain(">= 0", note="0 = train.steps decides"))
     # Count the teacher's forward in the budget (the study counts student-side only).
     count_teacher: bool = knob(False, analysis="column")
+    # Count the losses' own FLOPs in the budget: logit KD over the vocabulary (beyond the
+    # NLL every method pays), the NMSE, and a served teacher's logits rebuilt
+    # student-side. Off: the design card's 6ND + de-embedding / regressor terms.
+    count_loss: bool = knob(False, analysis="column")
 
 
 @dataclass(frozen=True)

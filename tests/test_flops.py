@@ -265,3 +265,27 @@ def test_no_regressor_costs_nothing():
     without = step_flops(cfg_for("hldc", regressor=False), "hldc", "main", teacher)
     assert with_reg.regressor > 0 and without.regressor == 0
     assert with_reg.total - without.total == with_reg.regressor
+
+
+def test_loss_flops_join_the_budget_only_when_asked():
+    """budget.count_loss adds the KD loss beyond the NLL, the NMSE and (a served teacher,
+    not counted itself) the student-side logit rebuild; never the regressor twice."""
+    from hldstudy.flops import step_flops
+
+    base = cfg_for("hldc")
+    off = step_flops(base, "hldc", "main", TEACHER)
+    on = step_flops(dataclasses.replace(base, budget=BudgetConfig(count_loss=True)),
+                    "hldc", "main", TEACHER)
+    tokens, vocab = off.tokens, TINY.vocab_size
+    assert set(off.loss_terms) == {"kd_loss", "nmse"} and off.loss > 0
+    assert on.total == pytest.approx(off.total + off.loss, rel=1e-12)
+    assert on.regressor == off.regressor and on.loss_terms == off.loss_terms
+    assert off.loss_terms["nmse"] == pytest.approx(tokens * 5.0 * TEACHER.d_model)
+    assert step_flops(cfg_for("baseline"), "baseline").loss_terms == {}
+
+    served = dataclasses.replace(base, teacher=dataclasses.replace(
+        base.teacher, checkpoint="remote://127.0.0.1:5000"))
+    rebuild = step_flops(served, "hldc", "main", TEACHER).loss_terms["logit_rebuild"]
+    assert rebuild == pytest.approx(2.0 * tokens * TEACHER.d_model * vocab)
+    counted = step_flops(served, "hldc", "main", TEACHER, count_teacher=True)
+    assert "logit_rebuild" not in counted.loss_terms  # in the teacher's forward already

@@ -107,8 +107,9 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(result, indent=None, sort_keys=True))
             return 0
         print(f"method {method}  tokens/step {result['tokens_per_step']}  "
-              f"teacher counted in budget: {cfg.budget.count_teacher}")
-        cols = ("nonemb", "deembed", "attention", "regressor", "teacher", "total")
+              f"teacher counted in budget: {cfg.budget.count_teacher}  "
+              f"losses counted: {cfg.budget.count_loss}")
+        cols = ("nonemb", "deembed", "attention", "regressor", "teacher", "loss", "total")
         print(f"{'stage':8s} {'share':>6s} " + " ".join(f"{c:>11s}" for c in cols)
               + f" {'hardware':>11s} {'xla':>11s} {'steps':>10s}")
         for st, rep in stages.items():
@@ -118,9 +119,14 @@ def main(argv: list[str] | None = None) -> int:
                   + f" {_fmt(rep['xla_flops_per_step']) if 'xla_flops_per_step' in rep else '-':>11s}"
                   + f" {rep.get('steps', '-')!s:>10s}")
         for st, rep in stages.items():
+            terms = rep["breakdown"]["loss_terms"]
+            if terms:
+                print(f"loss ({st}): " + ", ".join(f"{k} {_fmt(v)}" for k, v in terms.items()))
+        for st, rep in stages.items():
             if "xla_warning" in rep:
                 print(f"warning ({st}): {rep['xla_warning']}")
-        print("total = model FLOPs (causal attention, no recompute) = the budget figure; "
+        print("total = model FLOPs (causal attention, no recompute) = the budget figure "
+              "(loss in it with budget.count_loss); "
               f"hardware = executed estimate ({args.layout} teacher), compared with XLA")
     return 0
 

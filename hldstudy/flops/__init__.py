@@ -21,6 +21,7 @@ from hldstudy.flops.layers_qwen import (
     qwen_train_mixing_flops,
 )
 from hldstudy.shapes import ModelShape, causal_context
+from hldstudy.teacher_source import is_remote
 
 # --------------------------------------------------------------------------- #
 # Per-token forward counts
@@ -231,12 +232,20 @@ class FlopBreakdown:
     teacher_head: bool = False
     layer_pairs: tuple = ()
     teacher_head_flops: float = 0.0  # part of `teacher`: 2 d_t V per token (rebuilt student-side)
+    # The losses' own FLOPs by term (kd_loss, nmse, logit_rebuild); in `total` only with
+    # count_loss (budget.count_loss).
+    loss_terms: dict = field(default_factory=dict)
+    count_loss: bool = False
     hardware: dict = field(default_factory=dict)
     hardware_total: float = 0.0
 
     @property
     def student(self) -> float:
         return self.nonemb + self.deembed + self.attention
+
+    @property
+    def loss(self) -> float:
+        return sum(self.loss_terms.values())
 
     def hardware_flops(self, layout: str = "colocated") -> float:
         """Executed FLOPs: colocated (teacher forward inside the step) or
@@ -252,6 +261,7 @@ class FlopBreakdown:
     def as_dict(self) -> dict:
         d = dataclasses.asdict(self)
         d["student"] = self.student
+        d["loss"] = self.loss
         d["layer_pairs"] = [list(p) for p in self.layer_pairs]
         return d
 
@@ -318,7 +328,9 @@ def step_flops(cfg: Config, method: str | None = None, stage: str | None = None,
         ft = flops_per_token(t, seq, n_layers=t_layers, head=t_head)
         teacher = tokens * ft["total"]
         teacher_head_flops = tokens * ft["deembed"]
-    total = nonemb + deembed + attention + regressor + (teacher if count_teacher else 0.0)
+    loss_terms = _loss_terms(cfg, st, tokens, pairs, t, teacher_head_flops, count_teacher)
+    total = nonemb + deembed + attention + regressor + (teacher if count_teacher else 0.0) \
+        + (sum(loss_terms.values()) if cfg.budget.count_loss else 0.0)
 
     # Hardware (executed) estimate.
     loss_kind = cfg.distill.divergence if kd_loss else "nll"
@@ -362,7 +374,26 @@ def step_flops(cfg: Config, method: str | None = None, stage: str | None = None,
         attention=attention, regressor=regressor, teacher=teacher, total=total,
         count_teacher=count_teacher, student_layers=s_layers, student_head=s_head,
         teacher_layers=t_layers, teacher_head=t_head, layer_pairs=pairs,
-        teacher_head_flops=teacher_head_flops, hardware=hw, hardware_total=hardware_total)
+        teacher_head_flops=teacher_head_flops, loss_terms=loss_terms,
+        count_loss=cfg.budget.count_loss, hardware=hw, hardware_total=hardware_total)
+
+
+def _loss_terms(cfg: Config, st, tokens: int, pairs, teacher: ModelConfig | None,
+                teacher_head_flops: float, count_teacher: bool) -> dict[str, float]:
+    """The losses' own FLOPs per step: the KD divergence over the vocabulary beyond the
+    NLL over the same logits (calibrated per logit, forward + backward), the NMSE per
+    aligned pair, and, for a served teacher, its logits rebuilt student-side (2 d_t V per
+    token; already in the teacher's forward when the teacher is counted)."""
+    out = {}
+    vocab = cfg.model.vocab_size
+    if st.spec.kd:
+        kind = f"logit_{cfg.distill.divergence}"
+        out["kd_loss"] = tokens * vocab * (_EW[kind][1] - _EW["logit_nll"][1])
+        if is_remote(cfg.teacher.checkpoint) and not count_teacher:
+            out["logit_rebuild"] = teacher_head_flops
+    if pairs:
+        out["nmse"] = tokens * len(pairs) * _EW["nmse"][1] * teacher.d_model
+    return out
 
 
 # --------------------------------------------------------------------------- #
