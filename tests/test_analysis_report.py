@@ -454,8 +454,11 @@ def test_paper_claim1_hldf_gain_read_with_its_statistics(paper_budget):
     _, _, _, summary, best = paper_budget
     r = paper.read_ppl_gain(summary, best)
     # mean of -1, -2, -3, -4 = -2.5%, better at all 4 points, sign p = 2/2^4
-    # every resample mean is < 0 (the CI excludes 0), but 4 points cannot give p < 0.05
-    assert r.verdict == paper.SAME_DIRECTION
+    # every resample mean is < 0 (the CI excludes 0), but 4 points cannot give p < 0.05,
+    # and one seed a point: the CI's spread says the smallest detectable mean Δ is
+    # 2.80 x 2.0 / 3.92 = 1.43%, far above the paper's 0.26%: it cannot tell
+    assert r.verdict == paper.CANNOT_TELL
+    assert "smallest detectable mean Δ 1.43% (spread across points" in r.shows[0]
     assert "95% CI [-3.50, -1.50]" in r.shows[0]  # 2.5% and 97.5% quantiles of 2000 means
     assert "mean Δppl -2.50%" in r.shows[0]
     assert "better at 4, worse at 0, tied at 0; sign-test p 0.125" in r.shows[0]
@@ -473,7 +476,8 @@ def test_paper_claim1_opposite_and_silent():
                              "mean_delta": 1.5, "ci_lo": 0.5, "ci_hi": 2.5, "n_better": 1,
                              "n_worse": 7, "n_tie": 0, "sign_p": 0.0703, "seed_std": 2.0}])
     r = paper.read_ppl_gain(summary, pd.DataFrame())
-    assert r.verdict == paper.OPPOSITE_UNRESOLVED
+    assert r.verdict == paper.CANNOT_TELL  # 2.80 x 2.0 / sqrt(8) = 1.98% >> 0.26%
+    assert "smallest detectable mean Δ 1.98% (seed variance" in r.shows[0]
     assert any("not systematic" in c for c in r.caveats)
     assert any("below the seed noise" in c for c in r.caveats)  # |1.5| < 2.0
     # 0 better / 8 worse: sign p = 2/256 and the CI excludes 0 -> resolved
@@ -483,6 +487,10 @@ def test_paper_claim1_opposite_and_silent():
                            seed_std=0.1)
     r = paper.read_ppl_gain(gain, pd.DataFrame())
     assert r.verdict == paper.AGREES and not r.caveats  # -0.26 in [-0.4, -0.2]
+    # low seed noise: 2.80 x 0.1 / sqrt(8) = 0.099% could see 0.26%: the unresolved
+    # opposite direction is a reading, not a shrug
+    quiet = summary.assign(seed_std=0.1)
+    assert paper.read_ppl_gain(quiet, pd.DataFrame()).verdict == paper.OPPOSITE_UNRESOLVED
     only_hldc = summary.assign(arm="hldc")
     assert paper.read_ppl_gain(only_hldc, pd.DataFrame()).verdict == paper.SILENT
 
@@ -536,7 +544,7 @@ def test_paper_claim3_gains_where_kd_is_weak(paper_budget):
     assert "-1.50% elsewhere" in hldf
     # HLDC's Δ is +1% everywhere: no rank correlation, left out of the verdict
     assert any(s.startswith("`hldc`") and "no rank correlation" in s for s in r.shows)
-    assert r.verdict == paper.SAME_DIRECTION
+    assert r.verdict == paper.CANNOT_TELL  # 4 points: the exact p cannot reach 0.05
     assert any("cannot go below 0.0833" in c for c in r.caveats)
 
 
@@ -548,7 +556,8 @@ def test_paper_setting_and_section_in_report(tmp_path):
     assert "### Against the paper" in md
     assert md.index("### Against the paper") < md.index("### Best vs best")
     verdicts = [c["verdict"] for c in summary["budgets"][0]["against_paper"]]
-    assert verdicts == [paper.SAME_DIRECTION, paper.NO_WINNER_UNRESOLVED, paper.SAME_DIRECTION]
+    assert verdicts == [paper.CANNOT_TELL] * 3
+    assert "Holm-adjusted once over all the tests of the three claims" in md
     cfg = Config()
     kd_tokens = int(1e15 // FLOPS_PER_STEP["kd"]) * cfg.data.batch_size * cfg.data.seq_len
     assert f"kd: {kd_tokens:,}" in md
@@ -579,3 +588,35 @@ def test_paper_section_without_a_reference_or_hld_arm_cannot_speak(tmp_path):
         make_runs_dir(tmp_path / f"r{i}", methods=ms, lrs=(1e-3, 3e-3), temps=(1.0,), seeds=(0,))
         s = build_report(tmp_path / f"r{i}", tmp_path / f"rep{i}", n_resamples=100)
         assert [c["verdict"] for c in s["budgets"][0]["against_paper"]] == [paper.SILENT] * 3
+
+
+def test_too_few_seeds_read_cannot_tell_and_enough_read_a_verdict():
+    """The same mean gain, its seed noise measured: 3 seeds at 4 points with a seed std of
+    1% cannot see the paper's 0.26% (smallest detectable 1.4%); 40 points with 0.2% can,
+    and the resolved gain agrees."""
+    row = {"arm": "hldf", "metric": paper.PPL_METRIC, "n_points": 4, "mean_delta": -0.3,
+           "ci_lo": -0.9, "ci_hi": 0.3, "n_better": 3, "n_worse": 1, "n_tie": 0,
+           "sign_p": 0.625, "seed_std": 1.0}
+    few = paper.read_ppl_gain(pd.DataFrame([row]), pd.DataFrame())
+    assert few.verdict == paper.CANNOT_TELL
+    assert "smallest detectable mean Δ 1.4% (seed variance" in few.shows[0]
+    many = dict(row, n_points=40, ci_lo=-0.35, ci_hi=-0.25, n_better=40, n_worse=0,
+                sign_p=2 / 2 ** 40, seed_std=0.2)
+    assert paper.read_ppl_gain(pd.DataFrame([many]), pd.DataFrame()).verdict == paper.AGREES
+
+
+def test_one_correction_spans_every_claim(paper_budget):
+    """Claim 1's and claim 2's sign tests and claim 3's rank test are Holm-adjusted
+    together: each p at least its raw value, the smallest one times the whole family."""
+    _, _, pairs, summary, _ = paper_budget
+    adjusted = paper.adjusted_p_values(summary, pairs)
+    assert {k[0] for k in adjusted} == {"ppl", "down", "kd_weak"}
+    raw = {("kd_weak", "hldf"): 2 / 24}  # the exact p of rho = -1 over 4 points
+    for _, r in summary.iterrows():
+        kind = ("ppl", r["arm"]) if r["metric"] == paper.PPL_METRIC else \
+            ("down", r["arm"], r["metric"])
+        if kind in adjusted:
+            raw[kind] = float(r["sign_p"])
+    assert set(raw) == set(adjusted)  # hldc's claim 1 and claim 3 (no correlation) excluded
+    assert all(adjusted[k] >= raw[k] - 1e-12 for k in raw)
+    assert min(adjusted.values()) == pytest.approx(min(1.0, min(raw.values()) * len(raw)))

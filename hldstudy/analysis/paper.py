@@ -33,9 +33,15 @@ SAME_DIRECTION = "same direction, not resolved"
 OPPOSITE = "opposite, resolved"
 OPPOSITE_UNRESOLVED = "opposite direction, not resolved"
 DIFFERS = "differs"  # claim 2: an HLD arm wins (or loses) on every downstream metric
-NO_WINNER_UNRESOLVED = "no winner found, not resolved"  # claim 2 when no test could separate
+# A comparison that could not have detected the effect the claim is about: too few
+# points or seeds for its smallest detectable effect, or its test cannot reach p < alpha.
+CANNOT_TELL = "cannot tell"
+NO_WINNER_UNRESOLVED = CANNOT_TELL  # claim 2 when not every arm's tests could separate
 MIXED = "mixed across the HLD arms"  # the arms' verdicts differ
 SILENT = "cannot speak to it"
+# Power of the minimum-detectable-effect figure: two-sided alpha 0.05, power 0.8.
+Z_ALPHA, Z_POWER = 1.959964, 0.841621
+CORRECTION = "Holm"  # one multiple-comparison correction over every test of the reading
 
 # The paper's setting, as DESIGN.md states it; None: not stated there.
 PAPER_SETTING = {
@@ -98,11 +104,24 @@ def _min_sign_p(n: int) -> float:
     return min(1.0, 2.0 / 2 ** n) if n > 0 else 1.0
 
 
+def detectable_effect(n: int, seed_std: float, ci_lo: float, ci_hi: float) -> tuple[float, str]:
+    """(the smallest mean delta, in %, that n paired points could detect at alpha 0.05
+    with power 0.8, where it comes from): from the seed noise of one point's delta
+    (std / sqrt(n)) when seeds were repeated, else from the bootstrap CI's width."""
+    if n >= 1 and np.isfinite(seed_std) and seed_std > 0:
+        return (Z_ALPHA + Z_POWER) * seed_std / math.sqrt(n), "seed variance"
+    if n >= 2 and np.isfinite(ci_lo) and np.isfinite(ci_hi):
+        return (Z_ALPHA + Z_POWER) * (ci_hi - ci_lo) / (2 * Z_ALPHA), "spread across points"
+    return math.inf, "one point, one seed"
+
+
 def read_ppl_gain(summary: pd.DataFrame, best: pd.DataFrame, method: str = HLDF,
-                  reference: str = methods.REFERENCE) -> ClaimReading:
+                  reference: str = methods.REFERENCE,
+                  adjusted: dict | None = None) -> ClaimReading:
     """Claim 1 for each arm of `method`: the grid mean of the relative perplexity delta vs
     the reference (per-seed deltas averaged per point first), its bootstrap CI, the sign
-    test, the seed noise of one comparison, and the best-vs-best delta."""
+    test (`adjusted`: its p after the reading's one correction), the seed noise of one
+    comparison, the smallest effect it could detect, and the best-vs-best delta."""
     claim = (f"{method.upper()} gives a small but systematic validation-perplexity gain over "
              f"{reference.upper()} across the shared configurations: "
              f"{PAPER_HLDF_PPL_DELTA_PCT:+.2f}% on average, at both student sizes.")
@@ -124,18 +143,29 @@ def read_ppl_gain(summary: pd.DataFrame, best: pd.DataFrame, method: str = HLDF,
         seed_std = float(r["seed_std"]) if pd.notna(r["seed_std"]) else math.nan
         if np.isfinite(seed_std):
             line += f"; seed std of one point's Δ {fmt_num(seed_std, 3)}%"
+        p = (adjusted or {}).get(("ppl", arm), r["sign_p"])
+        if adjusted:
+            line += f" ({CORRECTION}-adjusted over the reading's tests: {fmt_p(p)})"
+        mde, source = detectable_effect(n, seed_std, lo, hi)
+        line += (f"; smallest detectable mean Δ {fmt_num(mde, 3)}% ({source}; the paper's "
+                 f"effect is {PAPER_HLDF_PPL_DELTA_PCT:+.2f}%)")
         b = best[best["arm"] == arm] if len(best) and PPL_DELTA in best else best.iloc[0:0]
         if len(b):
             line += (f". Best vs best: {fmt_signed(float(b.iloc[0][PPL_DELTA]))}% "
                      f"({int(b.iloc[0]['n_seeds'])} seed(s))")
         shows.append(line + ".")
         resolved = bool(np.isfinite(lo) and np.isfinite(hi) and (lo > 0 or hi < 0)
-                        and r["sign_p"] < ALPHA)
-        if mean < 0:
+                        and p < ALPHA)
+        if mean < 0 and np.isfinite(lo) and not lo <= PAPER_HLDF_PPL_DELTA_PCT <= hi:
+            caveats.append(f"`{arm}`: the size differs: the CI excludes the paper's "
+                           f"{PAPER_HLDF_PPL_DELTA_PCT:+.2f}%.")
+        if not resolved and mde > abs(PAPER_HLDF_PPL_DELTA_PCT):
+            verdicts.append(CANNOT_TELL)
+            caveats.append(f"`{arm}`: it could not have seen the paper's "
+                           f"{PAPER_HLDF_PPL_DELTA_PCT:+.2f}% (smallest detectable "
+                           f"{fmt_num(mde, 3)}%): more seeds or points are needed.")
+        elif mean < 0:
             verdicts.append(AGREES if resolved else SAME_DIRECTION)
-            if np.isfinite(lo) and not lo <= PAPER_HLDF_PPL_DELTA_PCT <= hi:
-                caveats.append(f"`{arm}`: the size differs: the CI excludes the paper's "
-                               f"{PAPER_HLDF_PPL_DELTA_PCT:+.2f}%.")
         else:
             verdicts.append(OPPOSITE if resolved else OPPOSITE_UNRESOLVED)
         if r["n_worse"] and r["n_better"]:
@@ -163,11 +193,15 @@ def _combine(verdicts: list[str]) -> str:
 
 
 def read_downstream(summary: pd.DataFrame, best: pd.DataFrame,
-                    reference: str = methods.REFERENCE, alpha: float = ALPHA) -> ClaimReading:
+                    reference: str = methods.REFERENCE, alpha: float = ALPHA,
+                    adjusted: dict | None = None) -> ClaimReading:
     """Claim 2: per HLD arm, the downstream metrics on which it separates from the reference:
     across the grid, the Holm-adjusted sign test (p < alpha); best vs best, |Δ| beyond
     1.96 combined standard errors. A consistent winner is an arm that separates on every
-    downstream metric in the same direction (better or worse)."""
+    downstream metric in the same direction (better or worse). "No winner" is read over
+    every arm: it agrees only when each arm's tests could have found one (`CANNOT_TELL`
+    otherwise). `adjusted`: the sign tests' p after the reading's one correction (else
+    Holm within each arm)."""
     claim = (f"No consistent downstream winner: HLD does not consistently beat (or lose to) "
              f"{reference.upper()} on the downstream tasks.")
     down = summary[summary["metric"] != PPL_METRIC] if len(summary) else summary
@@ -176,8 +210,13 @@ def read_downstream(summary: pd.DataFrame, best: pd.DataFrame,
         return ClaimReading(claim, ["No downstream metric is paired with the reference."],
                             SILENT)
     shows, caveats, winners = [], [], []
+    floors = {}
     for arm in arms:
         sub = down[down["arm"] == arm]
+        if adjusted:
+            sub = sub.assign(sign_p_holm=[adjusted.get(("down", arm, m), p)
+                                          for m, p in zip(sub["metric"], sub["sign_p_holm"],
+                                                          strict=True)])
         better = sub[(sub["sign_p_holm"] < alpha) & (sub["n_better"] > sub["n_worse"])]
         worse = sub[(sub["sign_p_holm"] < alpha) & (sub["n_worse"] > sub["n_better"])]
         ci_b = sub[_ci_side(sub, better_side=True)]
@@ -191,23 +230,22 @@ def read_downstream(summary: pd.DataFrame, best: pd.DataFrame,
                      f"worse on {_names(bb[1])}")
         shows.append(line + ".")
         n_min = int(sub["n_points"].min())
-        m = len(sub)
-        if _min_sign_p(n_min) * m > alpha:  # the smallest Holm p (lowest p times m)
-            caveats.append(f"`{arm}`: with {n_min} point(s) and {m} metrics the Holm-adjusted "
+        m = len(sub) if not adjusted else len(adjusted)  # the tests the correction spans
+        floors[arm] = _min_sign_p(n_min) * m
+        if floors[arm] > alpha:  # the smallest Holm p (lowest p times m)
+            caveats.append(f"`{arm}`: with {n_min} point(s) and {m} tests the Holm-adjusted "
                            "sign test cannot reach p < 0.05; only the CIs and best-vs-best "
                            "differences are informative, and they are not corrected for "
                            "multiple metrics.")
-        if len(better) == m:
+        if len(better) == len(sub):
             winners.append(f"`{arm}` better than `{reference}` on every metric")
-        elif len(worse) == m:
+        elif len(worse) == len(sub):
             winners.append(f"`{reference}` better than `{arm}` on every metric")
     if winners:
         shows.append("Consistent winner(s): " + "; ".join(winners) + ".")
         verdict = DIFFERS
-    else:
-        separable = any(_min_sign_p(int(down[down["arm"] == a]["n_points"].min()))
-                        * int((down["arm"] == a).sum()) <= alpha for a in arms)
-        verdict = AGREES if separable else NO_WINNER_UNRESOLVED
+    else:  # "no winner" holds only if every arm could have shown one
+        verdict = AGREES if all(f <= alpha for f in floors.values()) else CANNOT_TELL
     return ClaimReading(claim, shows, verdict, caveats)
 
 
@@ -244,7 +282,8 @@ def _best_separations(best: pd.DataFrame, arm: str, metrics: list[str]):
 # --------------------------------------------------------------------------- #
 
 
-def read_kd_weak(pairs: pd.DataFrame, reference: str = methods.REFERENCE) -> ClaimReading:
+def read_kd_weak(pairs: pd.DataFrame, reference: str = methods.REFERENCE,
+                 adjusted: dict | None = None) -> ClaimReading:
     """Claim 3 per HLD arm, over its grid points shared with the reference (per-seed values
     averaged per point): Spearman's rho between the reference's perplexity at a point and
     the arm's relative delta there (the claim predicts rho < 0: the weaker KD, the larger
@@ -280,15 +319,63 @@ def read_kd_weak(pairs: pd.DataFrame, reference: str = methods.REFERENCE) -> Cla
         if (delta >= 0).all():
             caveats.append(f"`{arm}` gains nowhere (Δ ≥ 0 at every point): the correlation "
                            f"says where it loses least, not where it gains.")
-        if rc.exact and 2.0 / math.factorial(rc.n) > ALPHA:
+        floor = 2.0 / math.factorial(rc.n) if rc.exact else 0.0
+        tests = len(adjusted) if adjusted else 1
+        if floor * tests > ALPHA:
             caveats.append(f"`{arm}`: with {rc.n} points the exact p cannot go below "
-                           f"{fmt_p(2.0 / math.factorial(rc.n))}.")
-        resolved = rc.p_value < ALPHA
-        if rc.rho < 0:
+                           f"{fmt_p(floor)}.")
+        p = (adjusted or {}).get(("kd_weak", arm), rc.p_value)
+        resolved = p < ALPHA
+        if not resolved and floor * tests > ALPHA:
+            verdicts.append(CANNOT_TELL)
+        elif rc.rho < 0:
             verdicts.append(AGREES if resolved else SAME_DIRECTION)
         else:
             verdicts.append(OPPOSITE if resolved else OPPOSITE_UNRESOLVED)
     return ClaimReading(claim, shows, _combine(verdicts), caveats)
+
+
+def adjusted_p_values(summary: pd.DataFrame, pairs: pd.DataFrame, method: str = HLDF,
+                      reference: str = methods.REFERENCE) -> dict:
+    """Every test of the reading against the paper ({("ppl", arm) | ("down", arm, metric) |
+    ("kd_weak", arm): p}), Holm-adjusted together: one correction over all of them."""
+    raw = {}
+    if len(summary):
+        for _, r in summary.iterrows():
+            if r["metric"] == PPL_METRIC:
+                if r["arm"] in _arms_of(summary[summary["metric"] == PPL_METRIC], method):
+                    raw[("ppl", r["arm"])] = float(r["sign_p"])
+            else:
+                raw[("down", r["arm"], r["metric"])] = float(r["sign_p"])
+    if len(pairs):
+        for arm, p in kd_weak_p_values(pairs).items():
+            raw[("kd_weak", arm)] = p
+    keys = list(raw)
+    return dict(zip(keys, stats.holm([raw[k] for k in keys]).tolist(), strict=True))
+
+
+def kd_weak_p_values(pairs: pd.DataFrame) -> dict[str, float]:
+    """Claim 3's rank-correlation p per arm (the arms where one can be computed)."""
+    gcols = [c for c in pairs.attrs.get("grid_cols", []) if c in pairs]
+    out = {}
+    for arm in sorted(pairs["arm"].unique()):
+        sub = pairs[pairs["arm"] == arm]
+        per = (sub.groupby(gcols, dropna=False)[["ref_valid_ppl", PPL_DELTA]].mean()
+               if gcols else sub[["ref_valid_ppl", PPL_DELTA]].mean().to_frame().T)
+        rc = stats.rank_correlation(per["ref_valid_ppl"].to_numpy(float),
+                                    per[PPL_DELTA].to_numpy(float))
+        if np.isfinite(rc.rho):
+            out[arm] = float(rc.p_value)
+    return out
+
+
+def read_all(summary: pd.DataFrame, best: pd.DataFrame, pairs: pd.DataFrame,
+             reference: str = methods.REFERENCE) -> list[ClaimReading]:
+    """The three claims, their tests under one Holm correction over all of them."""
+    adjusted = adjusted_p_values(summary, pairs, reference=reference)
+    return [read_ppl_gain(summary, best, reference=reference, adjusted=adjusted),
+            read_downstream(summary, best, reference=reference, adjusted=adjusted),
+            read_kd_weak(pairs, reference=reference, adjusted=adjusted)]
 
 
 # --------------------------------------------------------------------------- #
@@ -395,12 +482,15 @@ def against_paper_md(readings: list[ClaimReading], setting: RunSetting | None) -
     L = ["### Against the paper\n",
          f"The claims of {PAPER}, as DESIGN.md states them, what this run shows about each, "
          f"and a verdict: `{AGREES}` / `{SAME_DIRECTION}` / `{OPPOSITE_UNRESOLVED}` / "
-         f"`{OPPOSITE}`; for claim 2 `{NO_WINNER_UNRESOLVED}` (no test could separate the "
-         f"methods) or `{DIFFERS}` (an HLD arm wins or loses on every metric); `{MIXED}` "
-         f"when the HLD arms point different ways; `{SILENT}`. "
-         "Resolved: 95% bootstrap CI excludes 0 and sign test p < 0.05 (claim 1), Holm-adjusted "
-         "sign test p < 0.05 "
-         "(claim 2), exact rank-correlation p < 0.05 (claim 3).\n"]
+         f"`{OPPOSITE}`; `{CANNOT_TELL}` where the comparison could not have seen the "
+         f"effect (claim 1: its smallest detectable effect, from the seed variance, exceeds "
+         f"the paper's {PAPER_HLDF_PPL_DELTA_PCT:+.2f}%; claim 2: not every HLD arm's tests "
+         f"could find a winner; claim 3: the exact test cannot reach p < 0.05); for claim 2 "
+         f"`{DIFFERS}` (an HLD arm wins or loses on every metric); `{MIXED}` when the HLD "
+         f"arms point different ways; `{SILENT}`. Resolved: 95% bootstrap CI excludes 0 and "
+         f"sign test p < 0.05 (claim 1), sign test p < 0.05 (claim 2), exact rank-correlation "
+         f"p < 0.05 (claim 3), every p {CORRECTION}-adjusted once over all the tests of the "
+         "three claims.\n"]
     for i, r in enumerate(readings, 1):
         L.append(f"**{i}. {r.claim}** Verdict: **{r.verdict}**.\n")
         L += [f"- {s}" for s in r.shows]

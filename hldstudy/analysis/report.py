@@ -89,9 +89,7 @@ class _Budget:
         self.flops_runs, self.flops_arms, self.max_dev = tables.flops_table(self.kept)
         self.count_teacher = sorted(set(bool(x) for x in self.kept["count_teacher"]))
         self.figures: dict[str, str] = {}
-        self.paper = [paper.read_ppl_gain(self.summary, self.best, reference=reference),
-                      paper.read_downstream(self.summary, self.best, reference=reference),
-                      paper.read_kd_weak(self.pairs, reference=reference)]
+        self.paper = paper.read_all(self.summary, self.best, self.pairs, reference=reference)
         self.setting: paper.RunSetting | None = None
 
 
