@@ -451,7 +451,7 @@ class DistillConfig:
     # Learned dense regressor d_s -> d_t per pair; False aligns raw states (needs d_s == d_t).
     regressor: bool = True
     # Share of the FLOP budget spent in HLDF stage 1, in (0, 1).
-    hldf_stage1_share: float = knob(0.2, domain="(0, 1)", axis=7, short="s1")
+    hldf_stage1_share: float = knob(0.2, domain="(0, 1)", axis=7, short="sh")
     # The alignment loss: batch (sum of squared errors over the batch / sum of the
     # teacher's squares) or token (each valid position's own ratio, averaged: no
     # high-norm position outweighs the others).

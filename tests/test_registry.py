@@ -121,7 +121,7 @@ def test_field_rules_are_derived_from_tags():
                                 "hidden_weight": ("distill", "hidden_weight")}
     names = axis_names()
     assert [names[k]["short"] for k in (*grid_axes(), "train.seed")] == \
-        ["lr", "T", "a", "hw", "sb", "nmse", "s1", "s"]
+        ["lr", "T", "a", "hw", "sb", "nmse", "sh", "s"]
     assert names["distill.temperature"]["names"] == ("temperature", "T", "temp", "tau")
     assert names["distill.alpha"]["names"] == ("alpha", "a", "nllw", "nll")
     assert {k for k in names} <= fields_where("analysis", "column")  # an axis is a column

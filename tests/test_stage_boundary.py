@@ -139,3 +139,19 @@ def test_the_new_factors_are_sweep_axes():
     assert applies("distill.nmse", "hldc") and not applies("distill.nmse", "kd")
     assert applies("distill.hldf_stage1_share", "hldf")
     assert not applies("distill.hldf_stage1_share", "hldc")
+
+
+def test_the_ablation_sweep_lists_its_grid(capsys):
+    """sweeps/hldf_ablation.py: KD and 16 HLDF configurations (share x boundary x NMSE),
+    3 seeds, 2 KD regimes: 102 runs, 17 configurations."""
+    from hldstudy.sweep.__main__ import main as sweep_main
+
+    assert sweep_main(["hldf_ablation", "--dry-run", "--json"]) == 0
+    runs = json.loads(capsys.readouterr().out)
+    assert len(runs) == 17 * 3 * 2
+    configs = {(r["method"], *sorted((k, str(v)) for k, v in r["params"].items()
+                                      if k not in ("train.seed", "distill.alpha")))
+               for r in runs}
+    assert len(configs) == 17
+    assert {r["params"]["distill.alpha"] for r in runs} == {0.5, 0.9}
+    assert {r["params"]["train.seed"] for r in runs} == {0, 1, 2}
