@@ -35,6 +35,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--n-resamples", type=int, default=10_000, help="bootstrap resamples (10000)")
     p.add_argument("--ci", type=float, default=0.95, help="bootstrap CI level (0.95)")
     p.add_argument("--seed", type=int, default=0, help="bootstrap seed (0)")
+    p.add_argument("--ablation", action="store_true",
+                   help="RUNS_DIR is sweeps/hldf_ablation.py's: write its factor report instead")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
     return p.parse_args(argv)
 
@@ -52,6 +54,13 @@ def main(argv=None) -> int:
             raise InputError(f"--seed must be >= 0, got {args.seed}")
         # Checked before the runs load: the report is written only where it can be.
         check_output_dir(args.out, "--out")
+        if args.ablation:
+            from hldstudy.analysis.ablation import write_report
+
+            summary = write_report(args.runs_dir, args.out, args.n_resamples, args.seed)
+            print(f"wrote {args.out}/report.md ({summary['runs']} HLDF runs paired with KD); "
+                  + "; ".join(f"{c['claim']}: {c['verdict']}" for c in summary["claims"]))
+            return 0
         from hldstudy.analysis.report import build_report
 
         summary = build_report(args.runs_dir, args.out,
