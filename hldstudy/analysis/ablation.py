@@ -12,9 +12,10 @@ import numpy as np
 import pandas as pd
 
 from hldstudy.analysis import stats
-from hldstudy.analysis.paper import PAPER_HLDF_PPL_DELTA_PCT, Z_ALPHA, Z_POWER
+from hldstudy.analysis.paper import HLDF, PAPER_HLDF_PPL_DELTA_PCT, Z_ALPHA, Z_POWER
 from hldstudy.analysis.runs import load_runs
 from hldstudy.analysis.tables import fmt_signed, md_table
+from hldstudy.distill import methods
 from hldstudy.fileio import write_json_atomic, write_text_atomic
 
 FACTORS = ("hldf_stage1_share", "stage_boundary", "nmse")  # analysis columns
@@ -28,9 +29,9 @@ def gaps(df: pd.DataFrame) -> pd.DataFrame:
     perplexity's gap to the KD run of the same regime and seed, in % (negative: HLDF
     ahead)."""
     done = df[df["status"] == "done"]
-    kd = done[done["method"] == "kd"].set_index([REGIME, "seed"])["valid_ppl"]
+    kd = done[done["method"] == methods.REFERENCE].set_index([REGIME, "seed"])["valid_ppl"]
     rows = []
-    for _, r in done[done["method"] == "hldf"].iterrows():
+    for _, r in done[done["method"] == HLDF].iterrows():
         key = (r[REGIME], r["seed"])
         if key in kd.index:
             rows.append({REGIME: r[REGIME], "seed": r["seed"],
