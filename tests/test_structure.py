@@ -56,6 +56,8 @@ _CLI = "command line: flags are parsed and checked before the {} loads"
 FUNCTION_LEVEL_IMPORTS = {
     "hldstudy.analysis -> hldstudy.analysis.report":
         "package export kept lazy: report imports the package back and loads matplotlib (~2 s)",
+    "hldstudy.analysis.__main__ -> hldstudy.analysis.ablation":
+        _CLI.format("ablation reading (pandas, the runs loader)"),
     "hldstudy.analysis.__main__ -> hldstudy.analysis.report":
         _CLI.format("report's matplotlib (~2 s)"),
     "hldstudy.compress.__main__ -> hldstudy.compress.config": _MOVABLE,
