@@ -658,3 +658,14 @@ def test_a_bad_serve_cohort_is_blamed_on_cohort(compress_run, tmp_path, capsys, 
     line = one_line(e.value.code, capsys.readouterr().err, ["--cohort", "99"])
     assert "--layers" not in line
     assert list(tmp_path.iterdir()) == []  # no data cache left behind
+
+
+def test_a_bad_compile_target_is_blamed_on_the_flag_that_gave_it(capsys):
+    """plan --check-compile bogus names --check-compile, not --target."""
+    from hldstudy.commands.plan import main as plan_main
+
+    with pytest.raises(SystemExit) as e:
+        plan_main(["--sweep", "cpu", "--check-compile", "bogus"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--check-compile: unknown target 'bogus'" in err[0]

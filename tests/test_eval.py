@@ -207,3 +207,20 @@ def test_shared_prefixes_are_scored_in_one_row(lm):
     assert got[0] == got[2]
     # Unrelated rows stay apart.
     assert len(lm.scorer.share_prefixes([lm._row(ctx, [cont[0]]), lm._row(cont, ctx[:3])])) == 2
+
+
+def test_a_diverged_models_perplexity_is_infinite_and_written_as_null():
+    """exp overflows past ~709 nats a token: the perplexity is inf, not an OverflowError;
+    the results file stays strict JSON (null) with a note."""
+    import json as _json
+    import math as _math
+
+    from hldstudy.eval.perplexity import perplexity
+    from hldstudy.eval.runner import json_safe
+
+    assert perplexity(2.0) == _math.exp(2.0)
+    assert perplexity(800.0) == _math.inf and perplexity(1e308) == _math.inf
+    safe = json_safe({"valid_ppl": {"perplexity": _math.inf, "nll": 800.0, "tokens": 10.0}})
+    text = _json.dumps(safe, allow_nan=False)  # refuses inf / nan: strict JSON
+    assert _json.loads(text)["valid_ppl"] == {"perplexity": None, "nll": 800.0, "tokens": 10.0,
+                                               "note": "perplexity is inf (written as null)"}

@@ -43,8 +43,9 @@ class Target:
         return "gpu" if self.chip.platform == "cuda" else "tpu"
 
 
-def parse_target(text: str) -> Target:
-    """The target `text` names; ConfigError (exit 2) naming the spellings otherwise."""
+def parse_target(text: str, flag: str = "--target") -> Target:
+    """The target `text` names; ConfigError (exit 2, naming `flag`: the option it came
+    from) with the spellings otherwise."""
     spec = text.strip().lower()
     m = re.fullmatch(r"(\d+)x([a-z0-9]+)", spec)
     if m and m.group(2) in CHIPS:  # 8xh100
@@ -52,12 +53,12 @@ def parse_target(text: str) -> Target:
     else:
         name, _, count = spec.partition(":")
     if name not in CHIPS:
-        raise ConfigError("--target", f"unknown target {text!r}",
+        raise ConfigError(flag, f"unknown target {text!r}",
                           f"choose a chip of {', '.join(CHIPS)}: e.g. v5e:2x4, h100:8")
     c = chip(name)
     if c.platform == "tpu":
         if not _TPU_TOPOLOGY.match(count):
-            raise ConfigError("--target", f"{text!r} gives no TPU topology",
+            raise ConfigError(flag, f"{text!r} gives no TPU topology",
                               f"e.g. {name}:2x4 or {name}:2x2x1")
         n = 1
         for dim in count.split("x"):
@@ -66,7 +67,7 @@ def parse_target(text: str) -> Target:
     if count == "":
         count = "1"
     if not count.isdigit() or int(count) < 1:
-        raise ConfigError("--target", f"{text!r}: the GPU count must be a whole number >= 1",
+        raise ConfigError(flag, f"{text!r}: the GPU count must be a whole number >= 1",
                           f"e.g. {name}:8 or 8x{name}")
     n = int(count)
     return Target(f"{name}:{n}", c, f"1x1x{n}", n)

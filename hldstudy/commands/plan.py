@@ -96,7 +96,7 @@ def _study_parser() -> argparse.ArgumentParser:
 def _check_study_args(a) -> None:
     """Every flag checked before any work; `--cohort K` parsed to an int."""
     if a.check_compile:
-        parse_target(a.check_compile)  # a bad target is refused before any work
+        parse_target(a.check_compile, "--check-compile")  # refused before any work
     auto = a.cohort == "auto"
     if auto:
         if a.hbm is None or not (math.isfinite(a.hbm) and a.hbm > 0):

@@ -17,6 +17,13 @@ from hldstudy.config import DataConfig
 from hldstudy.errors import InputError
 
 
+def perplexity(mean_nll: float) -> float:
+    """exp of the mean NLL; infinite past ~709 nats a token (a diverged model), where
+    exp overflows."""
+    if mean_nll >= math.log(float(np.finfo(np.float64).max)):
+        return math.inf
+    return math.exp(mean_nll)
+
 def corpus_data_config(task: str, base: DataConfig | None) -> DataConfig:
     base = base or DataConfig()
     if task == "valid_ppl":
@@ -75,5 +82,5 @@ def corpus_perplexity(lm, task: str, *, limit: int | None = None,
         raise InputError(f"{task}: the validation split has no tokens to score")
     mean = s1 / total
     var = max(s2 / total - mean ** 2, 0.0)
-    return {"perplexity": math.exp(mean), "nll": mean,
+    return {"perplexity": perplexity(mean), "nll": mean,
             "nll_stderr": math.sqrt(var / total), "tokens": float(total)}

@@ -5,7 +5,6 @@ Design notes: `docs/evaluation.md`, under this file's name.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import tempfile
@@ -16,7 +15,25 @@ from typing import Any
 from hldstudy import rundir
 from hldstudy.errors import InputError
 from hldstudy.eval import tasks as task_lib
+from hldstudy.fileio import write_json_atomic, write_text_atomic
 
+
+def json_safe(results: dict) -> dict:
+    """`results` as strict JSON: a non-finite metric becomes null with a note beside it
+    (JSON has no infinity; a diverged model's perplexity overflows)."""
+    out = {}
+    for task, metrics in results.items():
+        clean, notes = {}, []
+        for name, value in metrics.items():
+            if isinstance(value, float) and not math.isfinite(value):
+                clean[name] = None
+                notes.append(f"{name} is {value} (written as null)")
+            else:
+                clean[name] = value
+        if notes:
+            clean["note"] = "; ".join(notes)
+        out[task] = clean
+    return out
 
 def parse_tasks(tasks: str | list[str] | tuple[str, ...]) -> list[str]:
     if isinstance(tasks, str):
@@ -128,12 +145,12 @@ def evaluate(checkpoint: str | Path | None, tasks: list[str] | str, *, limit: in
     if out is not None:
         out = Path(out)
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(results, indent=2) + "\n")
+        write_json_atomic(out, json_safe(results))
         stem = out.with_suffix("") if out.suffix == ".json" else out
-        Path(f"{stem}.meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+        write_json_atomic(f"{stem}.meta.json", meta)
         settings = ", ".join(f"{k}={meta[k]}" for k in (
             "checkpoint", "limit", "batch_size", "max_length", "rolling_context", "offline_data"))
-        Path(f"{stem}.md").write_text(f"# Evaluation\n\n{settings}\n\n{table}")
+        write_text_atomic(f"{stem}.md", f"# Evaluation\n\n{settings}\n\n{table}")
     if wandb is None:
         wandb = bool(lm.config is not None and lm.config.wandb.enabled)
     if wandb:
