@@ -295,3 +295,18 @@ def test_a_worker_loads_its_teacher_once(tmp_path, monkeypatch):
     assert len(teachers) == 1 and worker.teacher_loads == 1
     assert [c for c in calls if c[0] == "load"] == [("load", "/some/teacher")]
     assert worker.teacher_for(runs[0].config, "tok") is None  # the baseline has none
+
+
+def test_an_unreadable_config_is_named_as_such(tmp_path):
+    """A run directory whose config.json is not JSON is refused naming the file and the
+    parse error, not as a run "trained with 'unreadable JSON'"."""
+    sweep = _sweep(methods=("baseline",), lr=(3e-3,))
+    runs = expand(sweep)
+    d = tmp_path / runs[0].run_id
+    d.mkdir(parents=True)
+    (d / "config.json").write_text('{"train": ')
+    with pytest.raises(ConfigError) as e:
+        prepare_workdir(sweep, runs, runs, tmp_path, sweep_file=CPU)
+    msg = str(e.value)
+    assert "is not readable JSON (line 1" in msg and str(d) in msg
+    assert "trained with" not in msg and "--force" in msg

@@ -54,7 +54,7 @@ def sweep_manifest(sweep, runs, sweep_file: Path, workdir: Path, overrides) -> d
 def check_drift(runs, workdir: Path, force: bool) -> list[str]:
     """Refuses (ConfigError naming the field) run dirs whose config differs from the grid;
     with force, moves them to WORKDIR/.sweep/stale/. Returns the moved run ids."""
-    from hldstudy.sweep.spec import config_drift
+    from hldstudy.sweep.spec import UNREADABLE, config_drift
 
     stale = []
     for r in runs:
@@ -66,6 +66,10 @@ def check_drift(runs, workdir: Path, force: bool) -> list[str]:
     if not force:
         r, d = stale[0]
         key, old, new = d[0]
+        if key == UNREADABLE:
+            raise ConfigError(key, f"{old}: {workdir / r.run_id} cannot be compared with the "
+                              "grid", "restore the file, use another --workdir, or pass --force "
+                              "to move the run to WORKDIR/.sweep/stale/ and rerun it")
         more = f" (and {len(d) - 1} more field(s))" if len(d) > 1 else ""
         others = f"; {len(stale) - 1} other run(s) too" if len(stale) > 1 else ""
         raise ConfigError(key, f"{workdir / r.run_id} was trained with {old!r} but the grid now "

@@ -354,6 +354,10 @@ def _norm(key: str, v: Any) -> Any:
     return v
 
 
+# config_drift's field for a run directory whose config.json cannot be read.
+UNREADABLE = "config.json"
+
+
 def config_drift(run: Run, run_dir: Path) -> list[tuple[str, Any, Any]]:
     """[(field, value in run_dir/config.json, value the grid asks for)]; [] when it matches.
 
@@ -366,8 +370,9 @@ def config_drift(run: Run, run_dir: Path) -> list[tuple[str, Any, Any]]:
     finished = (Path(run_dir) / "results.json").exists()
     try:
         old = flatten(json.loads(path.read_text()))
-    except json.JSONDecodeError:
-        return [("config.json", "unreadable JSON", "a config")]
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        where = f"line {e.lineno}: {e.msg}" if isinstance(e, json.JSONDecodeError) else str(e)
+        return [(UNREADABLE, f"{path} is not readable JSON ({where})", None)]
     new = flatten(config_to_dict(run.config))
     out = []
     for key in sorted(set(old) | set(new)):
