@@ -73,3 +73,19 @@ def test_the_report_reads_each_claim(tmp_path, monkeypatch):
     md = (tmp_path / "report.md").read_text()
     assert "## Factor effects on the gap" in md and "stage_boundary=continue vs restart" in md
     assert (tmp_path / "tables" / "factor_effects.csv").is_file()
+
+
+def test_categorical_axes_reach_the_analysis_as_written(tmp_path):
+    """train.stage_boundary and distill.nmse are strings: a run's row keeps them (a
+    numeric axis becomes a number, an axis the method does not use NaN)."""
+    from hldstudy.analysis import runs as runs_mod
+    from hldstudy.config import Config, DistillConfig, TrainConfig, config_to_dict, flatten
+
+    cfg = Config(distill=DistillConfig(method="hldf", nmse="token"),
+                 train=TrainConfig(stage_boundary="continue"))
+    row = runs_mod._row("r", tmp_path, tmp_path, flatten(config_to_dict(cfg)), None, [])
+    assert row["stage_boundary"] == "continue" and row["nmse"] == "token"
+    assert row["hldf_stage1_share"] == 0.2
+    kd = Config(distill=DistillConfig(method="kd"))
+    row = runs_mod._row("k", tmp_path, tmp_path, flatten(config_to_dict(kd)), None, [])
+    assert math.isnan(row["stage_boundary"]) and math.isnan(row["nmse"])

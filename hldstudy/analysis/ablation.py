@@ -16,6 +16,7 @@ from hldstudy.analysis.paper import HLDF, PAPER_HLDF_PPL_DELTA_PCT, Z_ALPHA, Z_P
 from hldstudy.analysis.runs import load_runs
 from hldstudy.analysis.tables import fmt_signed, md_table
 from hldstudy.distill import methods
+from hldstudy.errors import InputError
 from hldstudy.fileio import write_json_atomic, write_text_atomic
 
 FACTORS = ("hldf_stage1_share", "stage_boundary", "nmse")  # analysis columns
@@ -51,17 +52,20 @@ def detectable(values: np.ndarray) -> float:
 
 
 def verdict(lo: float, hi: float, mde: float, paper: float = PAPER_HLDF_PPL_DELTA_PCT) -> str:
-    """The claim "HLDF is ahead of KD by about `paper`%" read from a gap's CI, by a
-    comparison able to see that effect (smallest detectable gap `mde` at most |paper|;
-    else cannot tell): agrees when the CI lies below 0; disagrees when it lies above 0 or
-    excludes the paper's figure; otherwise cannot tell."""
-    if not (np.isfinite(lo) and np.isfinite(hi)) or mde > abs(paper):
+    """The claim "HLDF is ahead of KD by about `paper`%" read from a gap's CI (with a
+    seed variance to go on: finite `mde`): disagrees when the CI lies above 0 (HLDF
+    resolved behind); agrees when it lies below 0 and the comparison could see the
+    paper's effect (smallest detectable gap `mde` at most |paper|); disagrees when it
+    could and its CI excludes the paper's figure; otherwise cannot tell."""
+    if not (np.isfinite(lo) and np.isfinite(hi) and np.isfinite(mde)):
+        return CANNOT_TELL
+    if lo > 0:
+        return DISAGREES
+    if mde > abs(paper):
         return CANNOT_TELL
     if hi < 0:
         return AGREES
-    if lo > 0 or not lo <= paper <= hi:
-        return DISAGREES
-    return CANNOT_TELL
+    return CANNOT_TELL if lo <= paper <= hi else DISAGREES
 
 
 def config_table(g: pd.DataFrame, n_resamples: int = 10_000, seed: int = 0) -> pd.DataFrame:
@@ -148,6 +152,9 @@ def write_report(runs_dir: str | Path, out_dir: str | Path, n_resamples: int = 1
     out = Path(out_dir)
     (out / "tables").mkdir(parents=True, exist_ok=True)
     g = gaps(load_runs(runs_dir, check_names=False))
+    if g.empty:
+        raise InputError(f"{runs_dir}: no finished HLDF run has a finished KD run of its regime "
+                         f"({REGIME}) and seed to be compared with (is the sweep done?)")
     configs = config_table(g, n_resamples, seed)
     effects = factor_effects(g, n_resamples, seed)
     readings = claims(configs, g)

@@ -521,11 +521,12 @@ def _row(run_id: str, d: Path, root: Path, flat: dict, res: dict | None,
     count_teacher = bool(_cfg_get(flat, "budget.count_teacher"))
     row: dict[str, Any] = {"run_id": run_id, "dir": _rel(root, d), "method": method}
     # An axis the method does not use is NaN (the baseline has no temperature); the seed
-    # is an identifier, kept as written.
+    # is an identifier, kept as written, and so is a categorical axis (train.stage_boundary).
     for key, column in AXIS_COLUMNS.items():
         value = _cfg_get(flat, key)
-        row[column] = (value if key == SEED_AXIS else _num(value)) \
-            if _applies(method, key, flat) else math.nan
+        kept = key == SEED_AXIS or isinstance(value, str)
+        row[column] = (value if kept else _num(value)) if _applies(method, key, flat) \
+            else math.nan
     row.update({
         "budget": _budget_label(flops, count_teacher),
         "budget_flops": flops,
