@@ -217,7 +217,8 @@ def arm_fields(method: str) -> tuple[str, ...]:
     spec = get(method)
     others = [set(m.fields) for m in _REGISTRY.values() if m.needs_teacher]
     common = set.intersection(*others) if others else set()
-    return tuple(f for f in spec.fields if f not in common)
+    own = tuple(f for f in spec.fields if f not in common)
+    return own + (MULTI_STAGE_FIELDS if len(spec.stages) > 1 else ())
 
 
 # --------------------------------------------------------------------------- #
