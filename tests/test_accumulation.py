@@ -139,10 +139,14 @@ def _metric(workdir, key):
     return [r[key] for r in recs if key in r and "stage" in r]
 
 
+@pytest.mark.slow
 def test_a_run_in_micro_batches_trains_like_the_whole_batch(tmp_path, teacher_dir,
                                                            tokenizer_path):
     """HLDC through the trainer, colocated teacher: the losses of 2 micro-batches a step
-    follow the whole batch's (the same gradients, up to float32 sums in another order)."""
+    follow the whole batch's (the same gradients, up to float32 sums in another order).
+    Slow (two trainer runs); the default suite covers the same programs in
+    test_micro_batches_give_the_whole_batch_gradient and the trainer's path in
+    test_auto_trains_in_micro_batches_when_the_whole_batch_does_not_fit."""
     from helpers.runs import student_config
 
     from hldstudy.train.loop import Trainer
