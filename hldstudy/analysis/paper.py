@@ -293,15 +293,8 @@ def read_kd_weak(pairs: pd.DataFrame, reference: str = methods.REFERENCE,
              f"itself is weak (configurations where {reference.upper()}'s perplexity is high).")
     if pairs.empty:
         return ClaimReading(claim, [f"No HLD run shares a grid point with {reference}."], SILENT)
-    gcols = [c for c in pairs.attrs.get("grid_cols", []) if c in pairs]
     shows, caveats, verdicts = [], [], []
-    for arm in sorted(pairs["arm"].unique()):
-        sub = pairs[pairs["arm"] == arm]
-        per = (sub.groupby(gcols, dropna=False)[["ref_valid_ppl", PPL_DELTA]].mean()
-               if gcols else sub[["ref_valid_ppl", PPL_DELTA]].mean().to_frame().T)
-        ref_ppl = per["ref_valid_ppl"].to_numpy(float)
-        delta = per[PPL_DELTA].to_numpy(float)
-        rc = stats.rank_correlation(ref_ppl, delta)
+    for arm, ref_ppl, delta, rc in _kd_weak_points(pairs):
         if not np.isfinite(rc.rho):
             shows.append(f"`{arm}`: {rc.n} shared point(s) (or no spread in "
                          f"{reference}'s perplexity): no rank correlation.")
@@ -354,19 +347,23 @@ def adjusted_p_values(summary: pd.DataFrame, pairs: pd.DataFrame, method: str = 
     return dict(zip(keys, stats.holm([raw[k] for k in keys]).tolist(), strict=True))
 
 
-def kd_weak_p_values(pairs: pd.DataFrame) -> dict[str, float]:
-    """Claim 3's rank-correlation p per arm (the arms where one can be computed)."""
+def _kd_weak_points(pairs: pd.DataFrame):
+    """Per arm: (arm, the reference's perplexity and the arm's delta at each grid point,
+    per-seed values averaged, their rank correlation)."""
     gcols = [c for c in pairs.attrs.get("grid_cols", []) if c in pairs]
-    out = {}
     for arm in sorted(pairs["arm"].unique()):
         sub = pairs[pairs["arm"] == arm]
         per = (sub.groupby(gcols, dropna=False)[["ref_valid_ppl", PPL_DELTA]].mean()
                if gcols else sub[["ref_valid_ppl", PPL_DELTA]].mean().to_frame().T)
-        rc = stats.rank_correlation(per["ref_valid_ppl"].to_numpy(float),
-                                    per[PPL_DELTA].to_numpy(float))
-        if np.isfinite(rc.rho):
-            out[arm] = float(rc.p_value)
-    return out
+        ref_ppl = per["ref_valid_ppl"].to_numpy(float)
+        delta = per[PPL_DELTA].to_numpy(float)
+        yield arm, ref_ppl, delta, stats.rank_correlation(ref_ppl, delta)
+
+
+def kd_weak_p_values(pairs: pd.DataFrame) -> dict[str, float]:
+    """Claim 3's rank-correlation p per arm (the arms where one can be computed)."""
+    return {arm: float(rc.p_value) for arm, _, _, rc in _kd_weak_points(pairs)
+            if np.isfinite(rc.rho)}
 
 
 def read_all(summary: pd.DataFrame, best: pd.DataFrame, pairs: pd.DataFrame,

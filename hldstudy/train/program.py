@@ -160,7 +160,8 @@ def make_train_step(strategy: Strategy, stage: Stage, graphdefs: GraphDefs,
     gradient summed over `microbatches` micro-batches of the batch."""
     _check_accumulates(strategy, microbatches)
     loss_fn = make_loss_fn(strategy, stage, graphdefs, teacher_forward)
-    whole_loss_fn = make_loss_fn(strategy, stage, graphdefs)
+    # accumulating: the teacher's outputs come first, the loss sees them as they are
+    outputs_loss_fn = make_loss_fn(strategy, stage, graphdefs) if microbatches > 1 else None
 
     def train_step(state, batch, teacher_in):
         if microbatches == 1:
@@ -168,7 +169,7 @@ def make_train_step(strategy: Strategy, stage: Stage, graphdefs: GraphDefs,
                 state["params"], batch, teacher_in)
         else:
             teacher = micro_teacher_outputs(teacher_in, batch, teacher_forward, microbatches)
-            loss, metrics, grads = _accumulated_grads(whole_loss_fn, strategy, stage,
+            loss, metrics, grads = _accumulated_grads(outputs_loss_fn, strategy, stage,
                                                       state["params"], batch, teacher,
                                                       microbatches)
         updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
