@@ -4,9 +4,8 @@
     hldstudy train ...     (same as python -m hldstudy.train)
     hldstudy flops ...     (FLOPs per step, steps per budget, XLA's count)
     hldstudy plan ...      (memory / network planner; --sweep, --check-compile)
-    hldstudy eval ...      (same as python -m hldstudy.eval)
-    hldstudy sweep ...     (same as python -m hldstudy.sweep)
-    hldstudy analysis ...  (same as python -m hldstudy.analysis)
+    hldstudy data prepare  (tokenize a corpus once into token shards)
+    hldstudy eval|sweep|analysis ...  (same as python -m hldstudy.eval, .sweep, .analysis)
     hldstudy serve ...     (same as python -m hldstudy.teacher.serve)
     hldstudy compress ...  (same as python -m hldstudy.compress)
 """
@@ -23,6 +22,7 @@ def main(argv: list[str] | None = None) -> int:
         "train": "hldstudy.train.__main__",
         "flops": "hldstudy.commands.flops",
         "plan": "hldstudy.commands.plan",
+        "data": "hldstudy.commands.data",
         "eval": "hldstudy.eval.__main__",
         "sweep": "hldstudy.sweep.__main__",
         "analysis": "hldstudy.analysis.__main__",

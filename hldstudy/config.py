@@ -248,7 +248,7 @@ def axis_names(cls: type | None = None) -> dict[str, dict[str, str]]:
 # --------------------------------------------------------------------------- #
 
 DTYPES = ("float32", "bfloat16", "float16")
-SOURCES = ("synthetic", "text", "jsonl", "tfds", "hf")
+SOURCES = ("synthetic", "text", "jsonl", "tfds", "hf", "shards")
 DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")
 SCHEDULES = ("cosine", "linear", "constant")
 STAGE_BOUNDARIES = ("restart", "continue")
@@ -357,9 +357,10 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    # synthetic | text | jsonl | tfds | hf
+    # synthetic | text | jsonl | tfds | hf | shards (prepared by `hldstudy data prepare`)
     source: str = knob("synthetic", data_identity=True, domain=SOURCES)
-    # File, glob or directory for text/jsonl/hf; TFDS data_dir for tfds.
+    # File, glob or directory for text/jsonl/hf; TFDS data_dir for tfds; the prepared
+    # directory for shards.
     path: str | None = knob(None, resume=True)
     tfds_name: str = knob("c4/en", data_identity=True)
     text_field: str = knob("text", data_identity=True)
@@ -388,6 +389,12 @@ class DataConfig:
                          domain=Domain(">= 0", note="0 = all documents"))
     # Prepend BOS to every document (Gemma-style tokenizers expect it).
     add_bos: bool = knob(False, data_identity=True)
+    # Streaming (tfds): processes that fetch and encode documents ahead of the packer
+    # (0 = in the training process).
+    workers: int = knob(0, operational=True, domain=NONNEG)
+    # Prepared shards: read a record whose checksum fails as an empty document (each one
+    # logged) instead of stopping the run.
+    skip_corrupt: bool = knob(False, operational=True)
 
 
 @dataclass(frozen=True)
@@ -626,7 +633,7 @@ def validate(cfg: Config, *, check_paths: bool = True, need_teacher: bool = True
     if d.source != "synthetic" and not d.path:
         raise ConfigError("data.path", f"data.source={d.source!r} needs a path",
                           "pass --set data.path=/local/path")
-    if check_paths and d.path and d.source in ("text", "jsonl", "hf", "tfds"):
+    if check_paths and d.path and d.source in ("text", "jsonl", "hf", "tfds", "shards"):
         import glob
 
         if not glob.glob(d.path):

@@ -65,6 +65,11 @@ def warn(message: str, prog: str = "hldstudy") -> None:
     print(f"{prog}: warning: {message}", file=sys.stderr, flush=True)
 
 
+def note(message: str, prog: str = "hldstudy") -> None:
+    """One line of news on stderr (where a run stands), beside the warnings."""
+    print(f"{prog}: {message}", file=sys.stderr, flush=True)
+
+
 @contextlib.contextmanager
 def user_errors(debug: bool = False, prog: str = "hldstudy"):
     """Turns `HLDError` into `prog: error: <message>` and its exit code (2, or 3 for a

@@ -123,15 +123,40 @@ def check_batch_divisible(batch_size: int, mesh: Mesh) -> None:
                           f"use a multiple of {n}")
 
 
-def put_batch(batch: dict, mesh: Mesh) -> dict:
-    """Places a host-side global batch (numpy, identical on every process) onto the mesh:
-    each process transfers only the rows of its own devices."""
+def put_batch(batch: dict, mesh: Mesh, batch_size: int | None = None) -> dict:
+    """Places a host-side batch onto the mesh: the global batch (numpy, identical on every
+    process; each process transfers only the rows of its own devices), or, when it holds
+    fewer than `batch_size` rows, only this process's rows of it (`process_rows`)."""
     sharding = batch_sharding(mesh)
     out = {}
     for key, value in batch.items():
         value = np.asarray(value)
-        out[key] = jax.make_array_from_callback(value.shape, sharding, lambda idx, v=value: v[idx])
+        if batch_size is not None and len(value) != batch_size:
+            out[key] = jax.make_array_from_process_local_data(
+                sharding, value, (batch_size, *value.shape[1:]))
+        else:
+            out[key] = jax.make_array_from_callback(value.shape, sharding,
+                                                    lambda idx, v=value: v[idx])
     return out
+
+
+def process_rows(mesh: Mesh, batch_size: int) -> list[int] | None:
+    """The rows of a global batch this process's devices hold; None in a single-process
+    job (all of them)."""
+    if jax.process_count() == 1:
+        return None
+    index = batch_sharding(mesh).addressable_devices_indices_map((batch_size,))
+    return sorted({r for idx in index.values() for r in range(*idx[0].indices(batch_size))})
+
+
+def gather_cursor(rows: list[int], local: list, batch_size: int) -> list:
+    """The whole batch's per-row data cursor ([doc, offset] per row) from every process's
+    own rows (`rows`, `local`): one all-gather of small integers."""
+    from jax.experimental import multihost_utils
+
+    mine = np.zeros((batch_size, 2), np.int32)
+    mine[rows] = np.asarray(local, np.int32).reshape(len(rows), 2)
+    return np.asarray(multihost_utils.process_allgather(mine)).max(axis=0).tolist()
 
 
 def put_tree(tree, shardings):

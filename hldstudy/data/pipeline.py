@@ -5,13 +5,14 @@ Design notes: `docs/data.md`, under this file's name.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
 import os
 import threading
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,9 @@ import numpy as np
 
 from hldstudy.config import DataConfig
 from hldstudy.data import packing, sources
+from hldstudy.data.encoding import DocumentEncoder, encode_documents
 from hldstudy.data.packing import StreamPacker, empty_rows, pack_first_fit, rows_to_batch
+from hldstudy.data.shards import LanePacker, ShardReader, read_manifest
 from hldstudy.data.tokenizer import Tokenizer, train_tokenizer
 from hldstudy.errors import ConfigError, InputError
 
@@ -28,20 +31,6 @@ PACKING_VERSION = 1
 STATE_VERSION = 1
 # Documents used to train a tokenizer on a streaming (TFDS) source.
 TOKENIZER_TRAIN_DOCS = 50_000
-
-
-def encode_documents(tokenizer: Tokenizer, texts: Sequence[str], *, add_bos: bool = False,
-                     chunk: int = 4096) -> list[np.ndarray]:
-    """Token arrays with EOS appended (and BOS prepended with add_bos)."""
-    out: list[np.ndarray] = []
-    eos, bos = tokenizer.eos_id, tokenizer.bos_id
-    for i in range(0, len(texts), chunk):
-        for ids in tokenizer.encode_batch(list(texts[i:i + chunk])):
-            if add_bos:
-                ids = [bos] + ids
-            ids.append(eos)
-            out.append(np.asarray(ids, np.int32))
-    return out
 
 
 # --------------------------------------------------------------------------- #
@@ -53,6 +42,12 @@ class BatchStream:
     """Iterator of batch dicts (see `hldstudy.data.packing`) with resumable state."""
 
     kind = "base"
+    # The rows of every batch this stream produces (None: all); `hldstudy.sharding.put_batch`
+    # places such a process-local batch.
+    local_rows: list[int] | None = None
+    # Batches produced only to reach a later one (a stream without a cursor for a step
+    # replays from the nearest one before it); a resume from a checkpoint's cursor adds 0.
+    replayed = 0
 
     def __init__(self, *, batch_size: int, seq_len: int, seed: int, shuffle: bool,
                  fingerprint: str, pad_id: int = 0):
@@ -95,23 +90,43 @@ class BatchStream:
         self.step += 1
         return b
 
-    def get_state(self) -> dict[str, Any]:
-        return {"version": STATE_VERSION, "kind": self.kind, "step": int(self.step),
-                "seed": self.seed, "batch_size": self.batch_size, "seq_len": self.seq_len,
-                "shuffle": self.shuffle, "fingerprint": self.fingerprint}
+    # -- the data cursor (saved in every checkpoint) ----------------------- #
+    IDENTITY = ("kind", "seed", "batch_size", "seq_len", "shuffle", "fingerprint")
 
-    def set_state(self, state: dict[str, Any]) -> None:
+    def state_at(self, step: int) -> dict[str, Any]:
+        """The data cursor of batch `step`, JSON-able: what `restore` needs to produce batch
+        `step` next without reading any batch before it."""
+        return {"version": STATE_VERSION, "step": int(step),
+                **{k: getattr(self, k) for k in self.IDENTITY}}
+
+    def restore(self, state: dict[str, Any]) -> int:
+        """Positions the stream at the cursor `state` (from `state_at`, e.g. a checkpoint's):
+        its batch is then produced without replaying the ones before it. Returns its step;
+        InputError when the cursor belongs to another stream (data config or tokenizer)."""
         if isinstance(state, (str, bytes)):
             state = json.loads(state)
-        for k in ("kind", "seed", "batch_size", "seq_len", "shuffle", "fingerprint"):
+        if not isinstance(state, dict) or not isinstance(state.get("step"), int):
+            raise InputError(f"the data cursor {str(state)[:120]!r} has no integer step")
+        for k in self.IDENTITY:
             mine = getattr(self, k)
             if k in state and state[k] != mine:
-                raise InputError(f"data state was recorded with {k}={state[k]!r} but this stream has "
-                                 f"{k}={mine!r}; resume with the same data config and tokenizer")
-        step = int(state["step"])
-        if step < 0:
-            raise InputError(f"data state has a negative step {step}")
-        self.step = step
+                raise InputError(f"the data cursor was recorded with {k}={state[k]!r} but this "
+                                 f"stream has {k}={mine!r}; resume with the same data config and "
+                                 "tokenizer")
+        if state["step"] < 0:
+            raise InputError(f"the data cursor has a negative step {state['step']}")
+        self._restore(state)
+        return state["step"]
+
+    def _restore(self, state: dict[str, Any]) -> None:
+        """Records the cursor (streams whose position is more than the step)."""
+
+    def get_state(self) -> dict[str, Any]:
+        """The cursor of the iterator's next batch."""
+        return self.state_at(self.step)
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self.step = self.restore(state)
 
     def valid_batches(self, n: int | None = None) -> list[dict[str, np.ndarray]]:
         """The first n batches (all of a finite stream when n is None), in order."""
@@ -208,33 +223,25 @@ class RowsBatchStream(BatchStream):
                 "padding_fraction": 1.0 - real / self.segments.size}
 
 
-class StreamingBatchStream(BatchStream):
-    """Batches packed on the fly from an indexable document stream (TFDS via grain)."""
+class CursorBatchStream(BatchStream):
+    """Batches packed on the fly by `packer` (an object with a JSON-able `cursor` and
+    `next_rows()`), which only moves forward: batch `step` is produced from the cursor
+    recorded at or before it (every 16 steps, where the packer stands, and any restored
+    one), replaying the batches in between (counted in `replayed`)."""
 
-    kind = "streaming"
+    kind = "cursor"
     CHECKPOINT_EVERY = 16
     MAX_CHECKPOINTS = 256
 
-    def __init__(self, documents, tokenizer: Tokenizer, *, seq_len: int, batch_size: int,
-                 seed: int, shuffle: bool, fingerprint: str, add_bos: bool = False,
-                 cross_document: bool = False):
+    def __init__(self, packer, *, batch_size: int, seq_len: int, seed: int, shuffle: bool,
+                 fingerprint: str, pad_id: int):
         super().__init__(batch_size=batch_size, seq_len=seq_len, seed=seed, shuffle=shuffle,
-                         fingerprint=fingerprint, pad_id=tokenizer.pad_id)
-        self.documents = documents  # grain.MapDataset of str (or any sequence)
-        self.tokenizer = tokenizer
-        self.add_bos = add_bos
-        self._finite_len = None if shuffle else len(documents)
-        self.packer = StreamPacker(self._get_doc, seq_len, cross_document=cross_document,
-                                   pad_id=tokenizer.pad_id)
+                         fingerprint=fingerprint, pad_id=pad_id)
+        self.packer = packer
         self._lock = threading.RLock()  # batch_at moves one shared packer
-        self._ckpt: dict[int, tuple[int, int]] = {0: (0, 0)}
+        self._ckpt: dict[int, Any] = {0: packer.cursor}
         self._pos = 0  # the step whose rows the packer produces next
         self._end: int | None = None  # first step past a finite stream's end
-
-    def _get_doc(self, i: int):
-        if self._finite_len is not None and i >= self._finite_len:
-            return None
-        return encode_documents(self.tokenizer, [self.documents[i]], add_bos=self.add_bos)[0]
 
     @property
     def num_batches(self) -> int | None:
@@ -251,8 +258,9 @@ class StreamingBatchStream(BatchStream):
             self._pos = start
         while self._pos < step:
             self._produce()
+            self.replayed += 1
 
-    def _remember(self, step: int, cursor: tuple[int, int]) -> None:
+    def _remember(self, step: int, cursor) -> None:
         self._ckpt[step] = cursor
         if len(self._ckpt) > self.MAX_CHECKPOINTS:  # keep step 0 and the most recent ones
             del self._ckpt[min(k for k in self._ckpt if k != 0)]
@@ -260,26 +268,21 @@ class StreamingBatchStream(BatchStream):
     def _produce(self) -> dict[str, np.ndarray]:
         if self._end is not None and self._pos >= self._end:
             raise IndexError(self._pos)
-        rows = []
-        for _ in range(self.batch_size):
-            r = self.packer.next_row()
-            if r is None:
-                break
-            rows.append(r)
-        if not rows:
+        rows = self.packer.next_rows()
+        if rows is None:
             self._end = self._pos
             raise IndexError(self._pos)
-        tok, seg = empty_rows(self.batch_size, self.seq_len, self.pad_id)
-        for j, (t, s) in enumerate(rows):
-            tok[j], seg[j] = t, s
+        tok, seg = empty_rows(len(rows), self.seq_len, self.pad_id)
+        for j, r in enumerate(rows):
+            if r is not None:
+                tok[j], seg[j] = r
         self._pos += 1
         if self._pos % self.CHECKPOINT_EVERY == 0:
             self._remember(self._pos, self.packer.cursor)
         return rows_to_batch(tok, seg)
 
     def batch_at(self, step: int) -> dict[str, np.ndarray]:
-        """Batch `step`: O(1) when steps are read in order or after `set_state`;
-        otherwise replayed from the nearest recorded cursor (every 16 steps)."""
+        """Batch `step`: O(1) when steps are read in order or after `restore`."""
         if step < 0:
             raise IndexError(step)
         with self._lock:
@@ -288,23 +291,130 @@ class StreamingBatchStream(BatchStream):
             self._seek(step)
             return self._produce()
 
-    def get_state(self) -> dict[str, Any]:
+    def cursor_at(self, step: int):
         with self._lock:
-            st = super().get_state()
-            self._seek(self.step)
-            st["cursor"] = list(self.packer.cursor)
-            return st
+            if step in self._ckpt:
+                return self._ckpt[step]
+            self._seek(step)
+            return self.packer.cursor
 
-    def set_state(self, state: dict[str, Any]) -> None:
-        if isinstance(state, (str, bytes)):
-            state = json.loads(state)
+    def state_at(self, step: int) -> dict[str, Any]:
+        """The cursor of batch `step`: recorded, or where the packer stands (right after
+        batch `step - 1`, which is when the loop saves), else reached by replaying."""
+        return {**super().state_at(step), "cursor": _as_lists(self.cursor_at(step))}
+
+    def _restore(self, state: dict[str, Any]) -> None:
+        cursor = _as_tuples(state.get("cursor"))
+        if not _same_structure(cursor, self.packer.cursor):
+            raise InputError(f"the data cursor {str(state.get('cursor'))[:120]} does not fit "
+                             f"this {self.kind} stream")
         with self._lock:
-            super().set_state(state)
-            if "cursor" in state:
-                cursor = (int(state["cursor"][0]), int(state["cursor"][1]))
-                self._remember(self.step, cursor)
-                self.packer.cursor = cursor
-                self._pos = self.step
+            self._remember(state["step"], cursor)
+            self.packer.cursor = cursor
+            self._pos = state["step"]
+
+
+class ShardsBatchStream(CursorBatchStream):
+    """Batches packed from prepared token shards (`hldstudy.data.shards`), each row from
+    its own lane of documents (`LanePacker`). Built for some `rows` of the batch (a
+    process's own), it reads and returns those rows only (`local_rows`); its cursor is
+    still the whole batch's, gathered by `gather_cursor` (set by a multi-process trainer)."""
+
+    kind = "shards"
+
+    def __init__(self, reader: ShardReader, *, batch_size: int, seq_len: int, seed: int,
+                 shuffle: bool, fingerprint: str, pad_id: int, cross_document: bool,
+                 rows: list[int] | None = None):
+        import grain
+
+        order = (grain.MapDataset.range(len(reader)).shuffle(seed=int(seed) % 2**32)
+                 if shuffle else None)
+        self.rows = list(range(batch_size)) if rows is None else sorted(int(r) for r in rows)
+        self.local_rows = None if self.rows == list(range(batch_size)) else self.rows
+        self.gather_cursor = None
+        self.reader = reader
+        super().__init__(LanePacker(reader, order, self.rows, batch_size, seq_len,
+                                    cross_document=cross_document, pad_id=pad_id,
+                                    finite=not shuffle),
+                         batch_size=batch_size, seq_len=seq_len, seed=seed, shuffle=shuffle,
+                         fingerprint=fingerprint, pad_id=pad_id)
+
+    def state_at(self, step: int) -> dict[str, Any]:
+        state = super().state_at(step)
+        if self.local_rows is not None:
+            state["cursor"] = _as_lists(self.gather_cursor(self.rows, state["cursor"]))
+        return state
+
+    def _restore(self, state: dict[str, Any]) -> None:
+        c = state.get("cursor")
+        if self.local_rows is not None and isinstance(c, list) and len(c) == self.batch_size:
+            state = {**state, "cursor": [c[r] for r in self.rows]}
+        super()._restore(state)
+
+
+def _as_lists(x):
+    return [_as_lists(v) for v in x] if isinstance(x, (tuple, list)) else int(x)
+
+
+def _as_tuples(x):
+    return tuple(_as_tuples(v) for v in x) if isinstance(x, (tuple, list)) else x
+
+
+def _same_structure(a, b) -> bool:
+    if isinstance(b, tuple):
+        return isinstance(a, tuple) and len(a) == len(b) and all(
+            _same_structure(x, y) for x, y in zip(a, b, strict=True))
+    return isinstance(a, int) and not isinstance(a, bool) and a >= 0
+
+
+class _BatchOfOnePacker:
+    """`batch_size` consecutive rows of one `StreamPacker` per batch."""
+
+    def __init__(self, packer: StreamPacker, batch_size: int):
+        self.packer, self.batch_size = packer, batch_size
+
+    @property
+    def cursor(self):
+        return self.packer.cursor
+
+    @cursor.setter
+    def cursor(self, c) -> None:
+        self.packer.cursor = c
+
+    def next_rows(self):
+        rows = []
+        for _ in range(self.batch_size):
+            r = self.packer.next_row()
+            if r is None:
+                break
+            rows.append(r)
+        return (rows + [None] * (self.batch_size - len(rows))) if rows else None
+
+
+class StreamingBatchStream(CursorBatchStream):
+    """Batches packed on the fly from an indexable document stream (TFDS via grain),
+    documents encoded in chunks (`DocumentEncoder`: in worker processes with workers)."""
+
+    kind = "streaming"
+
+    def __init__(self, documents, tokenizer: Tokenizer, *, seq_len: int, batch_size: int,
+                 seed: int, shuffle: bool, fingerprint: str, add_bos: bool = False,
+                 cross_document: bool = False, encoder=None):
+        self.documents = documents  # grain.MapDataset of str (or any sequence)
+        self.tokenizer = tokenizer
+        self.add_bos = add_bos
+        self._finite_len = None if shuffle else len(documents)
+        self.encoder = encoder or DocumentEncoder(documents, tokenizer, add_bos=add_bos)
+        packer = StreamPacker(self._get_doc, seq_len, cross_document=cross_document,
+                              pad_id=tokenizer.pad_id)
+        super().__init__(_BatchOfOnePacker(packer, batch_size), batch_size=batch_size,
+                         seq_len=seq_len, seed=seed, shuffle=shuffle, fingerprint=fingerprint,
+                         pad_id=tokenizer.pad_id)
+
+    def _get_doc(self, i: int):
+        if self._finite_len is not None and i >= self._finite_len:
+            return None
+        return self.encoder.get(i, self._finite_len)
 
 
 # --------------------------------------------------------------------------- #
@@ -364,19 +474,36 @@ def _cached_rows(cfg: DataConfig, tokenizer: Tokenizer, corpus: sources.Corpus,
 
 def make_batches(cfg: DataConfig, tokenizer: Tokenizer, split: str,
                  workdir: str | Path | None = None, *, corpus: sources.Corpus | None = None,
-                 ) -> BatchStream:
+                 rows: list[int] | None = None) -> BatchStream:
     """The batch stream of a split: shuffled and infinite for ``cfg.train_split``, in order
-    and one pass for any other split. Raises InputError when the split has no documents."""
+    and one pass for any other split. Raises InputError when the split has no documents.
+    rows: the rows of every batch this process reads (prepared shards only; None: all)."""
     train = split == cfg.train_split
     common = {"seq_len": cfg.seq_len, "packing": cfg.packing, "add_bos": cfg.add_bos,
               "tokenizer": tokenizer.fingerprint(), "v": PACKING_VERSION}
+    if cfg.source == "shards":
+        manifest = read_manifest(cfg.path)
+        name = "train" if train else "valid"
+        part = manifest["splits"].get(name)
+        if not part or not part["documents"]:
+            raise InputError(f"data.path: the shards in {cfg.path} have no {name} documents")
+        reader = ShardReader(cfg.path, part["shards"], skip_corrupt=cfg.skip_corrupt)
+        fp = _key([manifest["source"], name, common])
+        return ShardsBatchStream(reader, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
+                                 seed=cfg.seed, shuffle=train, fingerprint=fp,
+                                 pad_id=tokenizer.pad_id, cross_document=not cfg.packing,
+                                 rows=rows if train else None)
     if cfg.source == "tfds":
-        docs = sources.tfds_documents(cfg, split, shuffle_seed=cfg.seed if train else None)
+        seed = cfg.seed if train else None
+        docs = sources.tfds_documents(cfg, split, shuffle_seed=seed)
         fp = _key([sources.tfds_key(cfg, split), common])
+        encoder = DocumentEncoder(docs, tokenizer, add_bos=cfg.add_bos, workers=cfg.workers,
+                                  open_documents=functools.partial(
+                                      sources.tfds_documents, cfg, split, shuffle_seed=seed))
         return StreamingBatchStream(docs, tokenizer, seq_len=cfg.seq_len,
                                     batch_size=cfg.batch_size, seed=cfg.seed, shuffle=train,
                                     fingerprint=fp, add_bos=cfg.add_bos,
-                                    cross_document=not cfg.packing)
+                                    cross_document=not cfg.packing, encoder=encoder)
     if corpus is None:
         corpus = sources.load_corpus(cfg, split, workdir)
     fp = _key([corpus.key, common])
@@ -392,12 +519,16 @@ class DataBundle:
     train: BatchStream
     # None when the source has no validation documents (e.g. valid_holdout_docs=0).
     valid: BatchStream | None
+    _valid: dict = field(default_factory=dict, repr=False)  # n -> the first n batches
 
     def valid_batches(self, n: int | None = None) -> list[dict[str, np.ndarray]]:
-        """The first n validation batches (fixed, unshuffled); [] without a validation split."""
+        """The first n validation batches (fixed, unshuffled); [] without a validation split.
+        Read (tokenized, packed) once per run: every evaluation reuses them."""
         if self.valid is None:
             return []
-        return self.valid.valid_batches(n)
+        if n not in self._valid:
+            self._valid[n] = self.valid.valid_batches(n)
+        return self._valid[n]
 
 
 def _tokenizer_texts(cfg: DataConfig, corpus: sources.Corpus | None) -> Iterable[str]:
@@ -408,43 +539,74 @@ def _tokenizer_texts(cfg: DataConfig, corpus: sources.Corpus | None) -> Iterable
     return (docs[i] for i in range(n))
 
 
-def prepare_data(cfg: DataConfig, workdir: str | Path) -> DataBundle:
-    """Tokenizer + train/valid streams for a run directory.
-
-    The tokenizer is `cfg.tokenizer` when set; otherwise `workdir/tokenizer.model`,
-    trained on the training split (first 50k docs for TFDS) unless one is already
-    there. Packed rows are cached under `workdir/data_cache/`.
-    """
-    workdir = Path(workdir)
-    workdir.mkdir(parents=True, exist_ok=True)
-    corpus = None if cfg.source == "tfds" else sources.load_corpus(cfg, cfg.train_split, workdir)
+def shards_tokenizer(cfg: DataConfig, manifest: dict) -> Tokenizer:
+    """The tokenizer of prepared shards: `cfg.tokenizer` (which must be the one they were
+    prepared with) or, unset, the manifest's copy beside them. Refuses a run whose
+    tokenizer or BOS setting differs from the shards' in one line."""
+    want = manifest["tokenizer"]
     if cfg.tokenizer:
         tokenizer = Tokenizer.load(cfg.tokenizer)
+        if tokenizer.fingerprint() != want["fingerprint"]:
+            raise InputError(f"data.tokenizer: {cfg.tokenizer} is not the tokenizer the shards "
+                             f"in {cfg.path} were prepared with ({want['file']}, fingerprint "
+                             f"{want['fingerprint']}); unset data.tokenizer to use theirs, or "
+                             "prepare them again with this one")
     else:
-        path = workdir / "tokenizer.model"
-        meta_path = workdir / "tokenizer.json"
-        ident = {"vocab_size": cfg.tokenizer_vocab_size,
-                 "corpus": corpus.key if corpus is not None else sources.tfds_key(cfg, cfg.train_split)}
-        if path.exists():
-            tokenizer = Tokenizer.load(path)
-            if meta_path.exists():
-                meta = json.loads(meta_path.read_text())
-                if meta.get("vocab_size") != ident["vocab_size"]:
-                    raise InputError(
-                        f"{path} was trained with vocab_size={meta.get('vocab_size')} but "
-                        f"data.tokenizer_vocab_size={cfg.tokenizer_vocab_size}; delete it or set "
-                        "data.tokenizer")
-        else:
-            if corpus is not None and len(corpus) == 0:
-                raise InputError(f"data.path: {corpus.description} has no documents")
-            tokenizer = train_tokenizer(_tokenizer_texts(cfg, corpus), cfg.tokenizer_vocab_size,
-                                        workdir / "tokenizer")
-            meta_path.write_text(json.dumps(ident, indent=2) + "\n")
-    train = make_batches(cfg, tokenizer, cfg.train_split, workdir, corpus=corpus)
+        tokenizer = Tokenizer.load(Path(cfg.path) / want["file"])
+    if bool(manifest["add_bos"]) != cfg.add_bos:
+        raise InputError(f"data.add_bos: the shards in {cfg.path} were prepared with "
+                         f"add_bos={manifest['add_bos']}; set data.add_bos="
+                         f"{str(manifest['add_bos']).lower()} or prepare them again")
+    return tokenizer
+
+
+def run_tokenizer(cfg: DataConfig, workdir: Path, corpus: sources.Corpus | None) -> Tokenizer:
+    """`cfg.tokenizer` when set; otherwise `workdir/tokenizer.model`, trained on the
+    training split (first 50k docs for TFDS) unless one is already there."""
+    if cfg.tokenizer:
+        return Tokenizer.load(cfg.tokenizer)
+    path = workdir / "tokenizer.model"
+    meta_path = workdir / "tokenizer.json"
+    ident = {"vocab_size": cfg.tokenizer_vocab_size,
+             "corpus": corpus.key if corpus is not None else sources.tfds_key(cfg, cfg.train_split)}
+    if path.exists():
+        tokenizer = Tokenizer.load(path)
+        if meta_path.exists():
+            meta = json.loads(meta_path.read_text())
+            if meta.get("vocab_size") != ident["vocab_size"]:
+                raise InputError(
+                    f"{path} was trained with vocab_size={meta.get('vocab_size')} but "
+                    f"data.tokenizer_vocab_size={cfg.tokenizer_vocab_size}; delete it or set "
+                    "data.tokenizer")
+        return tokenizer
+    if corpus is not None and len(corpus) == 0:
+        raise InputError(f"data.path: {corpus.description} has no documents")
+    tokenizer = train_tokenizer(_tokenizer_texts(cfg, corpus), cfg.tokenizer_vocab_size,
+                                workdir / "tokenizer")
+    meta_path.write_text(json.dumps(ident, indent=2) + "\n")
+    return tokenizer
+
+
+def prepare_data(cfg: DataConfig, workdir: str | Path, *, rows: list[int] | None = None
+                 ) -> DataBundle:
+    """Tokenizer + train/valid streams for a run directory (`run_tokenizer`, or the
+    prepared shards' `shards_tokenizer`). Packed rows of finite sources are cached under
+    `workdir/data_cache/`. rows: the rows of each training batch this process reads
+    (prepared shards; None: all)."""
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    corpus = None
+    if cfg.source == "shards":
+        tokenizer = shards_tokenizer(cfg, read_manifest(cfg.path))
+    else:
+        if cfg.source != "tfds":
+            corpus = sources.load_corpus(cfg, cfg.train_split, workdir)
+        tokenizer = run_tokenizer(cfg, workdir, corpus)
+    train = make_batches(cfg, tokenizer, cfg.train_split, workdir, corpus=corpus, rows=rows)
     try:
         valid = make_batches(cfg, tokenizer, cfg.valid_split, workdir)
     except InputError:
-        if cfg.source == "tfds" or cfg.valid_path:
+        if cfg.source in ("tfds", "shards") or cfg.valid_path:
             raise
         valid = None  # no held-out documents
     return DataBundle(tokenizer=tokenizer, train=train, valid=valid)

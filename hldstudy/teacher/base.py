@@ -24,7 +24,8 @@ class StageFeed(Protocol):
 
     forward: TeacherForward | None
 
-    def begin(self, start: int, end: int, workdir: Path | None = None) -> None: ...
+    def begin(self, start: int, end: int, workdir: Path | None = None,
+              data_cursor: dict | None = None) -> None: ...
 
     def inputs(self, step: int, batch: Batch) -> Any: ...
 
@@ -54,7 +55,8 @@ class _NoFeed:
 
     forward = None
 
-    def begin(self, start: int, end: int, workdir: Path | None = None) -> None:
+    def begin(self, start: int, end: int, workdir: Path | None = None,
+              data_cursor: dict | None = None) -> None:
         pass
 
     def inputs(self, step: int, batch: Batch) -> None:

@@ -52,7 +52,8 @@ class ParamsFeed:
     def __init__(self, forward: TeacherForward, params):
         self.forward, self.params = forward, params
 
-    def begin(self, start: int, end: int, workdir: Path | None = None) -> None:
+    def begin(self, start: int, end: int, workdir: Path | None = None,
+              data_cursor: dict | None = None) -> None:
         pass
 
     def inputs(self, step: int, batch: Batch):

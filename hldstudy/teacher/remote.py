@@ -326,8 +326,10 @@ class RemoteFeeder:
         self._stall_since_metrics = 0.0
         self.consumed: list[int] = []
 
-    def begin(self, start: int, end: int, workdir: str | Path | None = None) -> None:
-        """Opens the streams for steps [start, end) (the loop calls it when a stage starts)."""
+    def begin(self, start: int, end: int, workdir: str | Path | None = None,
+              data_cursor: dict | None = None) -> None:
+        """Opens the streams for steps [start, end) (the loop calls it when a stage starts),
+        handing each replica the data cursor of batch `start`: it never replays the stream."""
         self.close()
         t = self.teacher
         if workdir is not None:
@@ -347,6 +349,8 @@ class RemoteFeeder:
             self.embedding_VxD = t.place_embedding(emb_VxD, self.mesh)
         open_spec = {"final": self.final, "layers": list(self.layers), "dtype": t.dtype,
                      "fingerprint": t.fingerprint}
+        if data_cursor is not None:
+            open_spec["data"] = data_cursor
         if t.member is not None:
             open_spec.update(member=t.member, start=int(start), end=int(end),
                              last_stage=self.last_stage)

@@ -28,7 +28,7 @@ from hldstudy import teacher_source
 from hldstudy.cli_common import EXPERIMENTS, find_builtin, quiet_libraries
 from hldstudy.config import apply_overrides, load_experiment, read_config
 from hldstudy.distill.base import make_strategy
-from hldstudy.errors import ConfigError, user_errors
+from hldstudy.errors import ConfigError, HLDError, user_errors
 from hldstudy.fileio import write_text_atomic
 from hldstudy.teacher import protocol as proto
 from hldstudy.teacher.base import stage_needs
@@ -290,6 +290,14 @@ class TeacherServer:
     def compute(self, step: int, final: bool, layers: tuple[int, ...]):
         return self.replica.compute(step, final, layers)
 
+    def replayed_batches(self) -> int:
+        """Batches read only to reach a requested one (0 when every stream brought its
+        cursor)."""
+        return int(self.replica.data.train.replayed)
+
+    def seek(self, data_cursor: dict) -> None:
+        self.replica.data.train.restore(data_cursor)
+
     def head(self) -> np.ndarray:
         return self.replica.head()
 
@@ -368,6 +376,7 @@ class TeacherServer:
         self._authorize(context)
         with self._stats_lock:
             out = dict(self.stats)
+        out["replayed_batches"] = self.replayed_batches()
         if self.window is not None:
             w = self.window.stats()
             out["forwards"] = w["forwards"]
@@ -442,6 +451,11 @@ class TeacherServer:
         problem = self.check_open(spec)
         if problem:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, problem)
+        if spec.get("data") is not None:
+            try:  # the trainer's cursor of its first step: no step before it is replayed
+                self.seek(spec["data"])
+            except HLDError as e:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         final, layers = bool(spec.get("final")), tuple(sorted(set(spec.get("layers", []))))
         with self._stats_lock:
             self.stats["streams"] += 1
@@ -628,6 +642,12 @@ class SyntheticTeacherServer(TeacherServer):
                 "checkpoint": self.checkpoint, "dtype": self.dtype, "final": self.final,
                 "layers": list(self.layers), "shape": list(self._array.shape),
                 **self._cohort_info()}
+
+    def replayed_batches(self) -> int:
+        return 0  # no data: every step's arrays are the same
+
+    def seek(self, data_cursor: dict) -> None:
+        pass
 
     def compute(self, step: int, final: bool, layers: tuple[int, ...]):
         if step < 0:

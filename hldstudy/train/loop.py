@@ -5,6 +5,7 @@ Design notes: `docs/training.md`, under this file's name.
 
 from __future__ import annotations
 
+import functools
 import math
 import signal
 import time
@@ -28,7 +29,7 @@ from hldstudy.config import (
 )
 from hldstudy.distill import methods
 from hldstudy.distill.base import make_strategy
-from hldstudy.errors import ConfigError, InputError, RuntimeFault, warn
+from hldstudy.errors import ConfigError, InputError, RuntimeFault, note, warn
 from hldstudy.fileio import write_json_atomic
 from hldstudy.flops.budget import StagePlan, plan_stages, total_steps
 from hldstudy.model import Transformer
@@ -125,11 +126,17 @@ class Trainer:
             from hldstudy.data import prepare_data
 
             # Process 0 trains the tokenizer / fills the data cache; the others then read it.
+            # From prepared shards, each process reads only its own rows of every batch.
+            rows = (mesh_lib.process_rows(self.mesh, cfg.data.batch_size)
+                    if cfg.data.source == "shards" else None)
             if mesh_lib.is_primary():
-                data = prepare_data(cfg.data, self.workdir)
+                data = prepare_data(cfg.data, self.workdir, rows=rows)
             mesh_lib.sync("hldstudy-data-prepared")
             if data is None:
-                data = prepare_data(cfg.data, self.workdir)
+                data = prepare_data(cfg.data, self.workdir, rows=rows)
+            if rows is not None:
+                data.train.gather_cursor = functools.partial(
+                    mesh_lib.gather_cursor, batch_size=cfg.data.batch_size)
         self.data = data
         if not self.data.valid_batches(1):
             raise InputError("the data has no validation documents, so the run could not be "
@@ -297,9 +304,21 @@ class Trainer:
         return (MetricsLogger(self.workdir, self.cfg, resume_step) if mesh_lib.is_primary()
                 else _NoLogger())
 
-    def save(self, step: int, state, stage: str, flops_spent: float) -> None:
+    def save(self, step: int, state, stage: str, flops_spent: float, data_cursor: dict) -> None:
+        """data_cursor: the training stream's cursor of batch `step` (`state_at`), which a
+        resume restores instead of replaying the stream."""
         self.ckpt.save(step, state, {"stage": stage, "step": step, "flops_spent": flops_spent,
-                                     "data": {"next_batch": step}, "seed": self.cfg.train.seed})
+                                     "data": data_cursor, "seed": self.cfg.train.seed})
+
+    def restore_data(self, step: int, meta: dict) -> str:
+        """Positions the training stream at the checkpoint's data cursor; says how."""
+        cursor = meta.get("data")
+        if isinstance(cursor, dict) and "version" in cursor:
+            if self.data.train.restore(cursor) != step:
+                raise InputError(f"the checkpoint of step {step} holds the data cursor of "
+                                 f"batch {cursor['step']}")
+            return "from the checkpoint's data cursor"
+        return "with no data cursor in the checkpoint (saved by an older version)"
 
     def nonfinite(self, plan: StagePlan, bad: int, step: int, loss: float | None,
                   last_saved: int | None) -> str:
@@ -423,6 +442,7 @@ def _train_group(members, group, points, steps, stop, until, outcomes) -> None:
         for i in group:
             loggers[i] = members[i].open_logger(resume)
         carried, carried_opt, states, graphdefs = {}, {}, {}, None
+        resumed = lead.restore_data(resume, meta) if meta is not None and resume else None
         for plan in lead.plans:
             here = meta is not None and meta["stage"] == plan.stage.name \
                 and plan.start <= resume <= plan.end
@@ -436,7 +456,9 @@ def _train_group(members, group, points, steps, stop, until, outcomes) -> None:
             shardings = {i: init[3] for i, init in inits.items()}
             del inits
             states = _run_stage(members, group, plan, graphdefs, optimizer, states, shardings,
-                                loggers, stop, flops, steps, until, outcomes)
+                                loggers, stop, flops, steps, until, outcomes, resumed)
+            if plan.end > resume:  # its first batch said how the data resumed
+                resumed = None
             group = list(states)
             carried = {i: s["params"]["student"] for i, s in states.items()}
             carried_opt = {i: s["opt_state"] for i, s in states.items()}
@@ -494,15 +516,15 @@ def _progress_bar(lead, plan, step: int, k: int):
 
 
 def _run_stage(members, group, plan, graphdefs, optimizer, states, shardings, loggers, stop,
-               flops, steps, until, outcomes) -> dict:
+               flops, steps, until, outcomes, resumed: str | None = None) -> dict:
     """Trains `group` through one stage (or to `until`); returns {member: state} of the
-    members still training."""
+    members still training. resumed: how the data was positioned, when resuming."""
     lead = members[group[0]]
     cfg = lead.cfg
     end, k = plan.end, len(group)
     step = int(states[group[0]]["step"])
     feed = lead._teacher_feed(plan)
-    feed.begin(step, end, lead.workdir)
+    feed.begin(step, end, lead.workdir, lead.data.train.state_at(step))
     bar = None
     try:
         def build(microbatches: int):
@@ -529,8 +551,14 @@ def _run_stage(members, group, plan, graphdefs, optimizer, states, shardings, lo
         tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
         bar = _progress_bar(lead, plan, step, k)
         t_last, steps_since = time.perf_counter(), 0
+        replayed = lead.data.train.replayed
         while step < end and any(lanes.alive):
-            batch = mesh_lib.put_batch(lead.data.train.batch_at(step), lead.mesh)
+            batch = mesh_lib.put_batch(lead.data.train.batch_at(step), lead.mesh,
+                                       cfg.data.batch_size)
+            if resumed is not None:
+                note(f"resumed at step {step}: the data {resumed}, replayed "
+                     f"{lead.data.train.replayed - replayed} batches", "hldstudy.train")
+                resumed = None
             args = (packed, batch, feed.inputs(step, batch), hps, bad)
             if compiled is None:
                 compiled = _compile_fitting(build, args, (out_shardings, None, bad.sharding),
@@ -567,8 +595,10 @@ def _run_stage(members, group, plan, graphdefs, optimizer, states, shardings, lo
             pause = until is not None and step >= until
             if boundary or step == end or stop.signum is not None or pause:
                 lanes.check(bad, step)  # never save a non-finite state
+                cursor = lead.data.train.state_at(step)  # one stream: the cohort shares it
                 for j, i in lanes.live():
-                    members[i].save(step, lane(packed, j), plan.stage.name, flops[i])
+                    members[i].save(step, lane(packed, j), plan.stage.name, flops[i],
+                                    cursor)
                     lanes.last_saved[j] = step
             if stop.signum is not None and step < end:
                 raise Interrupted(step, stop.signum)
