@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -99,14 +97,9 @@ def test_hf_gemma_directory_on_jsonl_with_recovery(sources, tmp_path, capsys):
 
 @pytest.mark.slow  # ~40 s: builds an offline TFDS dataset in a subprocess
 def test_offline_tfds_source_by_name_and_split(sources, tmp_path, capsys):
-    from test_data import BUILD_TFDS
+    from helpers.tfds_corpus import build_tfds
 
-    data_dir = tmp_path / "tfds"
-    data_dir.mkdir()
-    subprocess.run([sys.executable, "-c", BUILD_TFDS, str(data_dir)], check=True,
-                   capture_output=True, env={"TFDS_DATA_DIR": str(data_dir),
-                                             "PATH": "/usr/bin:/bin"},
-                   cwd=Path(__file__).resolve().parents[1])
+    data_dir = build_tfds(tmp_path / "tfds")
     out = tmp_path / "out"
     code, _, err = _cli(["--checkpoint", str(sources["hf"]), "--prune", "wanda-2:4",
                          "--calibration-data", str(data_dir),

@@ -3,22 +3,19 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-import textwrap
 from collections import Counter
 from dataclasses import replace
-from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers.tfds_corpus import build_tfds
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hldstudy.config import DataConfig
 from hldstudy.data import packing, sources
 from hldstudy.data.pipeline import (
+    RowFile,
     RowsBatchStream,
     StreamingBatchStream,
     encode_documents,
@@ -191,7 +188,7 @@ def test_prepare_data_synthetic(tmp_path):
     mtime = (tmp_path / "tokenizer.model").stat().st_mtime_ns
     again = prepare_data(cfg, tmp_path)
     assert (tmp_path / "tokenizer.model").stat().st_mtime_ns == mtime
-    assert isinstance(again.train.rows, np.memmap)
+    assert isinstance(again.train.rows, RowFile)  # read from disk, row by row
     assert same(again.train.batch_at(5), bundle.train.batch_at(5))
     assert len(list((tmp_path / "synthetic").glob("*.jsonl"))) == 2
 
@@ -364,40 +361,9 @@ def test_hf_source(tmp_path, tokenizer):
 # TFDS (array_record) through grain
 # --------------------------------------------------------------------------- #
 
-BUILD_TFDS = textwrap.dedent('''
-    import sys, tensorflow_datasets as tfds
-    from hldstudy.data.synthetic import generate_documents
-
-    class HldTinyC4(tfds.core.GeneratorBasedBuilder):
-        VERSION = tfds.core.Version("1.0.0")
-        BUILDER_CONFIGS = [tfds.core.BuilderConfig(name="en")]
-
-        def _info(self):
-            return tfds.core.DatasetInfo(builder=self, features=tfds.features.FeaturesDict(
-                {"text": tfds.features.Text(), "url": tfds.features.Text()}))
-
-        def _split_generators(self, dl_manager):
-            return {"train": self._generate_examples("train", 120),
-                    "validation": self._generate_examples("validation", 12)}
-
-        def _generate_examples(self, split, n):
-            for i, t in enumerate(generate_documents(n, seed=11, split=split)):
-                yield f"{split}-{i}", {"text": t, "url": f"http://example.com/{split}/{i}"}
-
-    HldTinyC4(config="en", data_dir=sys.argv[1], file_format="array_record").download_and_prepare()
-''')
-
-
 @pytest.fixture(scope="module")
 def tfds_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tfds")
-    # Built in a subprocess, so this process reads it like a real C4 copy: from
-    # files only, with no builder class registered.
-    env = {**os.environ, "TFDS_DATA_DIR": str(d)}
-    subprocess.run([sys.executable, "-c", BUILD_TFDS, str(d)], check=True, env=env,
-                   capture_output=True, cwd=Path(__file__).resolve().parents[1])
-    assert list(d.glob("hld_tiny_c4/en/1.0.0/*.array_record*"))
-    return d
+    return build_tfds(tmp_path_factory.mktemp("tfds"))
 
 
 def tfds_cfg(tfds_dir, tokenizer, **kw) -> DataConfig:

@@ -406,6 +406,8 @@ class _Tiled:
     """Data double: the real batches tiled to a long sequence (host arrays only; the
     step that would need them is refused before it runs)."""
 
+    replayed = 0
+
     def __init__(self, data, seq_len):
         self.tokenizer, self._data, self._reps = data.tokenizer, data, seq_len // 64
         self.train = self
@@ -415,6 +417,9 @@ class _Tiled:
 
     def valid_batches(self, n=None):
         return self._data.valid_batches(n)
+
+    def state_at(self, step):
+        return self._data.train.state_at(step)
 
 
 def test_a_huge_seq_len_is_refused_from_the_compiled_estimate(tmp_path, tokenizer_path):

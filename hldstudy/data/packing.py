@@ -5,7 +5,7 @@ Design notes: `docs/data.md`, under this file's name.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -19,12 +19,21 @@ def pack_first_fit(docs: Iterable[Sequence[int]], seq_len: int, *, open_rows: in
     Returns ``(tokens [N, seq_len + 1] int32, segments [N, seq_len + 1] int32)``.
     Documents with fewer than two tokens carry no transition and are skipped.
     """
+    rows = list(iter_first_fit(docs, seq_len, open_rows=open_rows, pad_id=pad_id))
+    if not rows:
+        return np.zeros((0, seq_len + 1), np.int32), np.zeros((0, seq_len + 1), np.int32)
+    return np.stack([r[0] for r in rows]), np.stack([r[1] for r in rows])
+
+
+def iter_first_fit(docs: Iterable[Sequence[int]], seq_len: int, *, open_rows: int = 8,
+                   pad_id: int = 0) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """`pack_first_fit`'s rows, each (tokens, segments) as soon as it is closed: memory is
+    the open rows' whatever the number of documents."""
     L = seq_len + 1
     if L < 2:
         raise ValueError("seq_len must be >= 1")
     T = L - 1
-    done_tok: list[np.ndarray] = []
-    done_seg: list[np.ndarray] = []
+    done: list[tuple[np.ndarray, np.ndarray]] = []
     # Open rows: [list of chunks, used length]
     rows: list[list] = []
 
@@ -36,8 +45,7 @@ def pack_first_fit(docs: Iterable[Sequence[int]], seq_len: int, *, open_rows: in
             tok[p:p + len(chunk)] = chunk
             seg[p:p + len(chunk)] = s
             p += len(chunk)
-        done_tok.append(tok)
-        done_seg.append(seg)
+        done.append((tok, seg))
 
     def place(chunk) -> None:
         n = len(chunk)
@@ -69,11 +77,11 @@ def pack_first_fit(docs: Iterable[Sequence[int]], seq_len: int, *, open_rows: in
             start += T
         if n - start >= 2:
             place(doc[start:])
+        yield from done
+        done.clear()
     for row in list(rows):
         close(row)
-    if not done_tok:
-        return np.zeros((0, L), np.int32), np.zeros((0, L), np.int32)
-    return np.stack(done_tok), np.stack(done_seg)
+    yield from done
 
 
 class StreamPacker:

@@ -10,6 +10,7 @@ import hashlib
 import json
 import math
 import os
+import shutil
 import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -21,10 +22,11 @@ import numpy as np
 from hldstudy.config import DataConfig
 from hldstudy.data import packing, sources
 from hldstudy.data.encoding import DocumentEncoder, encode_documents
-from hldstudy.data.packing import StreamPacker, empty_rows, pack_first_fit, rows_to_batch
+from hldstudy.data.packing import StreamPacker, empty_rows, rows_to_batch
 from hldstudy.data.shards import LanePacker, ShardReader, read_manifest
 from hldstudy.data.tokenizer import Tokenizer, train_tokenizer
 from hldstudy.errors import ConfigError, InputError
+from hldstudy.fileio import write_json_atomic
 
 # Bump when packing/row format changes, so cached rows are rebuilt.
 PACKING_VERSION = 1
@@ -426,50 +428,142 @@ def _key(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:20]
 
 
-def pack_corpus(cfg: DataConfig, tokenizer: Tokenizer, texts: Sequence[str]):
-    """Tokenize + pack a finite corpus into (tokens, segments) rows."""
-    docs = encode_documents(tokenizer, texts, add_bos=cfg.add_bos)
+def iter_rows(cfg: DataConfig, tokenizer: Tokenizer, texts: Iterable[str]):
+    """The packed (tokens, segments) rows of a finite corpus, tokenized 4096 documents at a
+    time: memory does not grow with the corpus."""
+    def docs():
+        chunk: list[str] = []
+        for t in texts:
+            chunk.append(t)
+            if len(chunk) == 4096:
+                yield from encode_documents(tokenizer, chunk, add_bos=cfg.add_bos)
+                chunk = []
+        yield from encode_documents(tokenizer, chunk, add_bos=cfg.add_bos)
+
     if cfg.packing:
-        return pack_first_fit(docs, cfg.seq_len, pad_id=tokenizer.pad_id)
-    packer = StreamPacker(lambda i: docs[i] if i < len(docs) else None, cfg.seq_len,
-                          cross_document=True, pad_id=tokenizer.pad_id)
-    rows = []
-    while (r := packer.next_row()) is not None:
-        rows.append(r)
+        return packing.iter_first_fit(docs(), cfg.seq_len, pad_id=tokenizer.pad_id)
+    documents = docs()
+    packer = StreamPacker(lambda i: next(documents, None), cfg.seq_len, cross_document=True,
+                          pad_id=tokenizer.pad_id)
+    return iter(packer.next_row, None)
+
+
+def pack_corpus(cfg: DataConfig, tokenizer: Tokenizer, texts: Iterable[str]):
+    """Tokenize + pack a finite corpus into (tokens, segments) rows, in memory."""
+    rows = list(iter_rows(cfg, tokenizer, texts))
     if not rows:
         return empty_rows(0, cfg.seq_len)
     return np.stack([r[0] for r in rows]), np.stack([r[1] for r in rows])
 
 
+def _write_rows(rows, tok_path: Path, seg_path: Path, width: int) -> int:
+    """Streams rows into two .npy files (each written whole under a temporary name, then
+    renamed); returns their number."""
+    tmp = {p: p.with_name(f"{p.name}.{os.getpid()}.raw") for p in (tok_path, seg_path)}
+    n = 0
+    try:
+        with open(tmp[tok_path], "wb") as ft, open(tmp[seg_path], "wb") as fs:
+            for tok, seg in rows:
+                ft.write(np.ascontiguousarray(tok, "<i4").tobytes())
+                fs.write(np.ascontiguousarray(seg, "<i4").tobytes())
+                n += 1
+        for path, raw in tmp.items():
+            out = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+            with open(out, "wb") as fh, open(raw, "rb") as src:
+                np.lib.format.write_array_header_1_0(
+                    fh, {"descr": "<i4", "fortran_order": False, "shape": (n, width)})
+                shutil.copyfileobj(src, fh, 1 << 22)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(out, path)
+    finally:
+        for raw in tmp.values():
+            raw.unlink(missing_ok=True)
+    return n
+
+
+class RowFile:
+    """The rows of a 2-D .npy file read on demand with `os.pread`: page cache, never this
+    process's memory (a memory map's touched pages count in its RSS and grow with the
+    corpus over a long run). Indexing with a row or an array of rows gives arrays."""
+
+    def __init__(self, path: str | Path):
+        with open(path, "rb") as fh:
+            version = np.lib.format.read_magic(fh)
+            if version != (1, 0):
+                raise ValueError(f"{path}: .npy version {version}, not 1.0")
+            shape, fortran, dtype = np.lib.format.read_array_header_1_0(fh)
+            self.offset = fh.tell()
+        if len(shape) != 2 or fortran:
+            raise ValueError(f"{path}: not a C-ordered 2-D array")
+        self.path, self.shape, self.dtype = Path(path), tuple(shape), np.dtype(dtype)
+        self.ndim = 2
+        self.size = shape[0] * shape[1]
+        self.row_bytes = shape[1] * self.dtype.itemsize
+        self._fd = os.open(path, os.O_RDONLY)
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def _row(self, i: int) -> np.ndarray:
+        if not 0 <= i < self.shape[0]:
+            raise IndexError(i)
+        raw = os.pread(self._fd, self.row_bytes, self.offset + i * self.row_bytes)
+        return np.frombuffer(raw, self.dtype)
+
+    def __getitem__(self, idx):
+        if isinstance(idx, slice):
+            start, stop, step = idx.indices(self.shape[0])
+            if step != 1:
+                return self[np.arange(start, stop, step)]
+            n = max(stop - start, 0)
+            raw = os.pread(self._fd, n * self.row_bytes, self.offset + start * self.row_bytes)
+            return np.frombuffer(raw, self.dtype).reshape(n, self.shape[1])
+        if np.ndim(idx) == 0:
+            return self._row(int(idx))
+        idx = np.asarray(idx).reshape(-1)
+        out = np.empty((len(idx), self.shape[1]), self.dtype)
+        for j, i in enumerate(idx):
+            out[j] = self._row(int(i))
+        return out
+
+    def __array__(self, dtype=None, copy=None):
+        arr = np.fromfile(self.path, self.dtype, count=self.size, offset=self.offset)
+        arr = arr.reshape(self.shape)
+        return arr if dtype is None else arr.astype(dtype)
+
+    def __del__(self):
+        fd = getattr(self, "_fd", None)
+        if fd is not None:
+            os.close(fd)
+
+
 def _cached_rows(cfg: DataConfig, tokenizer: Tokenizer, corpus: sources.Corpus,
                  workdir: Path | None, fingerprint: str, split: str):
-    """Packed rows from the workdir cache, or built (reading the corpus) and cached."""
+    """Packed rows from the workdir cache (`RowFile`: read from disk as batches need
+    them), or built there from the corpus read as a stream; in memory without a workdir."""
     cache = Path(workdir) / "data_cache" if workdir is not None else None
     if cache is not None:
         tok_path = cache / f"{fingerprint}.tokens.npy"
         seg_path = cache / f"{fingerprint}.segments.npy"
         if tok_path.exists() and seg_path.exists():
             try:
-                return np.load(tok_path, mmap_mode="r"), np.load(seg_path, mmap_mode="r")
+                return RowFile(tok_path), RowFile(seg_path)
             except (OSError, ValueError):
                 pass  # a damaged cache is rebuilt
-    if len(corpus) == 0:
+    if corpus.is_empty():
         field = "data.valid_path" if (split != cfg.train_split and cfg.valid_path) else "data.path"
         raise InputError(f"{field}: {corpus.description} has no documents for split {split!r}")
-    tok, seg = pack_corpus(cfg, tokenizer, corpus.texts)
     if cache is None:
-        return tok, seg
+        return pack_corpus(cfg, tokenizer, corpus.iter())
     cache.mkdir(parents=True, exist_ok=True)
-    for path, arr in ((tok_path, tok), (seg_path, seg)):
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        with open(tmp, "wb") as fh:
-            np.save(fh, arr)
-        os.replace(tmp, path)
-    (cache / f"{fingerprint}.json").write_text(json.dumps({
-        "source": corpus.description, "corpus_key": corpus.key, "docs": len(corpus),
-        "rows": int(len(tok)), "seq_len": cfg.seq_len, "packing": cfg.packing,
-        "add_bos": cfg.add_bos, "tokenizer": tokenizer.fingerprint()}, indent=2))
-    return tok, seg
+    rows = _write_rows(iter_rows(cfg, tokenizer, corpus.iter()), tok_path, seg_path,
+                       cfg.seq_len + 1)
+    write_json_atomic(cache / f"{fingerprint}.json", {
+        "source": corpus.description, "corpus_key": corpus.key, "rows": rows,
+        "seq_len": cfg.seq_len, "packing": cfg.packing, "add_bos": cfg.add_bos,
+        "tokenizer": tokenizer.fingerprint()})
+    return RowFile(tok_path), RowFile(seg_path)
 
 
 def make_batches(cfg: DataConfig, tokenizer: Tokenizer, split: str,
@@ -533,7 +627,7 @@ class DataBundle:
 
 def _tokenizer_texts(cfg: DataConfig, corpus: sources.Corpus | None) -> Iterable[str]:
     if corpus is not None:
-        return corpus.texts
+        return corpus.iter()
     docs = sources.tfds_documents(cfg, cfg.train_split)
     n = min(len(docs), TOKENIZER_TRAIN_DOCS)
     return (docs[i] for i in range(n))
@@ -579,7 +673,7 @@ def run_tokenizer(cfg: DataConfig, workdir: Path, corpus: sources.Corpus | None)
                     f"data.tokenizer_vocab_size={cfg.tokenizer_vocab_size}; delete it or set "
                     "data.tokenizer")
         return tokenizer
-    if corpus is not None and len(corpus) == 0:
+    if corpus is not None and corpus.is_empty():
         raise InputError(f"data.path: {corpus.description} has no documents")
     tokenizer = train_tokenizer(_tokenizer_texts(cfg, corpus), cfg.tokenizer_vocab_size,
                                 workdir / "tokenizer")

@@ -8,10 +8,10 @@ from __future__ import annotations
 import glob as globlib
 import gzip
 import hashlib
+import itertools
 import json
 import os
-import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -53,27 +53,32 @@ def expand_paths(path: str | None, field: str, exts: tuple[str, ...]) -> list[Pa
     return files
 
 
-def _open_text(f: Path) -> str:
+def _lines(f: Path):
+    """The lines of a (gzipped) UTF-8 file, read as they are needed; only "\n" ends one."""
     try:
-        if f.name.endswith(".gz"):
-            with gzip.open(f, "rt", encoding="utf-8") as fh:
-                return fh.read()
-        return f.read_text(encoding="utf-8")
+        opener = gzip.open if f.name.endswith(".gz") else open
+        with opener(f, "rt", encoding="utf-8", newline="\n") as fh:
+            yield from fh
     except (OSError, UnicodeDecodeError, EOFError) as e:
         raise InputError(f"{f}: cannot read as UTF-8 text ({e})") from e
 
 
-_BLANK = re.compile(r"\n[ \t\r\f\v]*\n")
+def iter_text_files(files: list[Path]):
+    """The documents of text files (blocks between blank lines), one file line at a time."""
+    for f in files:
+        block: list[str] = []
+        for line in _lines(f):
+            if line.strip():
+                block.append(line)
+            elif block:
+                yield "".join(block).strip()
+                block = []
+        if block:
+            yield "".join(block).strip()
 
 
 def read_text_files(files: list[Path]) -> list[str]:
-    docs = []
-    for f in files:
-        for block in _BLANK.split(_open_text(f)):
-            block = block.strip()
-            if block:
-                docs.append(block)
-    return docs
+    return list(iter_text_files(files))
 
 
 def read_jsonl_lines(lines, f: Path, text_field: str) -> list[str]:
@@ -99,12 +104,15 @@ def read_jsonl_lines(lines, f: Path, text_field: str) -> list[str]:
     return docs
 
 
-def read_jsonl_files(files: list[Path], text_field: str) -> list[str]:
-    docs = []
+def iter_jsonl_files(files: list[Path], text_field: str):
+    """The documents of jsonl files, one line at a time."""
     for f in files:
-        docs.extend(read_jsonl_lines(enumerate(_open_text(f).splitlines(), start=1), f,
-                                     text_field))
-    return docs
+        for lineno, line in enumerate(_lines(f), start=1):
+            yield from read_jsonl_lines([(lineno, line)], f, text_field)
+
+
+def read_jsonl_files(files: list[Path], text_field: str) -> list[str]:
+    return list(iter_jsonl_files(files, text_field))
 
 
 def _peek_jsonl(f: Path, text_field: str) -> None:
@@ -144,10 +152,22 @@ class Corpus:
     use, so a run whose packed rows are already cached never reads the corpus.
     """
 
-    def __init__(self, texts: list[str] | Callable[[], list[str]], key: str, description: str):
+    def __init__(self, texts: list[str] | Callable[[], list[str]], key: str, description: str,
+                 stream: Callable[[], Iterator[str]] | None = None):
+        """stream: the documents as an iterator, read from disk as they are used (a
+        corpus of any size in bounded memory); without it, `texts` is iterated."""
         self._texts = texts
+        self._stream = stream
         self.key = key
         self.description = description
+
+    def iter(self) -> Iterator[str]:
+        if self._stream is not None and callable(self._texts):
+            return self._stream()
+        return iter(self.texts)
+
+    def is_empty(self) -> bool:
+        return next(self.iter(), None) is None
 
     @property
     def texts(self) -> list[str]:
@@ -188,6 +208,25 @@ def _split_local(docs: list[str], cfg: DataConfig, which: str, valid_docs) -> li
     return docs[: len(docs) - h] if which == "train" else docs[len(docs) - h:]
 
 
+def _stream_local(docs: Callable[[], Iterator[str]], cfg: DataConfig, which: str,
+                  valid_docs: Callable[[], Iterator[str]]) -> Callable[[], Iterator[str]]:
+    """`_split_local` over iterators: the same documents, read from disk in two passes
+    (one counts them, for the holdout) instead of held in memory."""
+    def capped():
+        it = docs()
+        return itertools.islice(it, cfg.max_docs) if cfg.max_docs > 0 else it
+
+    def stream():
+        if cfg.valid_path:
+            return capped() if which == "train" else valid_docs()
+        n = sum(1 for _ in capped())
+        h = _holdout(n, cfg)
+        return itertools.islice(capped(), 0, n - h) if which == "train" else \
+            itertools.islice(capped(), n - h, n)
+
+    return stream
+
+
 def synthetic_corpus(cfg: DataConfig, split: str, workdir: Path | None) -> Corpus:
     which = _which_split(cfg, split)
     n = cfg.synthetic_docs if which == "train" else cfg.synthetic_valid_docs
@@ -224,7 +263,9 @@ def text_corpus(cfg: DataConfig, split: str) -> Corpus:
 
     key = _hash(["text", which, _files_key(files), _files_key(vfiles), cfg.max_docs,
                  cfg.valid_holdout_docs])
-    return Corpus(texts, f"text-{which}-{key}", f"text files {cfg.path} ({which})")
+    stream = _stream_local(lambda: iter_text_files(files), cfg, which,
+                           lambda: iter_text_files(vfiles))
+    return Corpus(texts, f"text-{which}-{key}", f"text files {cfg.path} ({which})", stream)
 
 
 def jsonl_corpus(cfg: DataConfig, split: str) -> Corpus:
@@ -239,7 +280,9 @@ def jsonl_corpus(cfg: DataConfig, split: str) -> Corpus:
 
     key = _hash(["jsonl", which, _files_key(files), _files_key(vfiles), cfg.text_field,
                  cfg.max_docs, cfg.valid_holdout_docs])
-    return Corpus(texts, f"jsonl-{which}-{key}", f"jsonl files {cfg.path} ({which})")
+    stream = _stream_local(lambda: iter_jsonl_files(files, cfg.text_field), cfg, which,
+                           lambda: iter_jsonl_files(vfiles, cfg.text_field))
+    return Corpus(texts, f"jsonl-{which}-{key}", f"jsonl files {cfg.path} ({which})", stream)
 
 
 def _hf_check_column(ds, field: str, where: str) -> None:
