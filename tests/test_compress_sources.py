@@ -97,7 +97,7 @@ def test_hf_gemma_directory_on_jsonl_with_recovery(sources, tmp_path, capsys):
 
 @pytest.mark.slow  # ~40 s: builds an offline TFDS dataset in a subprocess
 def test_offline_tfds_source_by_name_and_split(sources, tmp_path, capsys):
-    from helpers.tfds_corpus import build_tfds
+    from hldstudy.data.tfds_corpus import build_tfds
 
     data_dir = build_tfds(tmp_path / "tfds")
     out = tmp_path / "out"

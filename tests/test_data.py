@@ -8,7 +8,6 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-from helpers.tfds_corpus import build_tfds
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -24,6 +23,7 @@ from hldstudy.data.pipeline import (
     unigram_entropy,
 )
 from hldstudy.data.synthetic import generate_documents
+from hldstudy.data.tfds_corpus import build_tfds
 from hldstudy.data.tokenizer import train_tokenizer
 from hldstudy.errors import ConfigError, InputError
 

@@ -20,10 +20,10 @@ from pathlib import Path
 import jax
 import pytest
 from helpers.runs import data_config, losses, student_config, train_config
-from helpers.tfds_corpus import NAME, build_tfds
 
 from hldstudy.config import Config, DistillConfig, save_config
 from hldstudy.data.prepare import prepare
+from hldstudy.data.tfds_corpus import NAME, build_tfds
 from hldstudy.model import preset
 from hldstudy.rundir import checkpoint_steps
 from hldstudy.train.cohort import CohortTrainer

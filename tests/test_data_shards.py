@@ -253,3 +253,17 @@ def test_prepare_killed_midway_and_rerun_equals_one_shot(tmp_path, tokenizer_pat
 
 def test_shards_stream_type(shards, tmp_path):
     assert isinstance(prepare_data(_shards_cfg(shards), tmp_path).train, ShardsBatchStream)
+
+
+def test_prepare_reads_a_tfds_corpus(tmp_path, tokenizer_path):
+    from hldstudy.data import sources
+    from hldstudy.data.tfds_corpus import NAME, build_tfds
+
+    tfds_dir = build_tfds(tmp_path / "tfds")
+    cfg = data_config(tokenizer_path, source="tfds", path=str(tfds_dir), tfds_name=NAME)
+    m = prepare(cfg, tmp_path / "out", workers=2, docs_per_shard=50, progress=False)
+    assert m["splits"]["train"]["documents"] == 120 and m["splits"]["valid"]["documents"] == 12
+    tok = Tokenizer.load(tokenizer_path)
+    docs = sources.tfds_documents(cfg, "validation")
+    want = encode_documents(tok, [docs[i] for i in range(12)])
+    assert _all_records(tmp_path / "out")["valid"] == [d.tolist() for d in want]

@@ -224,3 +224,89 @@ def test_distributed_environment_is_checked(monkeypatch):
     monkeypatch.setattr(xla_bridge, "backends_are_initialized", lambda: False)
     with pytest.raises(InputError, match="JAX_NUM_PROCESSES='two'"):
         sharding.maybe_initialize_distributed()
+
+
+# --------------------------------------------------------------------------- #
+# Prepared shards: each process reads its own rows
+# --------------------------------------------------------------------------- #
+
+DATA_DRIVER = r"""
+import functools, hashlib, json, sys
+from hldstudy import sharding
+from hldstudy.config import TrainConfig, config_from_dict
+from hldstudy.data import prepare_data
+import numpy as np
+sharding.maybe_initialize_distributed()
+import jax
+from jax.experimental import multihost_utils
+cfg = config_from_dict(json.loads(sys.argv[1]))
+B = cfg.data.batch_size
+mesh = sharding.make_mesh(TrainConfig(mesh_data=-1))
+rows = sharding.process_rows(mesh, B)
+stream = prepare_data(cfg.data, sys.argv[2] + f"/p{jax.process_index()}", rows=rows).train
+stream.gather_cursor = functools.partial(sharding.gather_cursor, batch_size=B)
+digests = []
+for step in range(4):
+    batch = sharding.put_batch(stream.batch_at(step), mesh, B)
+    full = {k: np.asarray(multihost_utils.process_allgather(v, tiled=True)) for k, v in batch.items()}
+    digests.append(hashlib.sha256(b"".join(full[k].tobytes() for k in sorted(full))).hexdigest())
+print(json.dumps({"rows": rows, "local_rows": stream.local_rows, "digests": digests,
+                  "cursor": stream.state_at(4)["cursor"]}), flush=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def shards_dir(tmp_path_factory, tokenizer_path):
+    from hldstudy.data.prepare import prepare
+
+    out = tmp_path_factory.mktemp("mp_shards") / "shards"
+    prepare(data_config(tokenizer_path), out, docs_per_shard=100, progress=False)
+    return out
+
+
+def _shards(cfg: Config, shards_dir: Path) -> Config:
+    return dataclasses.replace(cfg, data=dataclasses.replace(
+        cfg.data, source="shards", path=str(shards_dir), tokenizer=None))
+
+
+def test_two_processes_read_disjoint_rows_of_prepared_shards(tmp_path, shards_dir):
+    import hashlib
+
+    from hldstudy.data import prepare_data
+
+    cfg = _shards(_cfg(), shards_dir)
+    port = _free_port()
+    procs = []
+    for i in range(2):
+        env = {**os.environ, "JAX_PLATFORMS": "cpu",
+               "XLA_FLAGS": "--xla_force_host_platform_device_count=1",
+               "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": "2",
+               "JAX_PROCESS_ID": str(i), "HLDSTUDY_DISTRIBUTED_TIMEOUT_S": "120"}
+        procs.append(subprocess.Popen(
+            [sys.executable, "-c", DATA_DRIVER, json.dumps(config_to_dict(cfg)), str(tmp_path)],
+            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outs = []
+    for p in procs:
+        out, err = p.communicate(timeout=LAUNCH_TIMEOUT_S)
+        assert p.returncode == 0, err[-3000:]
+        outs.append(json.loads(out.strip().splitlines()[-1]))
+    assert [o["rows"] for o in outs] == [[0, 1, 2, 3], [4, 5, 6, 7]]  # disjoint: 4 rows each
+    assert [o["local_rows"] for o in outs] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    one = prepare_data(cfg.data, tmp_path / "one").train
+    want = []
+    for step in range(4):
+        b = one.batch_at(step)
+        want.append(hashlib.sha256(b"".join(b[k].tobytes() for k in sorted(b))).hexdigest())
+    assert outs[0]["digests"] == outs[1]["digests"] == want  # the global batch, bitwise
+    assert outs[0]["cursor"] == outs[1]["cursor"] == one.state_at(4)["cursor"]
+
+
+@pytest.mark.slow
+def test_two_processes_train_from_shards_and_resume_in_one(tmp_path, shards_dir):
+    cfg = _shards(_cfg(steps=8), shards_dir)
+    _run_here(cfg, tmp_path / "ref", 2)  # 1 process, 2 forced devices, the same 1x2 mesh
+    ref = _losses(tmp_path / "ref")
+    _launch(cfg, tmp_path / "a", stop_at=4)  # each process packs its 4 rows
+    _close(_losses(tmp_path / "a"), ref, range(1, 5), SAME_MESH_RTOL)
+    _run_here(_one_device(cfg), tmp_path / "a", 1)  # all 8 rows from the gathered cursor
+    _close(_losses(tmp_path / "a"), ref, range(5, 9), MOVED_RTOL)

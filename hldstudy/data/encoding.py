@@ -48,30 +48,31 @@ def _encode_range(start: int, stop: int) -> list[np.ndarray]:
 
 
 class DocumentEncoder:
-    """`get(i)`: the tokens of document i of `documents`, encoded CHUNK documents at a
+    """`get(i)`: the tokens of document i of `documents`, encoded `chunk` documents at a
     time. With `workers` > 0 the chunks after the one being read are fetched and encoded
     ahead in that many processes (each opens the documents itself with `open_documents`,
     a picklable callable, so no text crosses a pipe); reading in order then waits for
     nothing but the packer."""
 
     def __init__(self, documents, tokenizer: Tokenizer, *, add_bos: bool = False,
-                 workers: int = 0, open_documents: Callable | None = None):
+                 workers: int = 0, open_documents: Callable | None = None, chunk: int = CHUNK):
         self.documents, self.tokenizer, self.add_bos = documents, tokenizer, add_bos
+        self.chunk = chunk
         self.workers = workers if open_documents is not None and tokenizer.model_path else 0
         self._open, self._pool = open_documents, None
         self._chunks: OrderedDict[int, list[np.ndarray]] = OrderedDict()
         self._ahead: dict[int, Future] = {}
 
     def get(self, i: int, limit: int | None = None) -> np.ndarray:
-        c = i // CHUNK
+        c = i // self.chunk
         chunk = self._chunks.get(c)
         if chunk is None:
             chunk = self._load(c, limit)
-        return chunk[i - c * CHUNK]
+        return chunk[i - c * self.chunk]
 
     def _range(self, c: int, limit: int | None) -> tuple[int, int]:
-        stop = (c + 1) * CHUNK
-        return c * CHUNK, stop if limit is None else min(stop, limit)
+        stop = (c + 1) * self.chunk
+        return c * self.chunk, stop if limit is None else min(stop, limit)
 
     def _load(self, c: int, limit: int | None) -> list[np.ndarray]:
         if self.workers:

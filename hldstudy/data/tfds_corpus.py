@@ -1,6 +1,6 @@
-"""A tiny C4-like TFDS dataset in array_record files (by default 120 train, 12 validation
-documents of the synthetic generator, seed 11), built as a real copy is: by a builder in a
-subprocess, so the tests read it from files only, with no builder class registered."""
+"""A C4-like TFDS dataset of the synthetic generator in array_record files (offline tests
+and benchmarks), built as a real copy is: by a builder in a subprocess, so the caller
+reads it from files only, with no builder class registered."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import sys
 import textwrap
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
 NAME = "hld_tiny_c4/en"
 
 BUILD_TFDS = textwrap.dedent('''
@@ -30,23 +29,29 @@ BUILD_TFDS = textwrap.dedent('''
                     "validation": self._generate_examples("validation", int(sys.argv[3]))}
 
         def _generate_examples(self, split, n):
-            for i, t in enumerate(generate_documents(n, seed=11, split=split)):
+            join = int(sys.argv[4])  # generated documents per record (C4's are ~4x longer)
+            docs = generate_documents(n * join, seed=11, split=split)
+            for i in range(n):
+                t = chr(10).join(docs[i * join:(i + 1) * join])
                 yield f"{split}-{i}", {"text": t, "url": f"http://example.com/{split}/{i}"}
 
     HldTinyC4(config="en", data_dir=sys.argv[1], file_format="array_record").download_and_prepare()
 ''')
 
 
-def build_tfds(d: Path, train_docs: int = 120, valid_docs: int = 12) -> Path:
-    """Builds the dataset under the TFDS data_dir `d`; returns `d`."""
+def build_tfds(d: str | Path, train_docs: int = 120, valid_docs: int = 12, join: int = 1
+               ) -> Path:
+    """Builds `NAME` under the TFDS data_dir `d` (`join` generated documents per record);
+    returns `d`."""
+    d = Path(d)
     # Built in a subprocess, so this process reads it like a real C4 copy: from
     # files only, with no builder class registered.
     d.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "TFDS_DATA_DIR": str(d)}
-    subprocess.run([sys.executable, "-c", BUILD_TFDS, str(d), str(train_docs), str(valid_docs)],
-                   check=True, env=env,
-                   capture_output=True, cwd=ROOT)
-    assert list(d.glob("hld_tiny_c4/en/1.0.0/*.array_record*"))
+    out = subprocess.run([sys.executable, "-c", BUILD_TFDS, str(d), str(train_docs),
+                          str(valid_docs), str(join)], env=env, capture_output=True, text=True)
+    if out.returncode or not list(d.glob("hld_tiny_c4/en/1.0.0/*.array_record*")):
+        raise RuntimeError(f"building the TFDS corpus failed: {out.stderr[-2000:]}")
     return d
 
 
