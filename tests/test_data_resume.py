@@ -3,8 +3,9 @@ uninterrupted run trains on (its losses bitwise equal) and says `replayed 0 batc
 prepared shards and from the TFDS streaming path, solo and as a cohort; a remote teacher
 replica started after the resume is handed the cursor and replays nothing.
 
-Each kill test trains a tiny run twice (10-30 s on 2 cores); the default suite keeps one
-per path (shards solo, TFDS cohort), the other two are `-m slow`."""
+Each kill test trains a tiny run twice (10-30 s on 2 cores); the default suite keeps
+shards solo (and the TFDS cursor through a checkpoint, below), the other three are
+`-m slow`."""
 
 from __future__ import annotations
 
@@ -122,13 +123,8 @@ def test_shards_solo_resumes_after_kill_9_replaying_nothing(tmp_path, tokenizer_
     _check("shards", False, tmp_path, tokenizer_path, shards, tfds_dir, capsys)
 
 
-def test_tfds_cohort_resumes_after_kill_9_replaying_nothing(tmp_path, tokenizer_path, shards,
-                                                           tfds_dir, capsys):
-    _check("tfds", True, tmp_path, tokenizer_path, shards, tfds_dir, capsys)
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize(("kind", "cohort"), [("shards", True), ("tfds", False)])
+@pytest.mark.parametrize(("kind", "cohort"), [("shards", True), ("tfds", False), ("tfds", True)])
 def test_other_paths_resume_after_kill_9_replaying_nothing(kind, cohort, tmp_path,
                                                            tokenizer_path, shards, tfds_dir,
                                                            capsys):
