@@ -6,19 +6,15 @@ SIGTERM / kill -9 / a damaged checkpoint are `-m slow` (40-120 s each on 2 cores
 
 import dataclasses
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers.runs import train_and_kill
 
-from hldstudy.config import Config, DataConfig, DistillConfig, TrainConfig, save_config
+from hldstudy.config import Config, DataConfig, DistillConfig, TrainConfig
 from hldstudy.losses import fused_kd_loss
 from hldstudy.model import preset
 from hldstudy.rundir import checkpoint_steps
@@ -306,21 +302,7 @@ def test_cohort_resumes_exactly_after_kill_9(tmp_path, teacher_dir):
     full = [tmp_path / "full" / c.name for c in cfgs]
     split = [tmp_path / "split" / c.name for c in cfgs]
     CohortTrainer(cfgs, full, devices=DEV).run()
-    for c, d in zip(cfgs, split, strict=True):
-        d.mkdir(parents=True)
-        save_config(c, d / "want.json")
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([sys.executable, "-c", _CHILD, *map(str, split)], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 600
-    while time.time() < deadline and proc.poll() is None:
-        if all((checkpoint_steps(d) or [0])[-1] >= 6 for d in split):
-            break
-        time.sleep(0.05)
-    assert proc.poll() is None, "the cohort finished before it could be killed"
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
-    assert not any((d / "results.json").exists() for d in split)
+    train_and_kill(_CHILD, cfgs, split, 6)
     CohortTrainer(cfgs, split, devices=DEV).run()
     for a, b in zip(full, split, strict=True):
         assert _losses(a) == _losses(b)

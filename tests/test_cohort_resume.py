@@ -11,15 +11,14 @@ import dataclasses
 import hashlib
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
+from helpers.runs import kill_after_checkpoint
 
 from hldstudy.config import Config, DataConfig, DistillConfig, TrainConfig, save_config
 from hldstudy.model import preset
@@ -162,14 +161,7 @@ def test_killed_cohort_rerun_with_a_member_added_keeps_every_checkpoint(tmp_path
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen([sys.executable, "-c", _CHILD, *map(str, dirs[:2])], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 600
-    while time.time() < deadline and proc.poll() is None:
-        if all((checkpoint_steps(d) or [0])[-1] >= 4 for d in dirs[:2]):
-            break
-        time.sleep(0.05)
-    assert proc.poll() is None, "the cohort finished before it could be killed"
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
+    kill_after_checkpoint(proc, dirs[:2], 4)
     assert not any((d / "results.json").exists() for d in dirs)
     saved = {str(d): checkpoint_steps(d)[-1] for d in dirs[:2]}
     assert all(4 <= s < 16 for s in saved.values()), saved

@@ -11,16 +11,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import jax
 import pytest
-from helpers.runs import data_config, losses, student_config, train_config
+from helpers.runs import data_config, losses, student_config, train_and_kill, train_config
 
 from hldstudy.config import Config, DistillConfig, save_config
 from hldstudy.data.prepare import prepare
@@ -84,30 +79,12 @@ def _train(cfgs, dirs):
         CohortTrainer(cfgs, dirs, devices=DEV).run()
 
 
-def _kill_midway(cfgs, dirs) -> None:
-    for c, d in zip(cfgs, dirs, strict=True):
-        d.mkdir(parents=True)
-        save_config(c, d / "want.json")
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([sys.executable, "-c", _CHILD, *map(str, dirs)], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 300
-    while time.time() < deadline and proc.poll() is None:
-        if all((checkpoint_steps(d) or [0])[-1] >= 8 for d in dirs):
-            break
-        time.sleep(0.01)
-    assert proc.poll() is None, "the run finished before it could be killed"
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
-    assert not any((d / "results.json").exists() for d in dirs)
-
-
 def _check(kind, cohort, tmp_path, tokenizer_path, shards, tfds_dir, capsys):
     cfgs = _configs(kind, tokenizer_path, shards, tfds_dir, cohort)
     full = [tmp_path / "full" / c.name for c in cfgs]
     split = [tmp_path / "split" / c.name for c in cfgs]
     _train(cfgs, full)
-    _kill_midway(cfgs, split)
+    train_and_kill(_CHILD, cfgs, split, 8)
     resumed_at = min(checkpoint_steps(d)[-1] for d in split)
     capsys.readouterr()
     _train(cfgs, split)

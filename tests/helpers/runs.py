@@ -95,3 +95,41 @@ def teacher_steps(workdir: str | Path) -> list[int]:
     """The steps a run asked its remote teacher for, in order (teacher_steps.log)."""
     return [json.loads(line)["step"] for line in
             (Path(workdir) / "teacher_steps.log").read_text().splitlines()]
+
+
+def train_and_kill(script: str, cfgs, dirs, step: int) -> None:
+    """Runs `script` (given the run directories, each holding its config as want.json) in
+    a subprocess and kills it with SIGKILL once every run has saved `step` or later."""
+    import os
+    import subprocess
+    import sys
+
+    from hldstudy.config import save_config
+
+    for c, d in zip(cfgs, dirs, strict=True):
+        Path(d).mkdir(parents=True)
+        save_config(c, Path(d) / "want.json")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    proc = subprocess.Popen([sys.executable, "-c", script, *map(str, dirs)], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    kill_after_checkpoint(proc, dirs, step)
+    assert not any((Path(d) / "results.json").exists() for d in dirs)
+
+
+def kill_after_checkpoint(proc, dirs, step: int, timeout_s: float = 600) -> None:
+    """Kills `proc` (a training subprocess) with SIGKILL once every run directory in `dirs`
+    holds a checkpoint at `step` or later; fails if the process ended first."""
+    import os
+    import signal
+    import time
+
+    from hldstudy.rundir import checkpoint_steps
+
+    deadline = time.time() + timeout_s
+    while time.time() < deadline and proc.poll() is None:
+        if all((checkpoint_steps(d) or [0])[-1] >= step for d in dirs):
+            break
+        time.sleep(0.01)
+    assert proc.poll() is None, "the run finished before it could be killed"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
