@@ -14,11 +14,16 @@ reads a run's student parameters); it knows no model.
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import os
+import re
+import shutil
 import sys
 import tempfile
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, NamedTuple
 
 import jax
 import orbax.checkpoint as ocp
@@ -54,12 +59,35 @@ def _root_reason(exc: BaseException) -> str:
     return _reason(exc)
 
 
+_OS_ERROR_CODE = re.compile(r"os_error_code='(\d+)'")
+
+
 def _errno_of(exc: BaseException) -> int | None:
+    """The OS error behind `exc`: an OSError in its chain, or the code tensorstore writes
+    into its messages (`[os_error_code='28']`)."""
     while exc is not None:
         if isinstance(exc, OSError) and exc.errno:
             return exc.errno
+        m = _OS_ERROR_CODE.search(str(exc))
+        if m:
+            return int(m.group(1))
         exc = exc.__cause__ or exc.__context__
     return None
+
+
+def _save_reason(exc: BaseException, directory: Path) -> str:
+    """One clause: the OS's words for the failure (and the space left, for a full disk)."""
+    code = _errno_of(exc)
+    if code is None:
+        return _reason(exc)
+    why = os.strerror(code)
+    if code in (errno.ENOSPC, errno.EDQUOT):
+        try:
+            free = shutil.disk_usage(directory).free
+            why += f" ({free / 2**20:.1f} MiB free there)"
+        except OSError:
+            pass
+    return why
 
 
 def check_writable(directory: str | Path, what: str = "checkpoint directory") -> Path:
@@ -81,14 +109,59 @@ def check_writable(directory: str | Path, what: str = "checkpoint directory") ->
     return directory
 
 
+ORBAX_BOOKKEEPING = "_CHECKPOINT_METADATA"
+
+
+TMP_SUFFIX = ".orbax-checkpoint-tmp"  # a step directory Orbax has not finished writing
+
+
+class _OrbaxNoiseFilter(logging.Filter):
+    """Orbax's own reports of what hldstudy reports in one line: its two-line error for an
+    unreadable `_CHECKPOINT_METADATA` (`Checkpointer.check_bookkeeping`), and each of its
+    writer threads' traceback of a failed save (`Checkpointer.save`)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not (message.startswith("Failed to json parse Metadata file")
+                    or "_SignalingThread.run() raised an exception" in message)
+
+
 class Checkpointer:
     def __init__(self, directory: str | Path, keep: int):
         self.directory = Path(directory).absolute()
+        self.check_bookkeeping()
+        self.remove_unfinished()
         self.manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
                                                  enable_async_checkpointing=False),
         )
+
+    def check_bookkeeping(self) -> None:
+        """Says which step directories hold an unreadable `_CHECKPOINT_METADATA` (Orbax's
+        record of save times, not part of the state: the step is still restored, from its
+        state and meta items)."""
+        absl_log = logging.getLogger("absl")
+        if not any(isinstance(f, _OrbaxNoiseFilter) for f in absl_log.filters):
+            absl_log.addFilter(_OrbaxNoiseFilter())
+        if not self.directory.is_dir():
+            return
+        for path in sorted(self.directory.glob(f"*/{ORBAX_BOOKKEEPING}")):
+            try:
+                json.loads(path.read_text())
+            except (OSError, ValueError) as e:
+                warn(f"checkpoint {path.parent}: Orbax's {ORBAX_BOOKKEEPING} is unreadable "
+                     f"({_reason(e)}); it records only save times, so the step is restored "
+                     "from its state and metadata without it", "hldstudy.train")
+
+    def remove_unfinished(self) -> None:
+        """Removes the step directories a save left unfinished (a crash, a full disk): never
+        restored, they would only hold the space a new save needs. Process 0 removes."""
+        if jax.process_index() != 0 or not self.directory.is_dir():
+            return
+        for path in sorted(self.directory.glob(f"*{TMP_SUFFIX}")):
+            shutil.rmtree(path, ignore_errors=True)
+            warn(f"removed {path}, a checkpoint whose save did not finish", "hldstudy.train")
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
@@ -106,18 +179,23 @@ class Checkpointer:
         checkpoints saved before are untouched."""
         if step in self.manager.all_steps():
             return
+        install_teardown_filter()  # a failing write reports from tensorstore's threads at once
         try:
             self.manager.save(step, args=ocp.args.Composite(
                 state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)))
             if wait:
                 self.manager.wait_until_finished()
         except Exception as e:  # noqa: BLE001 - any failed write is the same fault for the user
+            install_teardown_filter()  # the writer threads' callbacks into a closed loop
             fix = _SAVE_FIXES.get(_errno_of(e), "check the disk and its permissions")
+            for path in self.directory.glob(f"{step}{TMP_SUFFIX}*"):
+                shutil.rmtree(path, ignore_errors=True)  # the half-written step
             previous = [s for s in self.steps() if s != step]
             kept = (f"step {previous[0]} is the last checkpoint saved" if previous
                     else "no checkpoint was saved")
             raise RuntimeFault(f"could not save the checkpoint of step {step} in "
-                               f"{self.directory}: {_reason(e)} ({fix}; {kept})") from e
+                               f"{self.directory}: {_save_reason(e, self.directory)} ({fix}; "
+                               f"{kept})") from e
 
     def quarantine(self, step: int) -> Path:
         """Moves the damaged step directory to <workdir>/checkpoints.damaged/<step> (kept for
@@ -170,8 +248,17 @@ def _reads_damaged(exc: BaseException) -> bool:
     return not any(w in text for w in shape_words)
 
 
+class Restored(NamedTuple):
+    """What `restore_partial` read: the state, its step, and the newer steps it skipped
+    ({step: why})."""
+
+    state: Any
+    step: int
+    skipped: dict[int, str]
+
+
 def restore_partial(directory: str | Path, target, step: int | None = None,
-                    prog: str = "hldstudy"):
+                    prog: str = "hldstudy") -> Restored:
     """The part of a saved train state that `target` (a pytree of ShapeDtypeStructs, e.g.
     `{"params": {"student": ...}}`) names, from the given step, or from the newest step
     that restores; nothing else (no optimizer state) is read.
@@ -206,7 +293,8 @@ def restore_partial(directory: str | Path, target, step: int | None = None,
             for bad in failures:
                 warn(f"checkpoint {directory / str(bad)} cannot be restored "
                      f"({_root_reason(failures[bad])}); using step {candidate} instead", prog)
-            return restored.state
+            return Restored(restored.state, candidate,
+                            {s: _root_reason(e) for s, e in failures.items()})
     finally:
         manager.close()
     listed = "; ".join(f"step {s}: {_root_reason(e)}" for s, e in failures.items())
@@ -271,3 +359,12 @@ def install_teardown_filter() -> None:
 
     hook._hldstudy_filter = True
     sys.unraisablehook = hook
+    previous_except = sys.excepthook
+
+    def except_hook(exc_type, exc_value, tb):  # the same, printed through PyErr_Print
+        noise = SimpleNamespace(exc_type=exc_type, exc_value=exc_value, exc_traceback=tb,
+                                object=None)
+        if not _is_teardown_noise(noise):
+            previous_except(exc_type, exc_value, tb)
+
+    sys.excepthook = except_hook

@@ -12,6 +12,7 @@ import sys
 import warnings
 from pathlib import Path
 
+from hldstudy import platforms
 from hldstudy.config import Config, apply_overrides, load_experiment, validate
 from hldstudy.errors import InputError
 from hldstudy.shipped import shipped_dir
@@ -38,7 +39,9 @@ def find_builtin(arg: str | Path, kind: Path) -> Path:
 
 
 def quiet_libraries() -> None:
-    """Keeps absl/orbax/TF chatter out of the terminal; our own messages stay."""
+    """Keeps absl/orbax/TF chatter and accelerator-plugin noise (`platforms.settle`) out
+    of the terminal; our own messages stay."""
+    platforms.settle()
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     warnings.filterwarnings("ignore", category=UserWarning, module="orbax")
     for name in ("absl", "orbax", "jax._src.xla_bridge", "tensorflow"):

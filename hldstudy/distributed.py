@@ -128,19 +128,39 @@ def check_port_free(address: str) -> None:
                                    "a free port") from None
 
 
+# A join still waiting after this many seconds says so (then every _SAY_EVERY_S).
+_SAY_AFTER_S = 5.0
+_SAY_EVERY_S = 30.0
+
+
 @contextlib.contextmanager
 def _watchdog(seconds: float, address: str | None, n: int | None, pid: int | None):
-    """Ends the process with one line and exit code 3 if the block is still running after
-    `seconds` (JAX's own timeout aborts with a C++ stack instead)."""
+    """Says what the block waits for while it waits (after 5 s, then every 30 s), and ends
+    the process with one line and exit code 3 if it is still running after `seconds`
+    (JAX's own timeout aborts with a C++ stack instead)."""
     done = threading.Event()
+    who = f"process {pid} of {n}" if pid is not None else "this process"
+    where = f"coordinator {address or 'from SLURM'}"
 
     def fire():
-        if not done.wait(seconds):
-            who = f"process {pid} of {n}" if pid is not None else "this process"
-            print(f"hldstudy: error: the multi-process job did not start within {seconds:g} s "
-                  f"({who}, coordinator {address or 'from SLURM'}): start every process of "
-                  f"the job, or raise {INIT_TIMEOUT_ENV}", file=sys.stderr, flush=True)
-            os._exit(EXIT_RUNTIME)
+        start = time.monotonic()
+        next_say = _SAY_AFTER_S
+        while True:
+            left = seconds - (time.monotonic() - start)
+            if done.wait(max(0.0, min(left, next_say - (time.monotonic() - start)))):
+                return
+            waited = time.monotonic() - start
+            if waited >= seconds:
+                break
+            if waited >= next_say:
+                print(f"hldstudy: {who} is waiting for the other processes of the job to "
+                      f"join ({where}): {waited:.0f} s of {seconds:g} s ({INIT_TIMEOUT_ENV})",
+                      file=sys.stderr, flush=True)
+                next_say = waited + _SAY_EVERY_S
+        print(f"hldstudy: error: the multi-process job did not start within {seconds:g} s "
+              f"({who}, {where}): start every process of the job, or raise "
+              f"{INIT_TIMEOUT_ENV}", file=sys.stderr, flush=True)
+        os._exit(EXIT_RUNTIME)
 
     thread = threading.Thread(target=fire, name="hldstudy-join-watchdog", daemon=True)
     thread.start()
@@ -169,6 +189,7 @@ def initialize() -> None:
     timeout = timeout or INIT_TIMEOUT_DEFAULT_S
     probe = _env_number(PROBE_ENV, "seconds to try reaching the coordinator", float)
     probe = PROBE_DEFAULT_S if probe is None else probe
+    probe = min(probe, timeout)  # the job's whole start-up is bounded by its timeout
     if address is not None and pid == 0:
         check_port_free(address)
     elif address is not None:

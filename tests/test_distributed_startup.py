@@ -157,12 +157,26 @@ def test_a_coordinator_that_never_answers_ends_in_our_line_not_an_abort(tmp_path
         address = f"127.0.0.1:{silent.getsockname()[1]}"
         proc, _ = _train(workdir, {"JAX_COORDINATOR_ADDRESS": address,
                                    "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "1",
-                                   distributed.INIT_TIMEOUT_ENV: "5"})
+                                   distributed.INIT_TIMEOUT_ENV: "8"})
     assert proc.returncode == EXIT_RUNTIME, proc.stderr[-3000:]
     line = _one_error_line(proc)
-    assert f"did not start within 5 s (process 1 of 2, coordinator {address})" in line
+    assert f"did not start within 8 s (process 1 of 2, coordinator {address})" in line
     assert distributed.INIT_TIMEOUT_ENV in line
+    # While it waits it says for what, and for how long (after 5 s).
+    assert f"process 1 of 2 is waiting for the other processes of the job to join " \
+           f"(coordinator {address}): 5 s of 8 s" in proc.stderr, proc.stderr[-2000:]
     assert not workdir.exists()
+
+
+@pytest.mark.timeout(180)
+def test_the_job_timeout_caps_the_coordinator_probe(tmp_path):
+    workdir = tmp_path / "run"
+    address = f"127.0.0.1:{_free_port()}"
+    proc, seconds = _train(workdir, {"JAX_COORDINATOR_ADDRESS": address,
+                                     "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "1",
+                                     distributed.INIT_TIMEOUT_ENV: "2"})  # probe: 20 s
+    assert proc.returncode == EXIT_RUNTIME, proc.stderr[-3000:]
+    assert f"the coordinator at {address} did not answer within 2 s" in _one_error_line(proc)
 
 
 @pytest.mark.slow

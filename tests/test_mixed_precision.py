@@ -71,7 +71,7 @@ def test_bf16_params_keep_float32_masters_and_track_float32(tmp_path, tokenizer_
     # The checkpoint holds the float32 masters; a bfloat16 model loads from it.
     from hldstudy.model.loading import load_run_model
 
-    cfg, model = load_run_model(tmp_path / "bf16")
+    cfg, model, _, _ = load_run_model(tmp_path / "bf16")
     assert cfg.model.param_dtype == "bfloat16"
     assert _dtypes(nnx.state(model, nnx.Param)) == {"bfloat16"}
 

@@ -248,6 +248,54 @@ def test_failed_save_is_one_line_exit_3_and_no_hang(tmp_path, tokenizer_path, fa
     _assert_one_line(proc, "could not save the checkpoint of step 2", needle)
 
 
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 4 MiB tmpfs (mounting needs root; skipped where the machine refuses)."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(disk)],
+                             capture_output=True, text=True)
+    if mounted.returncode:
+        pytest.skip(f"cannot mount a small tmpfs here ({mounted.stderr.strip()[:100]})")
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], capture_output=True)
+
+
+@pytest.mark.timeout(200)
+def test_a_full_disk_is_one_short_report_and_leaves_the_last_checkpoint(small_disk,
+                                                                       tokenizer_path):
+    """A real full disk mid-run (the checkpoint of step 2 fits, step 4's does not): before,
+    ~1,000 lines of Orbax's and asyncio's background tracebacks ending in "out of memory";
+    now one line naming the save, the disk and its free space; exit 3; step 2 intact and
+    no half-written step left."""
+    workdir = small_disk / "run"
+    proc = _run([sys.executable, "-m", "hldstudy.train",
+                 *_cli(tokenizer_path, workdir, "train.steps=8", "train.checkpoint_every=2")],
+                timeout=150)
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    assert len(proc.stderr.strip().splitlines()) <= 3, proc.stderr[-3000:]
+    _assert_one_line(proc, "could not save the checkpoint of step 4", "No space left on device",
+                     "MiB free there", "step 2 is the last checkpoint saved")
+    assert "out of memory" not in proc.stderr
+    assert _steps(workdir) == [2] and _saved_params_finite(workdir / "checkpoints" / "2")
+    assert not list((workdir / "checkpoints").glob("*tmp*"))
+
+
+def test_a_half_written_checkpoint_is_removed_at_the_next_start(tmp_path, capsys):
+    """What a crash mid-save leaves (Orbax's temporary step directory) is removed when the
+    run's checkpoints are opened again, with a line saying so."""
+    from hldstudy.checkpoint import Checkpointer
+
+    half = tmp_path / "checkpoints" / "6.orbax-checkpoint-tmp" / "state"
+    half.mkdir(parents=True)
+    (half / "part").write_bytes(b"x" * 100)
+    Checkpointer(tmp_path / "checkpoints", 2).close()
+    assert not (tmp_path / "checkpoints" / "6.orbax-checkpoint-tmp").exists()
+    assert "a checkpoint whose save did not finish" in capsys.readouterr().err
+
+
 def test_full_disk_in_process_raises_runtime_fault(tmp_path, tokenizer_path, monkeypatch):
     import orbax.checkpoint as ocp
 

@@ -30,8 +30,8 @@ def _parse(path: Path) -> ast.Module:
         return ast.parse(path.read_text())
 
 FLOORS = (
-    ("__root__", "errors", "family", "mesh_axes", "numerics", "shipped", "signals", "wandb_online"),  # import nothing of ours
-    ("checkpoint", "chips", "distributed", "fileio", "runlock", "teacher_source"),  # on errors / numerics only
+    ("errors", "family", "mesh_axes", "numerics", "platforms", "shipped", "signals", "wandb_online"),  # import nothing of ours
+    ("__root__", "checkpoint", "chips", "distributed", "fileio", "runlock", "teacher_source"),  # on errors / numerics only (the package's __init__: on platforms)
     ("losses",),  # loss math; its kernels sized from the chip table
     ("distill",),  # the method registry: declarations, no config
     ("config",),  # the schema, validated against the registry

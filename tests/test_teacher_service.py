@@ -8,6 +8,7 @@ starts it as a subprocess. Every test has a timeout that fails it on a hang.
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import shutil
@@ -426,3 +427,32 @@ def test_client_checks_every_frame_against_the_handshake(servers):
     for frame in (b"", b"\x00\x00\x00\xff{}", b"\x00\x00\x00\x02[]"):
         with pytest.raises(proto.ProtocolError):
             proto.decode(frame)
+
+
+def test_a_restarted_replica_keeps_its_counters(tmp_path):
+    """Counters live in the replica's work directory, rewritten as each step is served: a
+    replica killed and started again there reports every step of both runs."""
+    from hldstudy.teacher.serve import merge_counters
+
+    def serve(steps):
+        server = SyntheticTeacherServer(SHAPE, "float32", workdir=tmp_path)
+        server.start(0)
+        try:
+            for step in steps:
+                stream = RawStream(server).open()
+                assert stream.first_step(step)[0] == step
+                stream.close()
+            return _call(server, proto.STATS)
+        finally:
+            server.stop(0)
+
+    first = serve([0, 1, 2])
+    assert first["steps"] == 3 and first["incarnations"] == 1
+    # What a kill -9 leaves: the file of the last step served (nothing is written at stop).
+    assert json.loads((tmp_path / "replica_stats.json").read_text())["steps"] == 3
+    second = serve([3, 4])
+    assert second["steps"] == 5 and second["incarnations"] == 2
+    assert second["payload_bytes"] == 5 * first["payload_bytes"] // 3
+    merged = merge_counters({"steps": 2, "peak": 7, "held": 1, "cohort": {"forwards": 3}},
+                            {"steps": 1, "peak": 5, "held": 4, "cohort": {"forwards": 1}})
+    assert merged == {"steps": 3, "peak": 7, "held": 4, "cohort": {"forwards": 4}}

@@ -51,9 +51,13 @@ NO_SPEEDUP = ("No speed-up is claimed: the 2:4 weights are stored and multiplied
 
 
 def _load(path):
-    """(model, tokenizer, config) of any checkpoint the suite's loader reads."""
+    """(model, tokenizer, config, which checkpoint was read) of any checkpoint the suite's
+    loader reads; the last is {"step", "skipped": {newer step: why}} for a run directory
+    (a damaged newest step falls back to the one before), else None."""
     loaded = load_model(path)
-    return loaded.model, loaded.tokenizer, loaded.config
+    read_from = (None if loaded.step is None else
+                 {"step": loaded.step, "skipped": {str(k): v for k, v in loaded.skipped.items()}})
+    return loaded.model, loaded.tokenizer, loaded.config, read_from
 
 
 # --------------------------------------------------------------------------- #
@@ -198,7 +202,8 @@ def _stage(name: str, model, *, valid, sparse_keys, quantized, nm, ccfg, tokeniz
 
 
 def preflight(ccfg: CompressConfig):
-    """Everything checkable before compute. Returns (model, tokenizer, run_cfg or None)."""
+    """Everything checkable before compute. Returns (model, tokenizer, run_cfg or None,
+    which checkpoint step was read or None)."""
     validate(ccfg)
     check_out(Path(ccfg.out))
     path = Path(ccfg.checkpoint)
@@ -208,7 +213,7 @@ def preflight(ccfg: CompressConfig):
                           "directory")
     if ccfg.export:
         hf_export.check_available()
-    model, tokenizer, run_cfg = _load(path)
+    model, tokenizer, run_cfg, read_from = _load(path)
     if tokenizer is None:
         where = ("its tokenizer.model" if run_cfg is not None else
                  "tokenizer metadata in the GGUF file" if path.is_file() else
@@ -247,7 +252,7 @@ def preflight(ccfg: CompressConfig):
                               f"the teacher's vocabulary ({tcfg.vocab_size}) is not the "
                               f"student's ({model.cfg.vocab_size}); logit KD needs one "
                               "vocabulary", "pick a teacher trained with the student's tokenizer")
-    return model, tokenizer, run_cfg
+    return model, tokenizer, run_cfg, read_from
 
 
 def _tokenizer_file(tokenizer, run_cfg, checkpoint: str, work: Path) -> Path:
@@ -350,7 +355,8 @@ def _save_final(ccfg: CompressConfig, out: Path, model, run_cfg, tokenizer, tok_
     return None
 
 
-def _run_into(ccfg: CompressConfig, out: Path, model, tokenizer, run_cfg) -> dict:
+def _run_into(ccfg: CompressConfig, out: Path, model, tokenizer, run_cfg,
+              read_from: dict | None = None) -> dict:
     write_json_atomic(out / "config.json", to_dict(ccfg))
     work = out / "work"
     names = prune_names(ccfg)
@@ -389,7 +395,8 @@ def _run_into(ccfg: CompressConfig, out: Path, model, tokenizer, run_cfg) -> dic
             save_run_dir(model, run_cfg, out / "stages" / rec["stage"], tokenizer_file=tok_file,
                          meta={"compressed_stage": rec["stage"]})
             stage_models[rec["stage"]] = f"stages/{rec['stage']}"
-        _write_report(out, ccfg, stages, timings, stage_models=stage_models)
+        _write_report(out, ccfg, stages, timings, stage_models=stage_models,
+                      read_from=read_from)
 
     log(_stage("dense", model, sparse_keys=(), quantized={}, **common))
     masks = {}
@@ -434,12 +441,18 @@ def _run_into(ccfg: CompressConfig, out: Path, model, tokenizer, run_cfg) -> dic
 
     exported = _save_final(ccfg, out, model, run_cfg, tokenizer, tok_file, stages[-1]["stage"],
                            quantized, sparse_keys, nm)
-    return _write_report(out, ccfg, stages, timings, exported, stage_models=stage_models)
+    return _write_report(out, ccfg, stages, timings, exported, stage_models=stage_models,
+                         read_from=read_from)
 
 
 def _write_report(out: Path, ccfg: CompressConfig, stages: list[dict], timings: dict,
-                  exported: dict | None = None, *, stage_models: dict | None = None) -> dict:
+                  exported: dict | None = None, *, stage_models: dict | None = None,
+                  read_from: dict | None = None) -> dict:
+    """read_from: the run's checkpoint step that was compressed and the newer ones that
+    could not be read (`_load`)."""
     report = {"checkpoint": str(ccfg.checkpoint), "prune": ccfg.prune, "export": exported,
+              "checkpoint_step": None if read_from is None else read_from["step"],
+              "skipped_steps": {} if read_from is None else read_from["skipped"],
               "quantize": ccfg.quantize, "stages": stages, "seconds": timings,
               "stage_models": dict(stage_models or {}),
               "note": NO_SPEEDUP, "backend": jax.default_backend(),
@@ -455,7 +468,13 @@ def render(report: dict) -> str:
     extra = sorted({k for s in stages for k in s if k.endswith(("/acc", "/acc_norm"))})
     head = ("| stage | valid ppl | vs dense | weight bytes | packed 2:4 bytes | sparsity | 2:4 | "
             + "".join(f"{k} | " for k in extra))
-    lines = [f"# Compression of `{report['checkpoint']}`", "", head,
+    lines = [f"# Compression of `{report['checkpoint']}`", ""]
+    if report.get("checkpoint_step") is not None:
+        skipped = "; ".join(f"step {k} could not be read ({v})"
+                            for k, v in report.get("skipped_steps", {}).items())
+        lines += [f"From its checkpoint of step {report['checkpoint_step']}"
+                  + (f" (the newer: {skipped})" if skipped else "") + ".", ""]
+    lines += [head,
              "|---|---:|---:|---:|---:|---:|:-:|" + "---:|" * len(extra)]
     for s in stages:
         rel = f"{100 * (s['valid_ppl'] / base - 1):+.2f}%" if base else "-"

@@ -25,7 +25,7 @@ from hldstudy.data.encoding import DocumentEncoder, encode_documents
 from hldstudy.data.packing import StreamPacker, empty_rows, rows_to_batch
 from hldstudy.data.shards import LanePacker, ShardReader, read_manifest
 from hldstudy.data.tokenizer import Tokenizer, train_tokenizer
-from hldstudy.errors import ConfigError, InputError
+from hldstudy.errors import ConfigError, InputError, warn
 from hldstudy.fileio import write_json_atomic
 
 # Bump when packing/row format changes, so cached rows are rebuilt.
@@ -582,6 +582,10 @@ def make_batches(cfg: DataConfig, tokenizer: Tokenizer, split: str,
         if not part or not part["documents"]:
             raise InputError(f"data.path: the shards in {cfg.path} have no {name} documents")
         reader = ShardReader(cfg.path, part["shards"], skip_corrupt=cfg.skip_corrupt)
+        if train and part["tokens"] < cfg.batch_size * cfg.seq_len:
+            warn(f"the shards in {cfg.path} hold {part['tokens']} training tokens, fewer than "
+                 f"one batch of {cfg.batch_size} x {cfg.seq_len}: every batch repeats "
+                 "documents; give more data", "hldstudy.data")
         fp = _key([manifest["source"], name, common])
         return ShardsBatchStream(reader, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
                                  seed=cfg.seed, shuffle=train, fingerprint=fp,
@@ -603,6 +607,11 @@ def make_batches(cfg: DataConfig, tokenizer: Tokenizer, split: str,
     fp = _key([corpus.key, common])
     tok, seg = _cached_rows(cfg, tokenizer, corpus, None if workdir is None else Path(workdir), fp,
                             split)
+    if train and len(tok) < cfg.batch_size:
+        warn(f"the training data packs into {len(tok)} rows of {cfg.seq_len} tokens, fewer "
+             f"than one batch of data.batch_size={cfg.batch_size}: every batch repeats rows "
+             f"(each about {cfg.batch_size / max(len(tok), 1):.0f} times); give more data",
+             "hldstudy.data")
     return RowsBatchStream(tok, seg, batch_size=cfg.batch_size, seed=cfg.seed, shuffle=train,
                            fingerprint=fp, pad_id=tokenizer.pad_id)
 

@@ -99,6 +99,12 @@ def read_jsonl_lines(lines, f: Path, text_field: str) -> list[str]:
         if not isinstance(text, str):
             raise InputError(f"{f}:{lineno}: field {text_field!r} is "
                              f"{type(text).__name__}, not a string")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:  # a JSON escape of half a surrogate pair
+            raise InputError(f"{f}:{lineno}: field {text_field!r} holds a lone surrogate "
+                             f"({text[e.start]!r} at character {e.start}), which is not text; "
+                             "fix or drop the line") from None
         if text.strip():
             docs.append(text)
     return docs

@@ -108,6 +108,11 @@ def main(argv: list[str] | None = None) -> int:
                 sys.stdout.write(table.markdown())
                 if args.out_dir:
                     print(f"wrote {args.out_dir}/table.md")
+                failed = [r for r in table.rows if "error" in r]
+                if failed:
+                    raise InputError(f"{len(failed)} of {len(table.rows)} checkpoints could not "
+                                     "be evaluated: " + "; ".join(
+                                         f"{r['label']}: {r['error']}" for r in failed))
                 return 0
             from hldstudy.eval.runner import evaluate, markdown_table
 

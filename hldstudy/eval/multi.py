@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from hldstudy import rundir
-from hldstudy.errors import InputError
+from hldstudy.errors import InputError, warn
 from hldstudy.fileio import write_json_atomic, write_text_atomic
 
 
@@ -33,7 +33,8 @@ class CheckpointTable:
         lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
         for row in self.rows:
             vals = [row["results"].get(t, {}).get(m) for t, m in cols]
-            cells = [row["label"], f"{row['seconds']:.2f}", str(row["compiled_scorers"])]
+            label = row["label"] + (" (failed: see table.json)" if "error" in row else "")
+            cells = [label, f"{row['seconds']:.2f}", str(row["compiled_scorers"])]
             cells += ["" if v is None else f"{v:.4f}" for v in vals]
             lines.append("| " + " | ".join(cells) + " |")
         return "\n".join(lines) + "\n"
@@ -90,7 +91,8 @@ def checkpoint_labels(checkpoints: list[Path]) -> list[str]:
 def evaluate_checkpoints(paths: list[str | Path], tasks: list[str] | str, *,
                          out_dir: str | Path | None = None, **evaluate_kwargs) -> CheckpointTable:
     """Evaluates every checkpoint behind `paths` on `tasks` in this process (keyword
-    arguments as `runner.evaluate`); returns the table, written to `out_dir` if given."""
+    arguments as `runner.evaluate`); returns the table, written to `out_dir` if given. A
+    checkpoint that cannot be evaluated is reported and skipped (its row has `error`)."""
     from hldstudy.eval.adapter import compiled_scorers
     from hldstudy.eval.runner import evaluate, parse_tasks
 
@@ -105,11 +107,18 @@ def evaluate_checkpoints(paths: list[str | Path], tasks: list[str] | str, *,
         else:
             out = None
         before, t0 = compiled_scorers(), time.perf_counter()
-        results = evaluate(ckpt, names, out=out, **evaluate_kwargs)
-        rows.append({"label": label, "checkpoint": str(ckpt),
-                     "seconds": round(time.perf_counter() - t0, 3),
-                     "compiled_scorers": compiled_scorers() - before,
-                     "results_file": None if out is None else str(out), "results": results})
+        row = {"label": label, "checkpoint": str(ckpt)}
+        try:
+            results = evaluate(ckpt, names, out=out, **evaluate_kwargs)
+        except Exception as e:  # noqa: BLE001 - one damaged entry must not stop the others
+            why = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+            warn(f"{label} ({ckpt}) could not be evaluated: {why}; going on with the others",
+                 "hldstudy.eval")
+            row.update(error=why, results={}, results_file=None)
+        else:
+            row.update(results=results, results_file=None if out is None else str(out))
+        rows.append({**row, "seconds": round(time.perf_counter() - t0, 3),
+                     "compiled_scorers": compiled_scorers() - before})
     table = CheckpointTable(rows)
     if out_dir is not None:
         write_json_atomic(Path(out_dir) / "table.json", {"tasks": names, "rows": rows})

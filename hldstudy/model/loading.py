@@ -34,6 +34,8 @@ class LoadedModel:
     config: Config | None  # the run's resolved config (run directories only)
     kind: str  # "run" | "gguf" | "hf"
     source: str  # the path as given
+    step: int | None = None  # a run's checkpoint step that was read
+    skipped: dict | None = None  # newer steps of the run that could not be read: {step: why}
 
 
 def _is_run(path: Path) -> bool:
@@ -51,8 +53,10 @@ def _is_run(path: Path) -> bool:
     return isinstance(raw, dict) and isinstance(raw.get("model"), dict) and "model_type" not in raw
 
 
-def load_run_model(run_dir: str | Path, step: int | None = None) -> tuple[Config, Transformer]:
-    """(Config, Transformer) from a run directory's latest (or given) checkpoint.
+def load_run_model(run_dir: str | Path, step: int | None = None
+                   ) -> tuple[Config, Transformer, int, dict]:
+    """(Config, Transformer, the step read, {newer step skipped: why}) from a run
+    directory's latest restorable (or given) checkpoint.
 
     Reads only the student's parameters (no optimizer state), onto the first
     local device; the result is an ordinary NNX module.
@@ -64,8 +68,9 @@ def load_run_model(run_dir: str | Path, step: int | None = None) -> tuple[Config
     device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     target = {"params": {"student": jax.tree_util.tree_map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), abstract_params)}}
-    state = restore_partial(run_dir / rundir.CHECKPOINTS_DIR, target, step)
-    return cfg, nnx.merge(graphdef, state["params"]["student"])
+    restored = restore_partial(run_dir / rundir.CHECKPOINTS_DIR, target, step)
+    model = nnx.merge(graphdef, restored.state["params"]["student"])
+    return cfg, model, restored.step, restored.skipped
 
 
 def load_model(path: str | Path, step: int | None = None) -> LoadedModel:
@@ -77,9 +82,10 @@ def load_model(path: str | Path, step: int | None = None) -> LoadedModel:
         raise InputError(f"{source} does not exist (give an hldstudy run directory, a .gguf "
                          "file or a Hugging Face directory)")
     if _is_run(path):
-        cfg, model = load_run_model(path, step)
+        cfg, model, used, skipped = load_run_model(path, step)
         tok = rundir.tokenizer_path(path, cfg)
-        return LoadedModel(model, Tokenizer.load(tok) if tok else None, cfg, "run", source)
+        return LoadedModel(model, Tokenizer.load(tok) if tok else None, cfg, "run", source,
+                           used, skipped)
     kind = importers.checkpoint_format(path)
     model, tokenizer = importers.load_pretrained(path)
     return LoadedModel(model, tokenizer, None, kind, source)

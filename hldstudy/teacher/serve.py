@@ -9,6 +9,7 @@ import argparse
 import errno
 import hmac
 import ipaddress
+import json
 import logging
 import math
 import os
@@ -217,6 +218,29 @@ def _decode(context, raw) -> dict:
         _invalid(context, str(e))
 
 
+# Counters that say where something stands now, not how often it happened: a restarted
+# replica's are its own (peaks: the larger of its runs').
+_GAUGES = {"window", "held", "attached", "connected"}
+_PEAKS = {"peak", "peak_bytes"}
+
+
+def merge_counters(earlier: dict, now: dict) -> dict:
+    """`now` with every count of `earlier` (a previous run's) added, nested dicts key by
+    key; gauges are `now`'s, peaks the larger."""
+    out = dict(now)
+    for key, old in earlier.items():
+        new = now.get(key)
+        if isinstance(old, dict):
+            out[key] = merge_counters(old, new if isinstance(new, dict) else {})
+        elif isinstance(old, bool) or not isinstance(old, (int, float)) or key in _GAUGES:
+            out.setdefault(key, old)
+        elif key in _PEAKS:
+            out[key] = max(old, new or 0)
+        else:
+            out[key] = old + (new or 0)
+    return out
+
+
 class TeacherServer:
     """The transport of a teacher replica (`hldstudy.teacher.replica.Replica`): a gRPC
     service with auth, bounded streams, deadlines and a cohort's step window. `start()`
@@ -236,6 +260,7 @@ class TeacherServer:
                                flag="--cohort" if cohort is not None else "--layers",
                                dtype=dtype, step=step, workdir=workdir)
         self._init_service()
+        self._carry_counters(workdir)
         self.set_cohort(cohort, window, lag_s)
 
     def __getattr__(self, name: str):
@@ -374,6 +399,14 @@ class TeacherServer:
 
     def _stats(self, request: bytes, context) -> bytes:
         self._authorize(context)
+        return proto.encode(self.counters())
+
+    STATS_FILE = "replica_stats.json"
+
+    def counters(self) -> dict:
+        """This replica's counters, summed over every earlier run of a replica in the same
+        work directory (a replica killed and restarted there keeps what it had counted:
+        `STATS_FILE`, rewritten as each step is served); `incarnations` counts the runs."""
         with self._stats_lock:
             out = dict(self.stats)
         out["replayed_batches"] = self.replayed_batches()
@@ -382,7 +415,21 @@ class TeacherServer:
             out["forwards"] = w["forwards"]
             out["recomputed"] = w["recomputed"]
             out["cohort"] = w
-        return proto.encode(out)
+        return merge_counters(getattr(self, "_carried", {}), {**out, "incarnations": 1})
+
+    def _carry_counters(self, workdir: str | Path | None) -> None:
+        """Reads the counters an earlier replica left in `workdir` (none: a fresh start)."""
+        self._stats_path = None if workdir is None else Path(workdir) / self.STATS_FILE
+        self._carried = {}
+        if self._stats_path is not None and self._stats_path.exists():
+            try:
+                self._carried = json.loads(self._stats_path.read_text())
+            except (OSError, ValueError):
+                log.warning("%s is unreadable; counting from zero", self._stats_path)
+
+    def _save_counters(self) -> None:
+        if getattr(self, "_stats_path", None) is not None:
+            write_text_atomic(self._stats_path, json.dumps(self.counters()) + "\n")
 
     def _head(self, request: bytes, context):
         self._authorize(context)
@@ -526,6 +573,7 @@ class TeacherServer:
                     self.stats["steps"] += 1
                     self.stats["payload_bytes"] += payload
                     self.stats["frame_bytes"] += frame_bytes
+                self._save_counters()
             yield from self._send(context, frame)
 
     def start(self, port: int = 0, host: str = "127.0.0.1", *, token: str | None = None,
@@ -629,13 +677,15 @@ class SyntheticTeacherServer(TeacherServer):
     `Info` describes the synthetic payload, which no trainer handshake accepts.
     """
 
-    def __init__(self, shape: tuple[int, int, int], dtype: str = "bfloat16", n_layers: int = 1):
+    def __init__(self, shape: tuple[int, int, int], dtype: str = "bfloat16", n_layers: int = 1,
+                 workdir: str | Path | None = None):
         self.dtype, self.checkpoint, self.fingerprint = dtype, "synthetic", "synthetic"
         self.final, self.layers = True, tuple(range(1, n_layers))
         rng = np.random.default_rng(0)
         self._array = rng.standard_normal(shape).astype(proto.np_dtype(dtype))
         self._lock = threading.Lock()
         self._init_service()
+        self._carry_counters(workdir)
 
     def info(self) -> dict:
         return {"protocol": proto.PROTOCOL_VERSION, "fingerprint": self.fingerprint,

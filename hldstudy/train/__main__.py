@@ -16,7 +16,7 @@ from pathlib import Path
 
 from hldstudy.cli_common import add_config_args, check_output_dir, quiet_libraries, resolve_config
 from hldstudy.distill import methods
-from hldstudy.errors import RuntimeFault, exit_code_for_signal, user_errors
+from hldstudy.errors import HLDError, RuntimeFault, exit_code_for_signal, user_errors
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,6 +47,8 @@ def main(argv: list[str] | None = None) -> int:
             raise RuntimeFault(f"{e.strerror or e}{f': {e.filename}' if e.filename else ''} "
                                "(check the disk and the permissions of --workdir; "
                                "rerun to resume from the last checkpoint)") from e
+        except HLDError:
+            raise  # already ours (a failed save names itself)
         except Exception as e:
             if "RESOURCE_EXHAUSTED" in str(e) or "Out of memory" in str(e):
                 raise _out_of_memory(cfg, e) from e
