@@ -6,10 +6,11 @@ counted. Its values come from sweeps/_c4.py.
 
     python -m hldstudy.train --config experiments/c4_735m_hldc.py --set data.path=/data/tensorflow_datasets --set data.tokenizer=/data/spm32k.model --set teacher.checkpoint=runs/c4-teacher-3.4b --set train.mesh_fsdp=8
 
-Steps per stage at the budget, without data, tokenizer or teacher weights (the FLOP
-count reads no data; data.path only has to be set):
+Steps per stage at the budget, and the steps compiled for a target, without data,
+tokenizer or teacher weights (the teacher's shape is teacher.preset):
 
-    hldstudy flops --config experiments/c4_735m_hldc.py --set data.path=/data/tensorflow_datasets --teacher-preset paper-teacher-3.4b
+    hldstudy flops --config experiments/c4_735m_hldc.py
+    JAX_PLATFORMS=cpu python -m hldstudy.aot --config experiments/c4_735m_hldc.py --target v5e:2x4
 """
 
 from hldstudy.sweeps._c4 import student_config

@@ -9,15 +9,22 @@ multimodal checkpoint's language model) whose tokenizer.json the student's data 
 
 The teacher replicas serve the imported checkpoint (python -m hldstudy.teacher, one per
 host). Without weights or data (nothing reads data.path, data.tokenizer or the teacher
-here; the teacher's shape comes from its preset):
+here; the teacher's shape comes from its preset, teacher.preset):
 
     python -m hldstudy.sweep experiments/disaggkd_qwen35.py --dry-run
-    hldstudy flops --config experiments/disaggkd_qwen35.py --set data.path=/data/tensorflow_datasets --teacher-preset qwen3.5-35b-a3b --layout disaggregated
+    hldstudy flops --config experiments/disaggkd_qwen35.py --layout disaggregated
     hldstudy plan --teacher qwen3.5-35b-a3b --student qwen3.5-9b --tokens-per-step 1048576 --seq-len 4096 --devices 64 --hbm 141 --link 400 --remat
     hldstudy plan --sweep experiments/disaggkd_qwen35.py --devices 64 --hbm 141
 """
 
-from hldstudy.config import BudgetConfig, Config, DataConfig, DistillConfig, TrainConfig
+from hldstudy.config import (
+    BudgetConfig,
+    Config,
+    DataConfig,
+    DistillConfig,
+    TeacherConfig,
+    TrainConfig,
+)
 from hldstudy.model.presets import preset
 from hldstudy.sweep import Sweep
 
@@ -39,6 +46,9 @@ def get_config() -> Config:
                           eval_batches=32, checkpoint_every=500, keep_checkpoints=2),
         distill=DistillConfig(method="kd", alpha=0.5, temperature=1.0, loss_impl="fused",
                               fused_backend="auto"),
+        # The replicas serve the teacher in bf16 (a 35B teacher in float32 is ~130 GiB);
+        # its shape, until the checkpoint is given, is its preset's.
+        teacher=TeacherConfig(preset=TEACHER_PRESET, dtype="bfloat16"),
         budget=BudgetConfig(count_teacher=False),
     )
 

@@ -473,6 +473,10 @@ class DistillConfig:
 class TeacherConfig:
     # hldstudy run dir, GGUF file, HF safetensors dir, or remote://host:port[,...]
     checkpoint: str | None = knob(None, resume=True)
+    # The teacher's model preset (hldstudy.model.presets): its shape where the checkpoint
+    # cannot say yet (compiling with hldstudy.aot, counting FLOPs before the weights
+    # exist); a checkpoint's own config wins.
+    preset: str | None = knob(None, resume=True)
     dtype: str = knob("float32", domain=DTYPES)
     # Prefetch ring depth for a remote teacher.
     ring_size: int = knob(4, operational=True,
@@ -630,7 +634,7 @@ def validate(cfg: Config, *, check_paths: bool = True, need_teacher: bool = True
     check_name(cfg.name)
     validate_model(cfg.model)
     d, t, k = cfg.data, cfg.train, cfg.distill
-    if d.source != "synthetic" and not d.path:
+    if check_paths and d.source != "synthetic" and not d.path:  # compiling reads no data
         raise ConfigError("data.path", f"data.source={d.source!r} needs a path",
                           "pass --set data.path=/local/path")
     if check_paths and d.path and d.source in ("text", "jsonl", "hf", "tfds", "shards"):

@@ -203,3 +203,42 @@ def test_where_the_memory_goes_names_the_ops_live_at_a_compiled_steps_peak():
     lines = where_the_memory_goes([{"step": step.name, "peak": {
         "bytes": step.peak_bytes, "largest": [dataclasses.asdict(g) for g in step.peak]}}])
     assert lines[1].startswith("Where the memory goes") and lines[2].startswith("- train kd")
+
+
+@pytest.mark.parametrize("name,teacher", [("c4_123m_kd", "paper-teacher-3.4b"),
+                                          ("c4_735m_hldf", "paper-teacher-3.4b"),
+                                          ("disaggkd_qwen35", "qwen3.5-35b-a3b")])
+def test_the_study_experiments_compile_without_data_and_name_their_teacher(name, teacher,
+                                                                           capsys):
+    """What a compile or a FLOP count needs is in the experiment file: no data path (nothing
+    reads data), the teacher's shape from teacher.preset; a run still needs the path."""
+    from hldstudy.aot.check import load_run
+    from hldstudy.commands.flops import main as flops_main
+    from hldstudy.config import validate
+    from hldstudy.errors import ConfigError
+    from hldstudy.model.presets import preset
+
+    cfg, method, model = load_run(f"experiments/{name}.py", [], None, None)
+    assert cfg.data.path is None and cfg.teacher.preset == teacher
+    assert model == preset(teacher)
+    assert flops_main(["--config", f"experiments/{name}.py"]) == 0
+    assert "teacher" in capsys.readouterr().out
+    with pytest.raises(ConfigError, match="data.path"):
+        validate(load_experiment(f"experiments/{name}.py"))
+
+
+def test_a_step_that_does_not_fit_is_told_only_the_knobs_not_on_already():
+    from hldstudy.aot.check import next_knobs
+
+    cfg = load_experiment("experiments/c4_123m_kd.py")  # remat on, teacher in bf16, auto
+    hint = next_knobs(cfg, {"kind": "train", "microbatches": 2}, 8)
+    assert "model.remat" not in hint and "teacher.dtype" not in hint
+    assert "train.microbatches, now auto: 2" in hint and "data.batch_size (now 256)" in hint
+    hint = next_knobs(cfg, {"kind": "train", "microbatches": 32}, 8)  # one row each
+    assert "micro-batches" not in hint
+    f32 = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, remat=False),
+                              teacher=dataclasses.replace(cfg.teacher, dtype="float32"))
+    hint = next_knobs(f32, {"kind": "train", "microbatches": 1}, 8)
+    assert "turn on model.remat" in hint and "teacher.dtype, now float32" in hint
+    assert "serve in bfloat16" not in next_knobs(cfg, {"kind": "teacher"}, 8)
+    assert "serve in bfloat16" in next_knobs(f32, {"kind": "teacher"}, 8)

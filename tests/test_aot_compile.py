@@ -21,6 +21,7 @@ Each compile of the 123M step takes one to four minutes on a small CPU machine.
 """
 
 import importlib.util
+import json
 import os
 
 import pytest
@@ -43,6 +44,9 @@ TEACHER = "paper-teacher-3.4b"
 XLA_LOSS = "distill.fused_backend=xla"
 # Two sequences of 2048 tokens per v5e chip, the teacher in bfloat16: fits 15.75 GiB.
 SMALL = [NO_DATA, XLA_LOSS, "data.batch_size=16", "teacher.dtype=bfloat16"]
+# The step as it was before the experiments chose their teacher dtype and micro-batches:
+# the whole batch in one program, the teacher in float32.
+WHOLE_F32 = ["train.microbatches=1", "teacher.dtype=float32"]
 
 
 def _report(overrides, target, cohort=None, config=C4_KD):
@@ -57,7 +61,7 @@ def _within(row, tol):
 
 
 def test_123m_kd_step_on_8_h100_matches_the_planner():
-    rep = _report([NO_DATA], "h100:8")
+    rep = _report([NO_DATA, *WHOLE_F32], "h100:8")
     assert rep["choices"]["fused_backend"] == "pallas_triton"  # auto, for the GPU
     (row,) = rep["rows"]
     assert row["fits"] and row["planner_fits"]
@@ -66,12 +70,25 @@ def test_123m_kd_step_on_8_h100_matches_the_planner():
 
 
 def test_123m_kd_step_on_v5e_2x4_does_not_fit_and_the_planner_agrees():
-    rep = _report([NO_DATA, XLA_LOSS], "v5e:2x4")
+    rep = _report([NO_DATA, XLA_LOSS, *WHOLE_F32], "v5e:2x4")
     (row,) = rep["rows"]
     assert row["refused"].startswith("RESOURCE_EXHAUSTED")
     assert not row["fits"] and not row["planner_fits"]
     assert _within(row, 0.15), row  # the planner's total vs what libtpu said it needs
     assert "15.75 GiB" in rep["does_not_fit"] and "largest buffers" in rep["does_not_fit"]
+
+
+def test_the_study_experiment_fits_v5e_and_h100_with_no_flags(capsys):
+    """`--config` and `--target` only: no data path, the teacher's shape from
+    teacher.preset, the micro-batches the trainer would pick (v5e: 2, after 1 is refused;
+    H100: 1)."""
+    for target, micro in (("v5e:2x4", 2), ("h100:8", 1)):
+        assert aot_main(["--config", C4_KD, "--target", target, "--parts", "train",
+                         "--json"]) == 0
+        (row,) = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"]
+        assert row["fits"] and row["microbatches"] == micro, row
+        assert row["tokens_per_step"] == row["tokens"] == 256 * 2048
+        assert row["compiled"]["total_bytes"] <= 0.95 * row["device_memory_bytes"]
 
 
 def test_123m_kd_step_on_v5e_2x4_at_two_sequences_per_chip():

@@ -133,6 +133,7 @@ FUNCTION_LEVEL_IMPORTS = {
     "hldstudy.sweep.__main__ -> hldstudy.plan": "--cohort auto only (the planner's GB)",
     "hldstudy.sweep.__main__ -> hldstudy.sweep.cohort_exec": "--cohort only",
     "hldstudy.sweep.__main__ -> hldstudy.sweep.cohorts": "--cohort auto only",
+    "hldstudy.sweep.__main__ -> hldstudy.model.loading": _MOVABLE,
     "hldstudy.sweep.__main__ -> hldstudy.sweep.executors": _MOVABLE,
     "hldstudy.sweep.__main__ -> hldstudy.sweep.grid_exec": "--teacher-replicas only",
     "hldstudy.sweep.__main__ -> hldstudy.sweep.gridteach": "--teacher-replicas only",

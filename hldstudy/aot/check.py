@@ -16,9 +16,9 @@ from hldstudy.cli_common import EXPERIMENTS, find_builtin
 from hldstudy.config import apply_overrides, load_experiment, validate
 from hldstudy.distill import methods
 from hldstudy.errors import ConfigError
+from hldstudy.model.loading import teacher_model_config
 from hldstudy.model.presets import preset
 from hldstudy.sweep.cohorts import group
-from hldstudy.sweep.spec import teacher_model_config
 
 PARTS = ("train", "teacher", "eval")
 
@@ -42,12 +42,37 @@ def load_run(config: str, overrides: list[str], method: str | None,
     teacher = None
     if spec.needs_teacher:
         teacher = (preset(teacher_preset) if teacher_preset
-                   else teacher_model_config(cfg.teacher.checkpoint, None))
+                   else teacher_model_config(cfg.teacher.checkpoint, cfg.teacher.preset))
         if teacher is None:
             raise ConfigError("--teacher-preset", f"method {spec.name!r} needs the teacher's "
-                              "shape and teacher.checkpoint gives none",
-                              "name one, e.g. --teacher-preset paper-teacher-3.4b")
+                              "shape and neither teacher.checkpoint nor teacher.preset gives it",
+                              "name one, e.g. --teacher-preset paper-teacher-3.4b, or set "
+                              "teacher.preset in the experiment")
     return cfg, spec.name, teacher
+
+
+def next_knobs(cfg, row: dict, n_devices: int) -> str:
+    """The knobs to try next for a step that does not fit, naming only what is not on
+    already (remat on, micro-batches at their most, a bf16 teacher are not suggested)."""
+    if row["kind"] == "teacher":
+        knobs = [f"lower teacher.replica_batch (sequences per forward, now "
+                 f"{cfg.teacher.replica_batch or 'auto'})"]
+        if cfg.teacher.dtype not in ("bfloat16", "float16"):
+            knobs.append(f"serve in bfloat16 (teacher.dtype, now {cfg.teacher.dtype})")
+        return ("a replica runs the whole batch on one device: " + ", ".join(knobs)
+                + ", or use a device with more memory")
+    knobs = []
+    micro = row.get("microbatches", 1)
+    if micro < cfg.data.batch_size // n_devices:
+        knobs.append(f"train in more micro-batches (train.microbatches, now "
+                     f"{cfg.train.microbatches or f'auto: {micro}'})")
+    if not cfg.model.remat:
+        knobs.append("turn on model.remat")
+    if cfg.teacher.preset or cfg.teacher.checkpoint:
+        if cfg.teacher.dtype not in ("bfloat16", "float16"):
+            knobs.append(f"run the teacher in bfloat16 (teacher.dtype, now {cfg.teacher.dtype})")
+    knobs.append(f"lower data.batch_size (now {cfg.data.batch_size}) or use more devices")
+    return "; ".join(knobs)
 
 
 def check_compile(cfg, method: str, teacher, target_text: str, *, cohort: int | None = None,
@@ -91,12 +116,7 @@ def check_compile(cfg, method: str, teacher, target_text: str, *, cohort: int | 
             terms = largest_terms(cfg, teacher, r, len(devs), choices, cohort,
                                   compiler=target.backend)
             largest = f"largest buffers by the planner: {terms}"
-        fix = (f"lower data.batch_size (now {cfg.data.batch_size}), turn on model.remat, or "
-               "use more devices") if r["kind"] != "teacher" else (
-            f"a replica runs the whole batch on one device: lower teacher.replica_batch "
-            f"(sequences per forward, now {cfg.teacher.replica_batch or 'auto'}), serve in "
-            f"bfloat16 (teacher.dtype, now {cfg.teacher.dtype}), or use a device with more "
-            "memory")
+        fix = next_knobs(cfg, r, len(devs))
         report["does_not_fit"] = (
             f"the {r['step']} step does not fit {target.spec}: {what}, the device has "
             f"{target.chip.device_memory_bytes / 2**30:.2f} GiB ({largest}); {fix}")

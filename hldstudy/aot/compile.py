@@ -47,6 +47,7 @@ from hldstudy.train.program import (
     abstract_train_program,
     default_mode,
     make_eval_step,
+    microbatch_candidates,
 )
 from hldstudy.train.step import split_params
 
@@ -94,6 +95,10 @@ class CompiledStep:
     # Trips of a loop XLA's cost analysis counts once (a replica's micro-batches run in a
     # `lax.map`): its FLOPs are then about 1 / loop_trips of the program's.
     loop_trips: int = 1
+    # A train step's micro-batches (train.microbatches as compiled; auto: the fewest that
+    # fit the device) and the sequences one call of the program processes.
+    microbatches: int = 1
+    sequences: int | None = None
 
 
 def _attention_for(model: ModelConfig, seq_len: int, target: Target) -> tuple[str, str | None]:
@@ -237,9 +242,24 @@ def train_program(cfg: Config, teacher_model, method: str, stage: str, mesh,
 
 def compile_train(cfg: Config, teacher_model, method: str, stage: str, mesh,
                   cohort: int | None = None, mode: str = "vmap") -> CompiledStep:
-    """`train_program`, compiled for the mesh's devices."""
-    name, jitted, args = train_program(cfg, teacher_model, method, stage, mesh, cohort, mode)
-    return _compile(name, "train", method, stage, jitted, args, mesh)
+    """`train_program`, compiled for the mesh's devices in the micro-batches the trainer
+    would use there: train.microbatches, or (0, auto) the fewest that fit the device
+    (`microbatch_candidates`, fewest first, as `hldstudy.train.loop` compiles them)."""
+    memory = device_memory(mesh.devices.flat[0])
+    candidates = microbatch_candidates(cfg.train.microbatches, cfg.data.batch_size,
+                                       mesh.devices.size)
+    for i, k in enumerate(candidates):
+        kcfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, microbatches=k))
+        name, jitted, args = train_program(kcfg, teacher_model, method, stage, mesh, cohort,
+                                           mode)
+        if len(candidates) > 1 or k > 1:
+            name += f" ({k} micro-batch{'es' if k > 1 else ''})"
+        step = dataclasses.replace(_compile(name, "train", method, stage, jitted, args, mesh),
+                                   microbatches=k, sequences=cfg.data.batch_size)
+        fits = not step.refused and (memory is None or step.memory["total_bytes"] <= memory)
+        if fits or i == len(candidates) - 1:
+            return step
+    raise AssertionError("no micro-batch candidate")
 
 
 def replica_mesh(devices) -> Mesh:
@@ -286,7 +306,7 @@ def compile_teacher_forward(cfg: Config, teacher_model: ModelConfig, method: str
         step = _compile(f"teacher forward (one replica, {b // m} x {m} sequences)", "teacher",
                         spec.name, None, jax.jit(micro_batched(run, b // m)), (params, batch),
                         mesh)
-        return dataclasses.replace(step, loop_trips=b // m, planner=replica_forward_memory(
+        return dataclasses.replace(step, loop_trips=b // m, sequences=b, planner=replica_forward_memory(
             tcfg, b, m, cfg.data.seq_len, layers=needs.layers, head=needs.final,
             dtype=cfg.teacher.dtype, backend=backend))
 

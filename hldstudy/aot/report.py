@@ -38,8 +38,14 @@ def predicted_train_memory(cfg: Config, teacher_model: ModelConfig | None, metho
                            stage: str, n_devices: int, fsdp: int, choices: Choices,
                            cohort: int | None = None, compiler: str = "cpu") -> dict[str, float]:
     """The planner's `memory_analysis()` of one device's share of the train step, as the
-    target's compiler (`compiler`: its backend, hldstudy.plan.compilers) schedules it."""
+    target's compiler (`compiler`: its backend, hldstudy.plan.compilers) schedules it; in
+    train.microbatches micro-batches, the activations are one micro-batch's and the
+    gradient has an accumulator beside it."""
+    micro = max(cfg.train.microbatches, 1)
     local = per_device_config(cfg, n_devices)
+    if micro > 1:
+        local = dataclasses.replace(local, data=dataclasses.replace(
+            local.data, batch_size=max(local.data.batch_size // micro, 1)))
     attention = PLANNER_ATTENTION.get(choices.attention, "flash")
     kw = dict(method=method, stage=stage, layout="colocated", attention=attention,
               compiler=compiler)
@@ -49,6 +55,9 @@ def predicted_train_memory(cfg: Config, teacher_model: ModelConfig | None, metho
         state, grads = pred["state_bytes"], terms["grads"]
         teacher = terms.get("teacher_params", 0.0)
         k = 1
+        if micro > 1:  # the summed gradient, beside the micro-batch's own
+            pred = {**pred, "temp_bytes": pred["temp_bytes"] + grads,
+                    "total_bytes": pred["total_bytes"] + grads}
     else:
         pred = cohort_memory(local, teacher_model, cohort, mode=choices.cohort_mode, **kw)
         one = predict_step_memory(local, teacher_model, **kw)
@@ -111,7 +120,13 @@ def step_rows(cfg: Config, teacher_model, target: Target, choices: Choices, step
     for s in steps:
         row = {"step": s.name, "kind": s.kind, "method": s.method, "stage": s.stage,
                "compile_s": round(s.seconds, 2), "device_memory_bytes": limit,
-               "compiled": dict(s.memory)}
+               "compiled": dict(s.memory),
+               # tokens_per_step: the run's step; tokens: what one call of this program
+               # processes (a replica serves a whole step per call; eval one batch).
+               "tokens_per_step": cfg.data.batch_size * cfg.data.seq_len,
+               "tokens": (s.sequences or cfg.data.batch_size) * cfg.data.seq_len}
+        if s.kind == "train":
+            row["microbatches"] = s.microbatches
         if s.peak:
             row["peak"] = {"bytes": s.peak_bytes, "largest": [dataclasses.asdict(g)
                                                                for g in s.peak]}
@@ -126,7 +141,9 @@ def step_rows(cfg: Config, teacher_model, target: Target, choices: Choices, step
             row["fits"] = s.memory["total_bytes"] <= limit
         pred = s.planner  # a teacher replica's: the compile already asked the planner
         if s.kind == "train":
-            pred = predicted_train_memory(cfg, teacher_model, s.method, s.stage, n_devices,
+            kcfg = dataclasses.replace(cfg, train=dataclasses.replace(
+                cfg.train, microbatches=s.microbatches))
+            pred = predicted_train_memory(kcfg, teacher_model, s.method, s.stage, n_devices,
                                           fsdp, choices, cohort, target.backend)
         if pred is not None:
             row["planner"] = pred

@@ -17,7 +17,7 @@ from hldstudy.distill import methods
 from hldstudy.errors import ConfigError, user_errors
 from hldstudy.flops import FUSED_XLA_ROW_BLOCK, step_flops, xla_count_is_complete
 from hldstudy.flops.budget import plan_stages
-from hldstudy.model.loading import model_config_of
+from hldstudy.model.loading import teacher_model_config
 from hldstudy.model.presets import preset
 
 
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.teacher_preset:
             teacher_model = preset(args.teacher_preset)
         else:
-            teacher_model = model_config_of(cfg.teacher.checkpoint)
+            teacher_model = teacher_model_config(cfg.teacher.checkpoint, cfg.teacher.preset)
         if methods.get(method).needs_teacher and teacher_model is None:
             raise ConfigError("teacher", f"method {method!r} needs the teacher's shape",
                               "pass --teacher-preset NAME, or a teacher.checkpoint run directory")

@@ -18,11 +18,12 @@ from hldstudy.aot.check import check_grid
 from hldstudy.aot.targets import parse_target
 from hldstudy.cli_common import SWEEPS, find_builtin, warn_long_sequence
 from hldstudy.errors import ConfigError, RuntimeFault, user_errors
+from hldstudy.model.loading import teacher_model_config
 from hldstudy.plan.layouts import PlanInputs, check_inputs, plan
 from hldstudy.plan.presets import plan_model
 from hldstudy.plan.terms import GB, dtype_bytes
 from hldstudy.sweep.cohorts import auto_cohort, device_hours, study_flops
-from hldstudy.sweep.spec import expand, load_sweep, teacher_model_config
+from hldstudy.sweep.spec import expand, load_sweep
 
 
 def _gb(x: float) -> str:

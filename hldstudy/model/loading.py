@@ -23,6 +23,7 @@ from hldstudy.config import Config, ModelConfig
 from hldstudy.data.tokenizer import Tokenizer
 from hldstudy.errors import InputError
 from hldstudy.model import importers
+from hldstudy.model.presets import preset
 from hldstudy.model.transformer import Transformer
 from hldstudy.teacher_source import is_remote
 
@@ -105,3 +106,16 @@ def model_config_of(path: str | Path | None) -> ModelConfig | None:
     if importers.checkpoint_format(path) == "gguf":
         return importers.gguf_model_config(path)
     return importers.hf_model_config(path)
+
+
+def teacher_model_config(checkpoint: str | None, preset_name: str | None) -> ModelConfig | None:
+    """The teacher's ModelConfig, read from its checkpoint (`model_config_of`: a run
+    directory, an HF directory, a GGUF header), else the named preset (a teacher not
+    trained or downloaded yet: `teacher.preset`); None when nothing says."""
+    try:
+        model = model_config_of(checkpoint)
+    except InputError:  # not a checkpoint (yet): count with the preset
+        model = None
+    if model is None and preset_name:
+        model = preset(preset_name)
+    return model

@@ -142,9 +142,9 @@ def _auto_cohort(sweep, runs) -> int:
     first device now (the host's on the CPU), less a 10% margin; says so on stderr."""
     import jax
 
+    from hldstudy.model.loading import teacher_model_config
     from hldstudy.plan import GB
     from hldstudy.sweep.cohorts import auto_cohort
-    from hldstudy.sweep.spec import teacher_model_config
     from hldstudy.train.loop import memory_available
 
     device = jax.local_devices()[0]

@@ -19,6 +19,7 @@ from pathlib import Path
 from hldstudy.cli_common import quiet_libraries
 from hldstudy.errors import ConfigError, InputError
 from hldstudy.fileio import write_json_atomic
+from hldstudy.model.loading import teacher_model_config
 from hldstudy.signals import Interrupted
 from hldstudy.sweep.cohort_exec import (
     _run_cohorts_here,
@@ -39,7 +40,7 @@ from hldstudy.sweep.executors import (
 )
 from hldstudy.sweep.gridteach import ReplicaOptions, ReplicaSet, check_grid, grid_members
 from hldstudy.sweep.replica_launch import LocalLauncher, SlurmLauncher
-from hldstudy.sweep.spec import Run, run_status, teacher_model_config
+from hldstudy.sweep.spec import Run, run_status
 
 PROG = "python -m hldstudy.sweep"
 

@@ -32,8 +32,7 @@ from hldstudy.distill import methods
 from hldstudy.errors import ConfigError, InputError
 from hldstudy.flops import step_flops
 from hldstudy.flops.budget import plan_stages
-from hldstudy.model.loading import model_config_of
-from hldstudy.model.presets import preset
+from hldstudy.model.loading import teacher_model_config
 from hldstudy.teacher_source import is_remote
 
 # The grid axes and their names, declared on the config fields (`knob(axis=, short=)`):
@@ -222,19 +221,6 @@ def _abs_path(value: str | None) -> str | None:
     return str(Path(value).expanduser().absolute())
 
 
-def teacher_model_config(checkpoint: str | None, preset_name: str | None):
-    """The teacher's ModelConfig, read from its checkpoint (`model_config_of`: a run
-    directory, an HF directory, a GGUF header), else the named preset (a teacher not
-    trained or downloaded yet); None when nothing says."""
-    try:
-        model = model_config_of(checkpoint)
-    except InputError:  # not a checkpoint (yet): count with the preset
-        model = None
-    if model is None and preset_name:
-        model = preset(preset_name)
-    return model
-
-
 def _stage_plan(cfg: Config, method: str, teacher_model) -> tuple[dict, dict]:
     """(steps per stage, FLOPs per step per stage), from the trainer's own planner."""
     plans = plan_stages(cfg, teacher_model, method)
@@ -247,6 +233,9 @@ def base_config(sweep: Sweep, overrides: tuple[str, ...] | list[str] = ()) -> Co
     cfg = sweep.base
     if sweep.teacher:
         cfg = apply_overrides(cfg, [f"teacher.checkpoint={sweep.teacher}"])
+    if sweep.teacher_preset and not cfg.teacher.preset:  # every run names its teacher's shape
+        cfg = dataclasses.replace(cfg, teacher=dataclasses.replace(cfg.teacher,
+                                                                   preset=sweep.teacher_preset))
     cfg = apply_overrides(cfg, list(sweep.overrides))
     cfg = apply_overrides(cfg, ["train.progress=false"])
     if (sweep.budget_flops > 0) == (sweep.budget_baseline_steps > 0):
@@ -288,7 +277,8 @@ def expand(sweep: Sweep, overrides: tuple[str, ...] | list[str] = (), *,
             raise InputError(f"sweep {sweep.name!r}: the grid is empty (axis {key} has no "
                              f"values{'; give at least one seed' if key == SEED_AXIS else ''})")
     base = base_config(sweep, overrides)
-    teacher_model = teacher_model_config(base.teacher.checkpoint, sweep.teacher_preset)
+    teacher_model = teacher_model_config(base.teacher.checkpoint,
+                                         sweep.teacher_preset or base.teacher.preset)
     runs: dict[str, Run] = {}
     deferred: dict[str, list[str]] = {}
     for method in dict.fromkeys(sweep.methods):
