@@ -33,12 +33,13 @@ def compile_one(config: str, target: str, parts: str) -> dict:
     out = subprocess.run([sys.executable, "-m", "hldstudy.aot", "--config",
                           f"experiments/{config}.py", "--target", target, "--parts", parts,
                           "--json"], capture_output=True, text=True, cwd=ROOT, env=env)
-    rec = {"config": config, "target": target, "exit": out.returncode,
-           "seconds": round(time.perf_counter() - t0, 1)}
+    rec = {"config": config}
     try:
         rec.update(json.loads(out.stdout.strip().splitlines()[-1]))
     except (ValueError, IndexError):
         rec["error"] = (out.stderr.strip().splitlines() or ["?"])[-1][:300]
+    rec.update(experiment=config, target=target, exit=out.returncode,
+               seconds=round(time.perf_counter() - t0, 1))
     return rec
 
 
@@ -51,7 +52,7 @@ def markdown(records: list[dict]) -> str:
              "|---|---|---|---:|---:|---:|---:|---|---:|---:|"]
     for r in records:
         if "rows" not in r:
-            lines.append(f"| {r['config']} | {r['target']} | (failed: {r.get('error')}) "
+            lines.append(f"| {r['experiment']} | {r['target']} | (failed: {r.get('error')}) "
                          "| | | | | | | |")
             continue
         for row in r["rows"]:
@@ -60,7 +61,7 @@ def markdown(records: list[dict]) -> str:
             free = "" if total is None else f"{100 * (1 - total / dev):.0f}%"
             poc = row.get("planner_over_compiled")
             lines.append(
-                f"| {r['config']} | {r['target']} | {row['step']} | "
+                f"| {r.get('experiment', r['config'])} | {r['target']} | {row['step']} | "
                 f"{row.get('microbatches', '')} | {row['tokens_per_step']:,} | "
                 f"{'' if total is None else f'{total / GiB:.2f}'} | {dev / GiB:.2f} | "
                 f"{'yes' if row.get('fits') else '**no**'} | {free} | "
@@ -75,14 +76,18 @@ def main() -> None:
     ap.add_argument("--parts", default="train,eval")
     args = ap.parse_args()
     OUT.mkdir(parents=True, exist_ok=True)
-    records = []
-    for config in args.configs.split(","):
-        for target in args.targets.split(","):
-            records.append(compile_one(config, target, args.parts))
-            print(f"{config} {target}: exit {records[-1]['exit']} "
-                  f"({records[-1]['seconds']} s)", flush=True)
-            (OUT / "aot_study.json").write_text(json.dumps(records, indent=2) + "\n")
-            (OUT / "aot_study.md").write_text(markdown(records))
+    todo = [(c, t) for c in args.configs.split(",") for t in args.targets.split(",")]
+    # Rows of an earlier run for pairs not compiled again are kept (one table for all).
+    path = OUT / "aot_study.json"
+    earlier = json.loads(path.read_text()) if path.exists() else []
+    records = [r for r in earlier
+               if (r.get("experiment", r["config"].replace("-", "_")), r["target"]) not in todo]
+    for config, target in todo:
+        records.append(compile_one(config, target, args.parts))
+        print(f"{config} {target}: exit {records[-1]['exit']} "
+              f"({records[-1]['seconds']} s)", flush=True)
+        (OUT / "aot_study.json").write_text(json.dumps(records, indent=2) + "\n")
+        (OUT / "aot_study.md").write_text(markdown(records))
     print(markdown(records))
 
 

@@ -4,7 +4,7 @@ baseline (self-supervised NLL only, no teacher): one point of the grid sweeps/c4
 budget, 40k baseline steps of 512 x 2048 tokens, teacher forward not counted. Its values
 come from sweeps/_c4.py.
 
-    python -m hldstudy.train --config experiments/c4_735m_baseline.py --set data.path=/data/tensorflow_datasets --set data.tokenizer=/data/spm32k.model --set train.mesh_fsdp=8
+    python -m hldstudy.train --config experiments/c4_735m_baseline.py --set data.path=/data/tensorflow_datasets --set data.tokenizer=/data/spm32k.model
 
 Steps per stage at the budget, without data, tokenizer or teacher weights (the FLOP
 count reads no data; data.path only has to be set):

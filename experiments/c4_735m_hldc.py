@@ -4,7 +4,7 @@ sweeps/c4_735m.py (learning rate 1e-3, temperature 1, NLL weight 0.5, HLD weight
 that grid's FLOP budget, 40k baseline steps of 512 x 2048 tokens, teacher forward not
 counted. Its values come from sweeps/_c4.py.
 
-    python -m hldstudy.train --config experiments/c4_735m_hldc.py --set data.path=/data/tensorflow_datasets --set data.tokenizer=/data/spm32k.model --set teacher.checkpoint=runs/c4-teacher-3.4b --set train.mesh_fsdp=8
+    python -m hldstudy.train --config experiments/c4_735m_hldc.py --set data.path=/data/tensorflow_datasets --set data.tokenizer=/data/spm32k.model --set teacher.checkpoint=runs/c4-teacher-3.4b
 
 Steps per stage at the budget, and the steps compiled for a target, without data,
 tokenizer or teacher weights (the teacher's shape is teacher.preset):

@@ -37,12 +37,17 @@ class Student:
     batch_size: int       # sequences of SEQ_LEN tokens per step
     baseline_steps: int   # the FLOP budget of every method: this many baseline steps
     warmup_steps: int
+    # Devices its state is sharded over (train.mesh_fsdp; the rest is data parallel).
+    mesh_fsdp: int = 1
 
 
 # 40k baseline steps: ~21B tokens for the 123M student, ~42B for the 735M one.
 STUDENTS = {
     "123m": Student("paper-123m", batch_size=256, baseline_steps=40_000, warmup_steps=2000),
-    "735m": Student("paper-735m", batch_size=512, baseline_steps=40_000, warmup_steps=2000),
+    # FSDP over 8: replicated, its float32 weights and Adam's moments (8.2 GiB) beside the
+    # teacher leave no room for a micro-batch on a 16 GiB v5e chip (benchmarks/aot_study.md).
+    "735m": Student("paper-735m", batch_size=512, baseline_steps=40_000, warmup_steps=2000,
+                    mesh_fsdp=8),
 }
 
 # The teacher (Gemma 3 4B layout, ~32k vocabulary), pretrained on 106B C4 tokens as in the
@@ -63,11 +68,11 @@ def _data(batch_size: int) -> DataConfig:
                       add_bos=True)
 
 
-def _train(warmup_steps: int, steps: int | None = None) -> TrainConfig:
+def _train(warmup_steps: int, steps: int | None = None, mesh_fsdp: int = 1) -> TrainConfig:
     extra = {} if steps is None else {"steps": steps}
     return TrainConfig(lr=LR, warmup_steps=warmup_steps, schedule="cosine", min_lr_ratio=0.1,
                        weight_decay=0.1, log_every=100, eval_every=5000, eval_batches=64,
-                       checkpoint_every=1000, keep_checkpoints=2, **extra)
+                       checkpoint_every=1000, keep_checkpoints=2, mesh_fsdp=mesh_fsdp, **extra)
 
 
 def teacher_config() -> Config:
@@ -90,7 +95,7 @@ def c4_sweep(size: str) -> Sweep:
         name=f"c4-{size}",
         model=preset(student.preset, dtype="bfloat16", remat=True),
         data=_data(student.batch_size),
-        train=_train(student.warmup_steps),
+        train=_train(student.warmup_steps, mesh_fsdp=student.mesh_fsdp),
         distill=DistillConfig(alpha=ALPHA, temperature=TEMPERATURE, hidden_weight=HIDDEN_WEIGHT,
                               loss_impl="fused", fused_backend="auto"),
         # The 3.4B teacher's forward in bf16, as it was trained: in float32 its weights
