@@ -133,15 +133,18 @@ def test_train_with_a_partial_environment_writes_nothing(tmp_path):
 
 
 @pytest.mark.timeout(180)
-def test_an_unreachable_coordinator_is_one_line_exit_3(tmp_path):
+@pytest.mark.parametrize("limit,seconds", [(distributed.PROBE_ENV, 3),
+                                           # the job's timeout caps the probe (default 20 s)
+                                           (distributed.INIT_TIMEOUT_ENV, 2)])
+def test_an_unreachable_coordinator_is_one_line_exit_3(tmp_path, limit, seconds):
     workdir = tmp_path / "run"
     address = f"127.0.0.1:{_free_port()}"
-    proc, seconds = _train(workdir, {"JAX_COORDINATOR_ADDRESS": address,
-                                     "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "1",
-                                     distributed.PROBE_ENV: "3"})
+    proc, _ = _train(workdir, {"JAX_COORDINATOR_ADDRESS": address,
+                               "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "1",
+                               limit: str(seconds)})
     assert proc.returncode == EXIT_RUNTIME, proc.stderr[-3000:]
     line = _one_error_line(proc)
-    assert f"the coordinator at {address} did not answer within 3 s" in line
+    assert f"the coordinator at {address} did not answer within {seconds} s" in line
     assert "JAX_COORDINATOR_ADDRESS" in line and distributed.PROBE_ENV in line
     assert not workdir.exists()
 
@@ -166,17 +169,6 @@ def test_a_coordinator_that_never_answers_ends_in_our_line_not_an_abort(tmp_path
     assert f"process 1 of 2 is waiting for the other processes of the job to join " \
            f"(coordinator {address}): 5 s of 8 s" in proc.stderr, proc.stderr[-2000:]
     assert not workdir.exists()
-
-
-@pytest.mark.timeout(180)
-def test_the_job_timeout_caps_the_coordinator_probe(tmp_path):
-    workdir = tmp_path / "run"
-    address = f"127.0.0.1:{_free_port()}"
-    proc, seconds = _train(workdir, {"JAX_COORDINATOR_ADDRESS": address,
-                                     "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "1",
-                                     distributed.INIT_TIMEOUT_ENV: "2"})  # probe: 20 s
-    assert proc.returncode == EXIT_RUNTIME, proc.stderr[-3000:]
-    assert f"the coordinator at {address} did not answer within 2 s" in _one_error_line(proc)
 
 
 @pytest.mark.slow
