@@ -312,7 +312,7 @@ def test_jsonl_source(tmp_path, tokenizer, monkeypatch):
     check_batch(next(bundle.train), 2, 32)
     # With packed rows cached, a restart does not read the corpus again.
     with monkeypatch.context() as m:
-        m.setattr(sources, "read_jsonl_files", lambda *a: pytest.fail("corpus re-read"))
+        m.setattr(sources, "iter_jsonl_files", lambda *a: pytest.fail("corpus re-read"))
         again = prepare_data(cfg, tmp_path / "run")
         assert same(again.train.batch_at(3), bundle.train.batch_at(3))
     assert sources.load_corpus(replace(cfg, max_docs=10), "train").texts == [

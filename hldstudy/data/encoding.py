@@ -6,9 +6,10 @@ Design notes: `docs/data.md`, under this file's name.
 
 from __future__ import annotations
 
+import itertools
 import multiprocessing
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
 
 import numpy as np
@@ -18,18 +19,24 @@ from hldstudy.data.tokenizer import Tokenizer
 CHUNK = 256  # documents per encode call (and per task of a worker)
 
 
-def encode_documents(tokenizer: Tokenizer, texts: Sequence[str], *, add_bos: bool = False,
-                     chunk: int = 4096) -> list[np.ndarray]:
-    """Token arrays with EOS appended (and BOS prepended with add_bos)."""
-    out: list[np.ndarray] = []
+def iter_encoded(tokenizer: Tokenizer, texts: Iterable[str], *, add_bos: bool = False,
+                 chunk: int = 4096) -> Iterator[np.ndarray]:
+    """Token arrays with EOS appended (and BOS prepended with add_bos), one tokenizer call
+    per `chunk` documents, `texts` read as they are needed."""
     eos, bos = tokenizer.eos_id, tokenizer.bos_id
-    for i in range(0, len(texts), chunk):
-        for ids in tokenizer.encode_batch(list(texts[i:i + chunk])):
+    texts = iter(texts)
+    while batch := list(itertools.islice(texts, chunk)):
+        for ids in tokenizer.encode_batch(batch):
             if add_bos:
                 ids = [bos] + ids
             ids.append(eos)
-            out.append(np.asarray(ids, np.int32))
-    return out
+            yield np.asarray(ids, np.int32)
+
+
+def encode_documents(tokenizer: Tokenizer, texts: Sequence[str], *, add_bos: bool = False,
+                     chunk: int = 4096) -> list[np.ndarray]:
+    """`iter_encoded`, as a list."""
+    return list(iter_encoded(tokenizer, texts, add_bos=add_bos, chunk=chunk))
 
 
 # A worker process's documents and tokenizer (set once by `_init_worker`).

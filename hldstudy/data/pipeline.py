@@ -21,7 +21,7 @@ import numpy as np
 
 from hldstudy.config import DataConfig
 from hldstudy.data import packing, sources
-from hldstudy.data.encoding import DocumentEncoder, encode_documents
+from hldstudy.data.encoding import DocumentEncoder, encode_documents, iter_encoded
 from hldstudy.data.packing import StreamPacker, empty_rows, rows_to_batch
 from hldstudy.data.shards import LanePacker, ShardReader, read_manifest
 from hldstudy.data.tokenizer import Tokenizer, train_tokenizer
@@ -431,18 +431,9 @@ def _key(obj: Any) -> str:
 def iter_rows(cfg: DataConfig, tokenizer: Tokenizer, texts: Iterable[str]):
     """The packed (tokens, segments) rows of a finite corpus, tokenized 4096 documents at a
     time: memory does not grow with the corpus."""
-    def docs():
-        chunk: list[str] = []
-        for t in texts:
-            chunk.append(t)
-            if len(chunk) == 4096:
-                yield from encode_documents(tokenizer, chunk, add_bos=cfg.add_bos)
-                chunk = []
-        yield from encode_documents(tokenizer, chunk, add_bos=cfg.add_bos)
-
+    documents = iter_encoded(tokenizer, texts, add_bos=cfg.add_bos)
     if cfg.packing:
-        return packing.iter_first_fit(docs(), cfg.seq_len, pad_id=tokenizer.pad_id)
-    documents = docs()
+        return packing.iter_first_fit(documents, cfg.seq_len, pad_id=tokenizer.pad_id)
     packer = StreamPacker(lambda i: next(documents, None), cfg.seq_len, cross_document=True,
                           pad_id=tokenizer.pad_id)
     return iter(packer.next_row, None)

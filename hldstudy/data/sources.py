@@ -264,14 +264,12 @@ def text_corpus(cfg: DataConfig, split: str) -> Corpus:
     files = expand_paths(cfg.path, "data.path", TEXT_EXTS)
     vfiles = expand_paths(cfg.valid_path, "data.valid_path", TEXT_EXTS) if cfg.valid_path else []
 
-    def texts() -> list[str]:
-        return _split_local(read_text_files(files), cfg, which, lambda: read_text_files(vfiles))
-
     key = _hash(["text", which, _files_key(files), _files_key(vfiles), cfg.max_docs,
                  cfg.valid_holdout_docs])
     stream = _stream_local(lambda: iter_text_files(files), cfg, which,
                            lambda: iter_text_files(vfiles))
-    return Corpus(texts, f"text-{which}-{key}", f"text files {cfg.path} ({which})", stream)
+    return Corpus(lambda: list(stream()), f"text-{which}-{key}",
+                  f"text files {cfg.path} ({which})", stream)
 
 
 def jsonl_corpus(cfg: DataConfig, split: str) -> Corpus:
@@ -280,15 +278,12 @@ def jsonl_corpus(cfg: DataConfig, split: str) -> Corpus:
     vfiles = expand_paths(cfg.valid_path, "data.valid_path", JSONL_EXTS) if cfg.valid_path else []
     _peek_jsonl(files[0], cfg.text_field)  # a wrong text_field fails now, not after minutes
 
-    def texts() -> list[str]:
-        return _split_local(read_jsonl_files(files, cfg.text_field), cfg, which,
-                            lambda: read_jsonl_files(vfiles, cfg.text_field))
-
     key = _hash(["jsonl", which, _files_key(files), _files_key(vfiles), cfg.text_field,
                  cfg.max_docs, cfg.valid_holdout_docs])
     stream = _stream_local(lambda: iter_jsonl_files(files, cfg.text_field), cfg, which,
                            lambda: iter_jsonl_files(vfiles, cfg.text_field))
-    return Corpus(texts, f"jsonl-{which}-{key}", f"jsonl files {cfg.path} ({which})", stream)
+    return Corpus(lambda: list(stream()), f"jsonl-{which}-{key}",
+                  f"jsonl files {cfg.path} ({which})", stream)
 
 
 def _hf_check_column(ds, field: str, where: str) -> None:
