@@ -254,6 +254,7 @@ SCHEDULES = ("cosine", "linear", "constant")
 STAGE_BOUNDARIES = ("restart", "continue")
 NMSE_FORMS = ("batch", "token")
 ATTENTIONS = ("dense", "chunked", "cudnn", "splash", "auto")
+REMAT_POLICIES = ("nothing_saveable", "dots_saveable", "offload_dots")  # hldstudy.model.stack
 LOSS_IMPLS = ("fused", "materialized")
 FUSED_BACKENDS = ("auto", "xla", "pallas", "pallas_triton", "pallas_mosaic")
 WANDB_MODES = ("offline", "online", "disabled")
@@ -309,6 +310,12 @@ class ModelConfig:
     attention: str = knob("dense", domain=ATTENTIONS)
     # Recompute each block in the backward pass (saves activation memory).
     remat: bool = knob(False, analysis="ignore")
+    # What the backward keeps instead of recomputing under remat (hldstudy.model.stack):
+    # nothing_saveable | dots_saveable | offload_dots (matmul outputs in host memory).
+    remat_policy: str = knob("nothing_saveable", analysis="ignore", domain=REMAT_POLICIES)
+    # Trace each repeating group of layers once and run the stack under a scan (compile
+    # time and the backward's live buffers bounded by one group; hldstudy.model.stack).
+    scan_layers: bool = knob(False, analysis="ignore")
     # --- Family and block stack (hldstudy/family.py owns what these mean) ---
     # gemma3: pre+post norms, GeGLU, sqrt(d)-scaled embedding. qwen3_5: pre-norm blocks,
     # SwiGLU (or MoE), unscaled embedding, gated full attention and Gated DeltaNet layers.

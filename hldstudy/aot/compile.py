@@ -32,7 +32,7 @@ from hldstudy.model.attention import resolve_implementation
 from hldstudy.model.transformer import Transformer
 from hldstudy.plan.step_memory import xla_memory
 from hldstudy.teacher.base import method_needs
-from hldstudy.teacher.colocated import teacher_forward_fn
+from hldstudy.teacher.colocated import forward_config, teacher_forward_fn
 from hldstudy.teacher.microbatch import (
     compiler_checked,
     device_memory,
@@ -284,7 +284,7 @@ def compile_teacher_forward(cfg: Config, teacher_model: ModelConfig, method: str
         cfg, distill=dataclasses.replace(cfg.distill, method=spec.name)), cfg.model,
         teacher_model)
     needs = method_needs(strategy, teacher_model)
-    tcfg = dataclasses.replace(teacher_model, dtype=cfg.teacher.dtype, remat=False)
+    tcfg = forward_config(teacher_model, cfg.teacher.dtype, cfg.model.scan_layers)
     graphdef, params = nnx.split(nnx.eval_shape(lambda: _transformer(tcfg, 2)), nnx.Param)
     tdt = jnp.dtype(cfg.teacher.dtype)
     params = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, tdt), params)

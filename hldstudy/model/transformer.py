@@ -21,6 +21,7 @@ from hldstudy.errors import ConfigError
 from hldstudy.family import family_of
 from hldstudy.model.blocks import build_block
 from hldstudy.model.layers import RMSNorm
+from hldstudy.model.stack import run_stack
 from hldstudy.numerics import softcap
 from hldstudy.shapes import count_params  # noqa: F401  (re-exported)
 
@@ -96,22 +97,13 @@ class Transformer(nnx.Module):
         # the same-document test (dense builds its mask per layer; chunked and
         # cudnn never build a T x T mask at all).
 
-        x_BxTxD = self.embed(tokens_BxT)
-        hidden = {0: x_BxTxD} if 0 in hidden_layers else {}
-        with_aux = family_of(cfg).blocks_return_aux
-        aux = jnp.zeros((), jnp.float32) if with_aux else None
-        for i in range(n_run):
-            block = self.blocks[i]
-            if cfg.remat:
-                x_BxTxD = nnx.remat(lambda blk, x, p, s: blk(x, p, s))(
-                    block, x_BxTxD, positions_BxT, segment_ids_BxT)
-            else:
-                x_BxTxD = block(x_BxTxD, positions_BxT, segment_ids_BxT)
-            if with_aux:
-                x_BxTxD, layer_aux = x_BxTxD
-                aux = aux + layer_aux / max(n_run, 1)
-            if i + 1 in hidden_layers:
-                hidden[i + 1] = x_BxTxD
+        embedded_BxTxD = self.embed(tokens_BxT)
+        x_BxTxD, aux, hidden = run_stack(
+            self.blocks, embedded_BxTxD, positions_BxT, segment_ids_BxT, n_run=n_run,
+            stops=hidden_layers, with_aux=family_of(cfg).blocks_return_aux,
+            scan=cfg.scan_layers, remat=cfg.remat, policy_name=cfg.remat_policy)
+        if 0 in hidden_layers:
+            hidden[0] = embedded_BxTxD
         if max_layer is not None:
             return ModelOutput(logits=None, final_hidden=None, hidden=hidden, router_aux_loss=aux)
 

@@ -66,12 +66,20 @@ class ParamsFeed:
         pass
 
 
+def forward_config(model: ModelConfig, dtype: str, scan_layers: bool = False) -> ModelConfig:
+    """The shape a teacher's forward runs in: its compute `dtype`, no remat (no backward
+    runs through it), its layers scanned where the run scans its student's
+    (`model.scan_layers`: the same compile-time bound for the teacher's forward)."""
+    return dataclasses.replace(model, dtype=dtype, remat=False, scan_layers=scan_layers)
+
+
 class ColocatedTeacher:
     """The teacher model itself, run inside the student's step (implements `Teacher`)."""
 
-    def __init__(self, model, tokenizer, *, dtype: str = "float32", source: str = ""):
+    def __init__(self, model, tokenizer, *, dtype: str = "float32", source: str = "",
+                 scan_layers: bool = False):
         self.source = source
-        self.model_cfg: ModelConfig = dataclasses.replace(model.cfg, dtype=dtype, remat=False)
+        self.model_cfg: ModelConfig = forward_config(model.cfg, dtype, scan_layers)
         _, params = nnx.split(model, nnx.Param)
         self.graphdef = nnx.split(nnx.eval_shape(
             lambda: type(model)(self.model_cfg, rngs=nnx.Rngs(0))), nnx.Param)[0]

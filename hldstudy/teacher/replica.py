@@ -125,7 +125,7 @@ class Replica:
             first = (str(e).strip().splitlines() or [type(e).__name__])[0]
             raise InputError(f"--checkpoint: cannot load {checkpoint}: {first[:300]}") from e
         self.teacher = ColocatedTeacher(loaded.model, loaded.tokenizer, dtype=dtype,
-                                        source=checkpoint)
+                                        source=checkpoint, scan_layers=cfg.model.scan_layers)
         self.model_cfg = self.teacher.model_cfg
         # The served layers are checked before anything is made (the data cache below),
         # against the flag they came from.

@@ -6,6 +6,8 @@ the analytic accounting (`hldstudy.flops`) stays free of the trainer.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 
 from hldstudy.config import Config, ModelConfig
@@ -39,6 +41,9 @@ def baseline_train_step(cfg: Config):
 def xla_flops_for(cfg: Config, method: str | None = None, stage: str | None = None,
                   teacher_model: ModelConfig | None = None, *,
                   layout: str = "colocated") -> float:
-    """XLA's count of the compiled train program of (method, stage)."""
+    """XLA's count of the compiled train program of (method, stage). Counted with the
+    layers unrolled: XLA's cost analysis counts a loop's body once, and a scanned stack
+    computes what the unrolled one does (hldstudy.model.stack)."""
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, scan_layers=False))
     program, args = abstract_train_program(cfg, method, stage, teacher_model, layout=layout)
     return xla_step_flops(program, *args)

@@ -28,7 +28,7 @@ from hldstudy.distill.base import Stage, Strategy, TeacherOutputs, make_strategy
 from hldstudy.errors import ConfigError
 from hldstudy.eval.head import target_logprobs
 from hldstudy.model.transformer import Transformer
-from hldstudy.teacher.colocated import teacher_forward_fn
+from hldstudy.teacher.colocated import forward_config, teacher_forward_fn
 from hldstudy.train.optim import make_optimizer
 from hldstudy.train.step import GraphDefs, cast_params, merge_params, split_params, teacher_outputs
 
@@ -286,7 +286,7 @@ def _abstract_teacher(cfg: Config, strategy, st, teacher_model: ModelConfig, lay
     """(teacher_forward, teacher_in) as the colocated teacher (its params an argument, its
     forward inside the step) or the disaggregated one (streamed outputs) gives them."""
     tdt = jnp.dtype(cfg.teacher.dtype)
-    tcfg = dataclasses.replace(teacher_model, dtype=cfg.teacher.dtype, remat=False)
+    tcfg = forward_config(teacher_model, cfg.teacher.dtype, cfg.model.scan_layers)
     layers, needs_head = strategy.teacher_layers(st), strategy.teacher_needs_head(st)
     shape = (cfg.data.batch_size, cfg.data.seq_len, tcfg.d_model)
     if layout == "colocated":
