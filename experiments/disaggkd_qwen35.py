@@ -5,7 +5,7 @@ vocabulary) served by teacher replicas, distilled with logit KD into a Qwen3.5-9
 initialisation here; the teacher is an imported HF checkpoint (Qwen3_5MoeForCausalLM or the
 multimodal checkpoint's language model) whose tokenizer.json the student's data uses.
 
-    python -m hldstudy.train --config experiments/disaggkd_qwen35.py --set data.path=/data/tensorflow_datasets --set data.tokenizer=/ckpt/Qwen3.5-35B-A3B/tokenizer.json --set teacher.checkpoint=remote://teacher-0:7000,teacher-1:7000 --set train.mesh_fsdp=64
+    python -m hldstudy.train --config experiments/disaggkd_qwen35.py --set data.path=/data/tensorflow_datasets --set data.tokenizer=/ckpt/Qwen3.5-35B-A3B/tokenizer.json --set teacher.checkpoint=remote://teacher-0:7000,teacher-1:7000
 
 The teacher replicas serve the imported checkpoint (python -m hldstudy.teacher, one per
 host). Without weights or data (nothing reads data.path, data.tokenizer or the teacher
@@ -38,12 +38,17 @@ STEPS = 10_000  # ~10.5B tokens
 def get_config() -> Config:
     return Config(
         name="disaggkd-qwen3.5-35b-a3b-to-9b",
-        model=preset(STUDENT_PRESET, dtype="bfloat16", remat=True),
+        # Scanned in groups of its pattern (three DeltaNet layers, one attention layer):
+        # compile time and the backward's live buffers bounded by one group.
+        model=preset(STUDENT_PRESET, dtype="bfloat16", remat=True, scan_layers=True),
         data=DataConfig(source="tfds", tfds_name="c4/en", seq_len=SEQ_LEN,
                         batch_size=BATCH_SIZE, add_bos=False),
         train=TrainConfig(steps=STEPS, lr=3e-4, warmup_steps=500, schedule="cosine",
                           min_lr_ratio=0.1, weight_decay=0.1, log_every=50, eval_every=1000,
-                          eval_batches=32, checkpoint_every=500, keep_checkpoints=2),
+                          eval_batches=32, checkpoint_every=500, keep_checkpoints=2,
+                          # The 9B student's state (float32 weights, Adam: ~144 GiB) sharded
+                          # over every device of the student's mesh (FSDP), however many.
+                          mesh_data=1, mesh_fsdp=-1),
         distill=DistillConfig(method="kd", alpha=0.5, temperature=1.0, loss_impl="fused",
                               fused_backend="auto"),
         # The replicas serve the teacher in bf16 (a 35B teacher in float32 is ~130 GiB);

@@ -11,11 +11,19 @@ from hldstudy.errors import ConfigError
 
 FIELD = "teacher.checkpoint"
 SCHEME = "remote://"
+# Where a run's teacher runs: inside the student's step (a local checkpoint), or on
+# replicas that stream its outputs into the step (remote://).
+LAYOUTS = ("colocated", "disaggregated")
 
 
 def is_remote(spec: str | None) -> bool:
     """Whether `teacher.checkpoint` names replicas rather than a local path."""
     return bool(spec) and str(spec).startswith(SCHEME)
+
+
+def layout_of(spec: str | None) -> str:
+    """The layout (LAYOUTS) a `teacher.checkpoint` gives a run."""
+    return "disaggregated" if is_remote(spec) else "colocated"
 
 
 @dataclass(frozen=True)

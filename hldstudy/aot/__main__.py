@@ -3,6 +3,8 @@ machine, without the target, and say what the target's compiler reports per devi
 
     python -m hldstudy.aot --config experiments/c4_123m_kd.py --set data.path=/x \\
         --teacher-preset paper-teacher-3.4b --target v5e:2x4 [--cohort 4] [--json]
+    python -m hldstudy.aot --config experiments/disaggkd_qwen35.py --target h100:8 \
+        --layout disaggregated --parts train
 
 Targets: v4 / v5e / v5p / v6e with a topology (v5e:2x4, v4:2x2x1, v6e:2x2), h100:N,
 a100:N, h200:N (or Nxh100). Needs the `aot` extra (pip install -e '.[aot]'); runs the
@@ -18,6 +20,7 @@ import sys
 
 from hldstudy.aot.check import PARTS, check_compile, load_run
 from hldstudy.errors import RuntimeFault, user_errors
+from hldstudy.teacher_source import LAYOUTS
 
 PROG = "hldstudy.aot"
 
@@ -32,6 +35,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="compile the cohort step of K students instead of the solo step")
     ap.add_argument("--teacher-preset", default=None,
                     help="the teacher's model preset (default: read teacher.checkpoint)")
+    ap.add_argument("--layout", choices=LAYOUTS, default=None,
+                    help="where the teacher runs: inside the train step (colocated) or on "
+                         "replicas streaming its outputs (disaggregated); default: the one "
+                         "teacher.checkpoint gives (remote:// is disaggregated)")
     ap.add_argument("--parts", default=",".join(PARTS),
                     help=f"which programs to compile, comma-separated of {', '.join(PARTS)}")
     ap.add_argument("--json", action="store_true", help="one JSON object instead of the table")
@@ -44,7 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     with user_errors(a.debug, prog=PROG):
         parts = tuple(p.strip() for p in a.parts.split(",") if p.strip())
         cfg, method, teacher = load_run(a.config, a.overrides, a.method, a.teacher_preset)
-        report = check_compile(cfg, method, teacher, a.target, cohort=a.cohort, parts=parts)
+        report = check_compile(cfg, method, teacher, a.target, cohort=a.cohort, parts=parts,
+                               layout=a.layout)
         if a.json:
             print(json.dumps({k: v for k, v in report.items() if k != "text"}, sort_keys=True))
         else:

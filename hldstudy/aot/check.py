@@ -19,6 +19,7 @@ from hldstudy.errors import ConfigError
 from hldstudy.model.loading import teacher_model_config
 from hldstudy.model.presets import preset
 from hldstudy.sweep.cohorts import group
+from hldstudy.teacher_source import LAYOUTS, layout_of
 
 PARTS = ("train", "teacher", "eval")
 
@@ -76,8 +77,9 @@ def next_knobs(cfg, row: dict, n_devices: int) -> str:
 
 
 def check_compile(cfg, method: str, teacher, target_text: str, *, cohort: int | None = None,
-                  parts: tuple[str, ...] = PARTS) -> dict:
-    """Compiles the run for the target; returns {"target", "choices", "rows", "text"}.
+                  parts: tuple[str, ...] = PARTS, layout: str | None = None) -> dict:
+    """Compiles the run for the target, its teacher in `layout` (LAYOUTS; None: the one
+    teacher.checkpoint gives); returns {"target", "choices", "rows", "text"}.
     Raises RuntimeFault (exit 3) after building the report when a step does not fit."""
     target = parse_target(target_text)
     if cohort is not None and cohort < 1:
@@ -86,20 +88,25 @@ def check_compile(cfg, method: str, teacher, target_text: str, *, cohort: int | 
     if unknown or not parts:
         raise ConfigError("--parts", f"{','.join(parts)!r} names none or unknown parts",
                           f"comma-separated of {', '.join(PARTS)}")
+    layout = layout or layout_of(cfg.teacher.checkpoint)
+    if layout not in LAYOUTS:
+        raise ConfigError("--layout", f"{layout!r} is not a layout", f"one of {', '.join(LAYOUTS)}")
     use_cpu_host()
     cfg, teacher, choices = resolve_for_target(cfg, teacher, target)
     devs = devices(target)
     steps = compile_run(cfg, teacher, method, devs, cohort=cohort, mode=choices.cohort_mode,
-                        parts=parts)
+                        parts=parts, layout=layout)
     fsdp = cfg.train.mesh_fsdp if cfg.train.mesh_fsdp > 0 else len(devs) // cfg.train.mesh_data
     rows = step_rows(cfg, teacher, target, choices, steps, len(devs), fsdp, cohort)
-    head = (f"**{cfg.name}** ({method}{f', cohort of {cohort}' if cohort else ''}) on "
+    teacher_where = f", teacher {layout}" if methods.get(method).needs_teacher else ""
+    head = (f"**{cfg.name}** ({method}{f', cohort of {cohort}' if cohort else ''}"
+            f"{teacher_where}) on "
             f"**{target.spec}** ({len(devs)} x {devs[0].device_kind}, mesh data x fsdp = "
             f"{len(devs) // fsdp} x {fsdp}, batch {cfg.data.batch_size} x {cfg.data.seq_len}, "
             f"model {cfg.model.dtype}, teacher {cfg.teacher.dtype})")
     text = format_table(head, rows, choices, flops_note(cfg, choices, steps), target.platform)
     report = {"target": target.spec, "device_kind": devs[0].device_kind, "devices": len(devs),
-              "config": cfg.name, "method": method, "cohort": cohort,
+              "config": cfg.name, "method": method, "cohort": cohort, "layout": layout,
               "choices": dataclasses.asdict(choices), "rows": rows, "text": text}
     over = [r for r in rows if not r["fits"]]
     if over:

@@ -99,6 +99,9 @@ class CompiledStep:
     # fit the device) and the sequences one call of the program processes.
     microbatches: int = 1
     sequences: int | None = None
+    # Where the teacher runs for this program (TEACHER_LAYOUTS): a train step's teacher
+    # forward inside it (colocated) or its outputs streamed in; a replica's is disaggregated.
+    layout: str = "colocated"
 
 
 def _attention_for(model: ModelConfig, seq_len: int, target: Target) -> tuple[str, str | None]:
@@ -217,13 +220,13 @@ def mesh_for(cfg: Config, devices):
 
 
 def train_program(cfg: Config, teacher_model, method: str, stage: str, mesh,
-                  cohort: int | None = None, mode: str = "vmap"):
+                  cohort: int | None = None, mode: str = "vmap", layout: str = "colocated"):
     """(name, jitted, abstract args) of the train program the trainer compiles for
     (method, stage), one run or a cohort of K (`hldstudy.train.program`); state donated,
     outputs placed as its inputs, every argument placed on `mesh`."""
     rep = mesh_lib.replicated(mesh)
     fn, (state, batch, teacher_in, hps, bad) = abstract_train_program(
-        cfg, method, stage, teacher_model, cohort=cohort, mode=mode)
+        cfg, method, stage, teacher_model, cohort=cohort, mode=mode, layout=layout)
     if cohort is None:
         state_sh = mesh_lib.tree_shardings(mesh, state)
     else:
@@ -237,11 +240,14 @@ def train_program(cfg: Config, teacher_model, method: str, stage: str, mesh,
     jitted = jax.jit(fn, out_shardings=(state_sh, None, rep), donate_argnums=(0,))
     label = f"{method}:{stage}" if len(stage_names(cfg, method, teacher_model)) > 1 else method
     name = f"train {label}" + (f" (cohort of {cohort}, {mode})" if cohort else "")
+    if layout != "colocated" and methods.get(method).needs_teacher:
+        name += f", {layout}"
     return name, jitted, (state, batch, teacher_in, hps, bad)
 
 
 def compile_train(cfg: Config, teacher_model, method: str, stage: str, mesh,
-                  cohort: int | None = None, mode: str = "vmap") -> CompiledStep:
+                  cohort: int | None = None, mode: str = "vmap",
+                  layout: str = "colocated") -> CompiledStep:
     """`train_program`, compiled for the mesh's devices in the micro-batches the trainer
     would use there: train.microbatches, or (0, auto) the fewest that fit the device
     (`microbatch_candidates`, fewest first, as `hldstudy.train.loop` compiles them)."""
@@ -251,11 +257,12 @@ def compile_train(cfg: Config, teacher_model, method: str, stage: str, mesh,
     for i, k in enumerate(candidates):
         kcfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, microbatches=k))
         name, jitted, args = train_program(kcfg, teacher_model, method, stage, mesh, cohort,
-                                           mode)
+                                           mode, layout)
         if len(candidates) > 1 or k > 1:
             name += f" ({k} micro-batch{'es' if k > 1 else ''})"
         step = dataclasses.replace(_compile(name, "train", method, stage, jitted, args, mesh),
-                                   microbatches=k, sequences=cfg.data.batch_size)
+                                   microbatches=k, sequences=cfg.data.batch_size,
+                                   layout=layout)
         fits = not step.refused and (memory is None or step.memory["total_bytes"] <= memory)
         if fits or i == len(candidates) - 1:
             return step
@@ -306,7 +313,8 @@ def compile_teacher_forward(cfg: Config, teacher_model: ModelConfig, method: str
         step = _compile(f"teacher forward (one replica, {b // m} x {m} sequences)", "teacher",
                         spec.name, None, jax.jit(micro_batched(run, b // m)), (params, batch),
                         mesh)
-        return dataclasses.replace(step, loop_trips=b // m, sequences=b, planner=replica_forward_memory(
+        return dataclasses.replace(step, loop_trips=b // m, sequences=b, layout="disaggregated",
+                                   planner=replica_forward_memory(
             tcfg, b, m, cfg.data.seq_len, layers=needs.layers, head=needs.final,
             dtype=cfg.teacher.dtype, backend=backend))
 
@@ -332,9 +340,11 @@ def _transformer(model_cfg: ModelConfig, seed: int):
 
 def compile_run(cfg: Config, teacher_model: ModelConfig | None, method: str, devices,
                 *, cohort: int | None = None, mode: str = "vmap",
-                parts: tuple[str, ...] = ("train", "teacher", "eval")) -> list[CompiledStep]:
+                parts: tuple[str, ...] = ("train", "teacher", "eval"),
+                layout: str = "colocated") -> list[CompiledStep]:
     """Every program of one run on `devices`: the train step of each stage of `method`
-    (the cohort step of K with `cohort`), the teacher replica's forward (a method with a
+    (the cohort step of K with `cohort`; its teacher in `layout`: its forward inside the
+    step, or its outputs streamed in), the teacher replica's forward (a method with a
     teacher; on one of `devices`, as a replica runs it), and the eval step. `cfg` and `teacher_model` come resolved for the target
     (`resolve_for_target`)."""
     mesh = mesh_for(cfg, devices)
@@ -342,7 +352,8 @@ def compile_run(cfg: Config, teacher_model: ModelConfig | None, method: str, dev
     out = []
     if "train" in parts:
         for stage in stage_names(cfg, method, teacher_model):
-            out.append(compile_train(cfg, teacher_model, spec.name, stage, mesh, cohort, mode))
+            out.append(compile_train(cfg, teacher_model, spec.name, stage, mesh, cohort, mode,
+                                     layout))
     if "teacher" in parts and spec.needs_teacher:
         out.append(compile_teacher_forward(cfg, teacher_model, spec.name, devices))
     if "eval" in parts:

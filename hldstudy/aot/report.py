@@ -36,7 +36,8 @@ def per_device_config(cfg: Config, n_devices: int) -> Config:
 
 def predicted_train_memory(cfg: Config, teacher_model: ModelConfig | None, method: str,
                            stage: str, n_devices: int, fsdp: int, choices: Choices,
-                           cohort: int | None = None, compiler: str = "cpu") -> dict[str, float]:
+                           cohort: int | None = None, compiler: str = "cpu",
+                           layout: str = "colocated") -> dict[str, float]:
     """The planner's `memory_analysis()` of one device's share of the train step, as the
     target's compiler (`compiler`: its backend, hldstudy.plan.compilers) schedules it; in
     train.microbatches micro-batches, the activations are one micro-batch's and the
@@ -47,7 +48,7 @@ def predicted_train_memory(cfg: Config, teacher_model: ModelConfig | None, metho
         local = dataclasses.replace(local, data=dataclasses.replace(
             local.data, batch_size=max(local.data.batch_size // micro, 1)))
     attention = PLANNER_ATTENTION.get(choices.attention, "flash")
-    kw = dict(method=method, stage=stage, layout="colocated", attention=attention,
+    kw = dict(method=method, stage=stage, layout=layout, attention=attention,
               compiler=compiler)
     if cohort is None:
         pred = predict_step_memory(local, teacher_model, **kw)
@@ -89,7 +90,7 @@ def flop_model(cfg: Config, teacher_model: ModelConfig | None, step: CompiledSte
     teacher = bd.hardware.get("teacher", 0.0)
     if step.kind == "teacher":  # a replica runs the whole global batch on one device
         return teacher
-    total = bd.hardware_flops("colocated")
+    total = bd.hardware_flops(step.layout)
     if cohort:
         total = cohort * (total - teacher) + teacher
     return total / n_devices
@@ -127,6 +128,7 @@ def step_rows(cfg: Config, teacher_model, target: Target, choices: Choices, step
                "tokens": (s.sequences or cfg.data.batch_size) * cfg.data.seq_len}
         if s.kind == "train":
             row["microbatches"] = s.microbatches
+            row["layout"] = s.layout
         if s.peak:
             row["peak"] = {"bytes": s.peak_bytes, "largest": [dataclasses.asdict(g)
                                                                for g in s.peak]}
@@ -144,7 +146,7 @@ def step_rows(cfg: Config, teacher_model, target: Target, choices: Choices, step
             kcfg = dataclasses.replace(cfg, train=dataclasses.replace(
                 cfg.train, microbatches=s.microbatches))
             pred = predicted_train_memory(kcfg, teacher_model, s.method, s.stage, n_devices,
-                                          fsdp, choices, cohort, target.backend)
+                                          fsdp, choices, cohort, target.backend, s.layout)
         if pred is not None:
             row["planner"] = pred
             row["planner_fits"] = pred["total_bytes"] <= limit
@@ -240,7 +242,8 @@ def largest_terms(cfg: Config, teacher_model, row: dict, n_devices: int, choices
     local = per_device_config(cfg, n_devices)
     attention = PLANNER_ATTENTION.get(choices.attention, "flash")
     terms = predict_step_memory(local, teacher_model, method=row["method"], stage=row["stage"],
-                                attention=attention, compiler=compiler)["terms"]
+                                attention=attention, compiler=compiler,
+                                layout=row.get("layout", "colocated"))["terms"]
     terms.pop("block_working", None)  # a part of "activations", not a buffer of its own
     k = cohort or 1
     scaled = {n: v * (k if n in ("params", "optimizer", "grads", "activations", "logits")

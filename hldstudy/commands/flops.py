@@ -19,6 +19,7 @@ from hldstudy.flops import FUSED_XLA_ROW_BLOCK, step_flops, xla_count_is_complet
 from hldstudy.flops.budget import plan_stages
 from hldstudy.model.loading import teacher_model_config
 from hldstudy.model.presets import preset
+from hldstudy.teacher_source import LAYOUTS
 
 
 def _fmt(x: float) -> str:
@@ -57,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--count-teacher", action="store_true", default=None,
                     help="count the teacher forward in the budget (default budget.count_teacher)")
     ap.add_argument("--check-xla", action="store_true", help="compile the step, compare with XLA")
-    ap.add_argument("--layout", choices=("colocated", "disaggregated"), default="colocated",
+    ap.add_argument("--layout", choices=LAYOUTS, default="colocated",
                     help="teacher layout of the hardware figure and of --check-xla")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--debug", action="store_true")

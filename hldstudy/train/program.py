@@ -29,6 +29,7 @@ from hldstudy.errors import ConfigError
 from hldstudy.eval.head import target_logprobs
 from hldstudy.model.transformer import Transformer
 from hldstudy.teacher.colocated import forward_config, teacher_forward_fn
+from hldstudy.teacher_source import LAYOUTS
 from hldstudy.train.optim import make_optimizer
 from hldstudy.train.step import GraphDefs, cast_params, merge_params, split_params, teacher_outputs
 
@@ -300,7 +301,7 @@ def _abstract_teacher(cfg: Config, strategy, st, teacher_model: ModelConfig, lay
             hidden={layer: jax.ShapeDtypeStruct(shape, tdt) for layer in layers},
             head_weight=(jax.ShapeDtypeStruct((tcfg.d_model, tcfg.vocab_size), tdt)
                          if needs_head else None))
-    raise ConfigError("layout", f"{layout!r} is not one of colocated, disaggregated")
+    raise ConfigError("layout", f"{layout!r} is not one of {', '.join(LAYOUTS)}")
 
 
 def abstract_run(cfg: Config, method: str | None = None, stage: str | None = None,
