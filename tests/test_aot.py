@@ -227,6 +227,39 @@ def test_the_study_experiments_compile_without_data_and_name_their_teacher(name,
         validate(load_experiment(f"experiments/{name}.py"))
 
 
+def test_the_train_step_compiles_with_its_teacher_colocated_or_streamed():
+    """--layout: the teacher's forward inside the step (its params an argument) or its
+    outputs streamed in (no teacher params; its final hidden states split by batch over
+    the devices as the trainer places them, and its head); compiled on this host's
+    devices."""
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    from hldstudy.aot.check import check_compile
+    from hldstudy.aot.compile import compile_train, mesh_for
+
+    cfg, teacher = _tiny()
+    cfg = dataclasses.replace(cfg, distill=dataclasses.replace(cfg.distill, loss_impl="materialized"))
+    mesh = mesh_for(cfg, jax.devices())
+    colocated = compile_train(cfg, teacher, "kd", "main", mesh)
+    streamed = compile_train(cfg, teacher, "kd", "main", mesh, layout="disaggregated")
+    assert (colocated.layout, streamed.layout) == ("colocated", "disaggregated")
+    assert colocated.name == "train kd" and streamed.name == "train kd, disaggregated"
+    n = len(jax.devices())
+    t_params = sum(x.size for x in jax.tree_util.tree_leaves(nnx.state(nnx.eval_shape(
+        lambda: Transformer(teacher, rngs=nnx.Rngs(0))), nnx.Param)))
+    final_hidden = cfg.data.batch_size * cfg.data.seq_len * teacher.d_model // n
+    itemsize = np.dtype(cfg.teacher.dtype).itemsize
+    head = teacher.d_model * teacher.vocab_size
+    assert (colocated.memory["argument_bytes"] - streamed.memory["argument_bytes"]
+            == (t_params - final_hidden - head) * itemsize)
+    # Counted from the HLO too; the streamed step runs no teacher forward.
+    assert 0 < streamed.hlo.flops < colocated.hlo.flops
+    with pytest.raises(ConfigError, match="--layout"):
+        check_compile(cfg, "kd", teacher, "h100:8", layout="remote")
+
+
 def test_a_step_that_does_not_fit_is_told_only_the_knobs_not_on_already():
     from hldstudy.aot.check import next_knobs
 
@@ -240,5 +273,8 @@ def test_a_step_that_does_not_fit_is_told_only_the_knobs_not_on_already():
                               teacher=dataclasses.replace(cfg.teacher, dtype="float32"))
     hint = next_knobs(f32, {"kind": "train", "microbatches": 1}, 8)
     assert "turn on model.remat" in hint and "teacher.dtype, now float32" in hint
+    assert "model.scan_layers" in hint
+    scanned = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, scan_layers=True))
+    assert "model.scan_layers" not in next_knobs(scanned, {"kind": "train", "microbatches": 1}, 8)
     assert "serve in bfloat16" not in next_knobs(cfg, {"kind": "teacher"}, 8)
     assert "serve in bfloat16" in next_knobs(f32, {"kind": "teacher"}, 8)

@@ -54,7 +54,8 @@ def load_run(config: str, overrides: list[str], method: str | None,
 
 def next_knobs(cfg, row: dict, n_devices: int) -> str:
     """The knobs to try next for a step that does not fit, naming only what is not on
-    already (remat on, micro-batches at their most, a bf16 teacher are not suggested)."""
+    already (remat on, scanned layers, micro-batches at their most, a bf16 teacher are not
+    suggested)."""
     if row["kind"] == "teacher":
         knobs = [f"lower teacher.replica_batch (sequences per forward, now "
                  f"{cfg.teacher.replica_batch or 'auto'})"]
@@ -69,6 +70,8 @@ def next_knobs(cfg, row: dict, n_devices: int) -> str:
                      f"{cfg.train.microbatches or f'auto: {micro}'})")
     if not cfg.model.remat:
         knobs.append("turn on model.remat")
+    if not cfg.model.scan_layers:
+        knobs.append("scan the layers (model.scan_layers: the backward's buffers one group's)")
     if cfg.teacher.preset or cfg.teacher.checkpoint:
         if cfg.teacher.dtype not in ("bfloat16", "float16"):
             knobs.append(f"run the teacher in bfloat16 (teacher.dtype, now {cfg.teacher.dtype})")

@@ -28,6 +28,7 @@ from hldstudy.config import Config, ModelConfig
 from hldstudy.distill import methods
 from hldstudy.distill.base import make_strategy
 from hldstudy.errors import RuntimeFault
+from hldstudy.flops.hlo_count import HloCount, hlo_flops
 from hldstudy.model.attention import resolve_implementation
 from hldstudy.model.transformer import Transformer
 from hldstudy.plan.step_memory import xla_memory
@@ -99,7 +100,10 @@ class CompiledStep:
     # fit the device) and the sequences one call of the program processes.
     microbatches: int = 1
     sequences: int | None = None
-    # Where the teacher runs for this program (TEACHER_LAYOUTS): a train step's teacher
+    # FLOPs counted from the optimized HLO (dots, convolutions, GEMM calls, declared
+    # kernel costs; loop bodies times their trips): hldstudy.flops.hlo_count.
+    hlo: HloCount | None = None
+    # Where the teacher runs for this program (LAYOUTS): a train step's teacher
     # forward inside it (colocated) or its outputs streamed in; a replica's is disaggregated.
     layout: str = "colocated"
 
@@ -196,6 +200,7 @@ def _compile(name, kind, method, stage, jitted, args, mesh) -> CompiledStep:
         raise RuntimeFault(f"the {name} step does not compile for the target: "
                            f"{type(e).__name__}: {first[:400]}{hint}") from e
     flops = cost_analysis(compiled).get("flops") if _reports_flops(compiled) else None
+    hlo = hlo_flops(compiled.as_text())
     with dump:
         try:
             peak_bytes, groups = peak_groups(dump.name)
@@ -203,7 +208,7 @@ def _compile(name, kind, method, stage, jitted, args, mesh) -> CompiledStep:
             peak_bytes, groups = None, []
     return CompiledStep(name, kind, method, stage, xla_memory(compiled),
                         None if flops is None else float(flops), time.perf_counter() - t0,
-                        peak_bytes=peak_bytes, peak=tuple(groups[:PEAK_GROUPS]))
+                        peak_bytes=peak_bytes, peak=tuple(groups[:PEAK_GROUPS]), hlo=hlo)
 
 
 def _reports_flops(compiled) -> bool:
@@ -236,13 +241,27 @@ def train_program(cfg: Config, teacher_model, method: str, stage: str, mesh,
     state = _placed(state, state_sh)
     batch = _placed(batch, {k: mesh_lib.batch_sharding(mesh) for k in batch})
     if teacher_in is not None:
-        teacher_in = _placed(teacher_in, mesh_lib.tree_shardings(mesh, teacher_in))
+        teacher_in = _placed(teacher_in, _teacher_in_shardings(mesh, teacher_in, layout))
     jitted = jax.jit(fn, out_shardings=(state_sh, None, rep), donate_argnums=(0,))
     label = f"{method}:{stage}" if len(stage_names(cfg, method, teacher_model)) > 1 else method
     name = f"train {label}" + (f" (cohort of {cohort}, {mode})" if cohort else "")
     if layout != "colocated" and methods.get(method).needs_teacher:
         name += f", {layout}"
     return name, jitted, (state, batch, teacher_in, hps, bad)
+
+
+def _teacher_in_shardings(mesh, teacher_in, layout: str):
+    """Where the step's teacher input lies, as the trainer places it: a colocated
+    teacher's params as the student's (FSDP); streamed outputs as `RemoteTeacher` puts
+    them, the hidden states split by batch like the batch, the head as a parameter."""
+    if layout == "colocated":
+        return mesh_lib.tree_shardings(mesh, teacher_in)
+    rows = mesh_lib.batch_sharding(mesh)
+    head = teacher_in.head_weight
+    return dataclasses.replace(
+        teacher_in, final_hidden=None if teacher_in.final_hidden is None else rows,
+        hidden={layer: rows for layer in teacher_in.hidden},
+        head_weight=None if head is None else mesh_lib.tree_shardings(mesh, head))
 
 
 def compile_train(cfg: Config, teacher_model, method: str, stage: str, mesh,

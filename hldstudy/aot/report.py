@@ -79,14 +79,16 @@ def predicted_train_memory(cfg: Config, teacher_model: ModelConfig | None, metho
 
 
 def flop_model(cfg: Config, teacher_model: ModelConfig | None, step: CompiledStep,
-               n_devices: int, cohort: int | None = None) -> float | None:
+               n_devices: int, cohort: int | None = None, backend: str = "cpu") -> float | None:
     """The FLOP model's executed FLOPs of `step` per device (None for the eval step,
-    which the model does not count). A cohort runs the teacher once, K students; a
-    teacher replica's forward is the whole batch on its one device."""
+    which the model does not count), as the target's backend runs it (an MoE's experts:
+    the active ones, top-k and shared, except on a CPU, which runs them densely). A cohort
+    runs the teacher once, K students; a teacher replica's forward is the whole batch on
+    its one device."""
     if step.kind == "eval":
         return None
     bd = step_flops(cfg, step.method, step.stage if step.kind == "train" else None,
-                    teacher_model)
+                    teacher_model, grouped_dense=backend == "cpu")
     teacher = bd.hardware.get("teacher", 0.0)
     if step.kind == "teacher":  # a replica runs the whole global batch on one device
         return teacher
@@ -153,13 +155,21 @@ def step_rows(cfg: Config, teacher_model, target: Target, choices: Choices, step
             if "total_bytes" in row["compiled"]:
                 row["planner_over_compiled"] = (pred["total_bytes"]
                                                 / max(row["compiled"]["total_bytes"], 1))
-        if s.flops is not None:
+        if s.hlo is not None:
+            row["hlo_flops"] = s.hlo.flops
+            if s.hlo.uncounted_kernels:
+                row["hlo_uncounted_kernels"] = list(s.hlo.uncounted_kernels)
+        # XLA's cost analysis where the compiler gives one (TPU); else (the XLA GPU
+        # compiler) the count from the optimized HLO (hldstudy.flops.hlo_count).
+        xla = s.flops if s.flops is not None else (s.hlo.flops if s.hlo is not None else None)
+        if xla is not None:
             model = flop_model(cfg, teacher_model, s, n_devices, cohort if s.kind == "train"
-                               else None)
-            row["xla_flops"] = s.flops
+                               else None, target.backend)
+            row["xla_flops"] = xla
+            row["xla_flops_from"] = "cost_analysis" if s.flops is not None else "hlo"
             if model:
                 row["model_flops"] = model
-                row["xla_over_model"] = s.flops / model
+                row["xla_over_model"] = xla / model
         rows.append(row)
     return rows
 
@@ -204,10 +214,14 @@ def format_table(head: str, rows: list[dict], choices: Choices, note: str,
         if r.get("refused"):
             lines.append(f"The compiler refused {r['step']}: {r['refused']}")
     lines.extend(where_the_memory_goes(rows))
-    if any("xla_flops" in r for r in rows) and note:
-        lines.append(f"FLOPs: {note}.")
     if platform == "cuda":
-        lines.append("FLOPs: the GPU compiler gives no cost analysis (memory only).")
+        uncounted = sorted({k for r in rows for k in r.get("hlo_uncounted_kernels", [])})
+        lines.append("FLOPs: the GPU compiler gives no cost analysis: XLA FLOPs are counted "
+                     "from the optimized HLO (dots, convolutions, loop bodies times their "
+                     "trips)" + (f"; kernels with no declared cost not counted: "
+                                 f"{', '.join(uncounted)}" if uncounted else "") + ".")
+    elif any("xla_flops" in r for r in rows) and note:
+        lines.append(f"FLOPs: {note}.")
     return "\n".join(lines)
 
 

@@ -286,7 +286,8 @@ def fused_loss_recomputes(cfg: Config) -> bool:
 def step_flops(cfg: Config, method: str | None = None, stage: str | None = None,
                teacher_model: ModelConfig | None = None, *,
                count_teacher: bool | None = None,
-               fused_recompute: bool | None = None) -> FlopBreakdown:
+               fused_recompute: bool | None = None,
+               grouped_dense: bool | None = None) -> FlopBreakdown:
     """FLOPs of one training step of `method` (default `cfg.distill.method`) at `stage`.
 
     teacher_model: the teacher's ModelConfig (the config only names a
@@ -294,6 +295,9 @@ def step_flops(cfg: Config, method: str | None = None, stage: str | None = None,
     count_teacher: overrides `cfg.budget.count_teacher`.
     fused_recompute: whether the fused KD loss rebuilds logit chunks in its
         backward (hardware figure only); None -> `fused_loss_recomputes(cfg)`.
+    grouped_dense: whether the backend that runs the step executes the MoE's grouped
+        matmuls densely over all experts (hardware figure only); None -> this process's
+        backend (`grouped_matmuls_run_dense`); a compile for another target says its own.
     """
     spec = methods.get(method or cfg.distill.method)
     method = spec.name
@@ -334,7 +338,8 @@ def step_flops(cfg: Config, method: str | None = None, stage: str | None = None,
 
     # Hardware (executed) estimate.
     loss_kind = cfg.distill.divergence if kd_loss else "nll"
-    grouped_dense = grouped_matmuls_run_dense()
+    if grouped_dense is None:
+        grouped_dense = grouped_matmuls_run_dense()
     fs_dense = flops_per_token(s, seq, n_layers=s_layers, head=s_head, attention="dense",
                                grouped_dense=grouped_dense)
     hw = {

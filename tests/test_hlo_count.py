@@ -1,0 +1,78 @@
+"""FLOPs counted from a compiled program's HLO (hldstudy.flops.hlo_count) against closed
+forms and against XLA's own cost analysis: a matmul, a convolution, a loop's body times
+its trip count (which the cost analysis counts once), and the train step of a scanned
+stack equal to the unrolled one's."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from hldstudy.config import Config, DataConfig, DistillConfig
+from hldstudy.flops.hlo_count import hlo_flops
+from hldstudy.model.presets import preset
+from hldstudy.train.probe import cost_analysis
+from hldstudy.train.program import abstract_train_program
+
+
+def _compiled(fn, *args):
+    return jax.jit(fn).lower(*args).compile()
+
+
+def test_a_matmul_is_its_closed_form_and_xlas_count():
+    a, b = jnp.ones((8, 16)), jnp.ones((16, 4))
+    compiled = _compiled(lambda a, b: a @ b, a, b)
+    count = hlo_flops(compiled.as_text())
+    assert count.flops == 2 * 8 * 4 * 16 == cost_analysis(compiled)["flops"]
+    assert (count.loops, count.uncounted_kernels) == (0, [])
+
+
+def test_a_batched_dot_counts_its_batch():
+    a, b = jnp.ones((3, 8, 16)), jnp.ones((3, 16, 4))
+    compiled = _compiled(lambda a, b: jnp.einsum("bij,bjk->bik", a, b), a, b)
+    assert hlo_flops(compiled.as_text()).flops == 2 * 3 * 8 * 4 * 16
+
+
+def test_a_depthwise_convolution_is_its_closed_form():
+    """The DeltaNet's causal conv: each of C channels convolved with its own kernel of K."""
+    b, t, c, k = 2, 32, 6, 4
+    x, w = jnp.ones((b, t, c)), jnp.ones((k, 1, c))
+    conv = lambda x, w: jax.lax.conv_general_dilated(  # noqa: E731
+        x, w, (1,), [(k - 1, 0)], dimension_numbers=("NWC", "WIO", "NWC"),
+        feature_group_count=c)
+    compiled = _compiled(conv, x, w)
+    assert hlo_flops(compiled.as_text()).flops == 2 * b * t * c * k
+
+
+def test_a_loops_body_counts_times_its_trips():
+    """XLA's cost analysis counts a while loop's body once; the HLO count multiplies it by
+    the trip count XLA knows."""
+    trips = 5
+    w = jnp.ones((16, 16))
+
+    def loop(x, w):
+        return jax.lax.fori_loop(0, trips, lambda i, x: jnp.tanh(x @ w), x)
+
+    compiled = _compiled(loop, jnp.ones((8, 16)), w)
+    count = hlo_flops(compiled.as_text())
+    one = 2 * 8 * 16 * 16
+    assert count.flops == trips * one
+    assert count.loops == 1 and count.unknown_trip_loops == 0
+    assert cost_analysis(compiled)["flops"] < 2 * one  # the body once (plus its tanh)
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-qwen"])
+def test_the_scanned_train_step_counts_as_the_unrolled_one(name):
+    cfg = Config(model=preset(name, n_layers=8, vocab_size=256),
+                 data=DataConfig(batch_size=2, seq_len=64),
+                 distill=DistillConfig(method="kd", loss_impl="materialized"))
+    teacher = preset("tiny-teacher" if name == "tiny" else "tiny-qwen-moe", vocab_size=256)
+    counts = {}
+    for scan in (False, True):
+        c = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, scan_layers=scan))
+        program, args = abstract_train_program(c, "kd", "main", teacher)
+        compiled = jax.jit(program, donate_argnums=(0,)).lower(*args).compile()
+        counts[scan] = hlo_flops(compiled.as_text())
+    assert counts[True].loops >= 2 and counts[True].unknown_trip_loops == 0  # the scans
+    assert counts[True].flops == pytest.approx(counts[False].flops, rel=1e-3)
