@@ -255,6 +255,7 @@ STAGE_BOUNDARIES = ("restart", "continue")
 NMSE_FORMS = ("batch", "token")
 ATTENTIONS = ("dense", "chunked", "cudnn", "splash", "auto")
 REMAT_POLICIES = ("nothing_saveable", "dots_saveable", "offload_dots")  # hldstudy.model.stack
+MOE_DISPATCHES = ("auto", "ragged", "capacity")  # hldstudy.model.moe
 LOSS_IMPLS = ("fused", "materialized")
 FUSED_BACKENDS = ("auto", "xla", "pallas", "pallas_triton", "pallas_mosaic")
 WANDB_MODES = ("offline", "online", "disabled")
@@ -343,6 +344,13 @@ class ModelConfig:
     d_shared_expert: int = knob(0, domain=NONNEG)
     # Weight of the router's load-balancing loss in a student's objective (0 = off).
     router_aux_weight: float = knob(0.0, domain=NONNEG)
+    # How routed rows reach their experts (hldstudy.model.moe): ragged (dropless
+    # jax.lax.ragged_dot: a grouped matmul on TPU, a dense pass over every expert on CPU and
+    # GPU), capacity (a buffer of moe_capacity_factor x the even share of rows per expert,
+    # batched matmuls; rows past it dropped and logged: expert_drop_rate), auto (capacity
+    # on GPU, ragged elsewhere).
+    moe_dispatch: str = knob("auto", analysis="ignore", domain=MOE_DISPATCHES)
+    moe_capacity_factor: float = knob(2.0, analysis="ignore", domain=POSITIVE)
 
     def is_global_layer(self, i: int) -> bool:
         """0-based layer index i: True where attention sees the whole causal context."""

@@ -245,7 +245,8 @@ def test_the_train_step_compiles_with_its_teacher_colocated_or_streamed():
     colocated = compile_train(cfg, teacher, "kd", "main", mesh)
     streamed = compile_train(cfg, teacher, "kd", "main", mesh, layout="disaggregated")
     assert (colocated.layout, streamed.layout) == ("colocated", "disaggregated")
-    assert colocated.name == "train kd" and streamed.name == "train kd, disaggregated"
+    assert colocated.name.startswith("train kd (")  # the micro-batches it compiled
+    assert streamed.name.startswith("train kd, disaggregated (")
     n = len(jax.devices())
     t_params = sum(x.size for x in jax.tree_util.tree_leaves(nnx.state(nnx.eval_shape(
         lambda: Transformer(teacher, rngs=nnx.Rngs(0))), nnx.Param)))

@@ -155,3 +155,52 @@ def test_the_exported_teacher_carries_its_tokenizer(tmp_path):
     assert (teacher / "tokenizer.json").read_bytes() == TOKENIZER.read_bytes()
     raw = json.loads((teacher / "config.json").read_text())
     assert raw["model_type"] == "qwen3_5_moe_text" and raw["vocab_size"] == VOCAB
+
+
+def test_dropped_expert_slots_are_reported_in_the_step_metrics():
+    """Capacity dispatch drops routed rows past an expert's buffer: never silently. A
+    teacher's dropped share reaches the student step's metrics (teacher_expert_drop_rate),
+    an MoE student's its own (expert_drop_rate); dropless dispatch reports 0."""
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+    from flax import nnx
+
+    from hldstudy.config import Config, DataConfig, DistillConfig
+    from hldstudy.distill.base import make_strategy
+    from hldstudy.model import Transformer, preset
+    from hldstudy.teacher.colocated import teacher_forward_fn
+    from hldstudy.train.program import train_program
+    from hldstudy.train.step import split_params
+
+    b, t = 4, 32
+    for dispatch, factor in (("capacity", 0.5), ("ragged", 0.5)):
+        moe = dict(moe_dispatch=dispatch, moe_capacity_factor=factor)
+        cfg = Config(model=preset("tiny-qwen-moe", **moe), data=DataConfig(batch_size=b, seq_len=t),
+                     distill=DistillConfig(method="kd", loss_impl="materialized"))
+        teacher_cfg = preset("tiny-qwen-moe", d_model=64, **moe)
+        strategy = make_strategy(cfg, cfg.model, teacher_cfg)
+        (st,) = strategy.stages()
+        graphdefs, params = split_params(Transformer(cfg.model, rngs=nnx.Rngs(0)),
+                                         strategy.init_aux(st, nnx.Rngs(1)))
+        t_gd, t_params = nnx.split(Transformer(teacher_cfg, rngs=nnx.Rngs(2)), nnx.Param)
+        forward = teacher_forward_fn(t_gd, strategy.teacher_layers(st),
+                                     strategy.teacher_needs_head(st))
+        tokens = jnp.asarray(np.random.default_rng(0).integers(0, 512, (b, t), dtype=np.int32))
+        batch = {"tokens": tokens, "targets": jnp.roll(tokens, -1, 1),
+                 "positions": jnp.tile(jnp.arange(t, dtype=jnp.int32), (b, 1)),
+                 "segment_ids": jnp.ones((b, t), jnp.int32), "mask": jnp.ones((b, t), bool)}
+        teacher_drop = forward(t_params, batch).expert_drop_rate
+        assert teacher_drop.shape == (b,)
+        opt = optax.sgd(0.0)
+        state = {"params": params, "opt_state": opt.init(params), "step": jnp.int32(0)}
+        _, metrics, _ = jax.jit(train_program(strategy, st, graphdefs, opt, forward))(
+            state, batch, t_params, {}, jnp.int32(0))
+        assert float(metrics["teacher_expert_drop_rate"]) == pytest.approx(
+            float(jnp.mean(teacher_drop)), rel=1e-6)
+        if dispatch == "capacity":  # half the even share per expert: many rows dropped
+            assert float(metrics["teacher_expert_drop_rate"]) > 0.2
+            assert float(metrics["expert_drop_rate"]) > 0.2
+        else:
+            assert float(metrics["teacher_expert_drop_rate"]) == 0.0
+            assert float(metrics["expert_drop_rate"]) == 0.0

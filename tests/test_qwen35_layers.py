@@ -16,7 +16,14 @@ from hldstudy.config import ModelConfig, validate_model
 from hldstudy.errors import ConfigError
 from hldstudy.model import Transformer
 from hldstudy.model.deltanet import GatedDeltaNet, delta_rule_chunked, delta_rule_recurrent
-from hldstudy.model.moe import MoE, load_balancing_loss, route
+from hldstudy.model.moe import (
+    MoE,
+    capacity_swiglu,
+    expert_capacity,
+    grouped_swiglu,
+    load_balancing_loss,
+    route,
+)
 
 CFG = ModelConfig(family="qwen3_5", vocab_size=64, d_model=24, n_layers=4, n_heads=2,
                   n_kv_heads=1, head_dim=16, d_ff=32, max_seq_len=128, rotary_fraction=0.25,
@@ -99,15 +106,20 @@ def test_packed_documents_do_not_see_each_other(deltanet):
     _close(packed, jnp.concatenate([first, second], axis=1), "packed vs separate")
 
 
-def test_moe_routes_top_k_dropless_and_deterministically():
-    layer = MoE(MOE, nnx.Rngs(0))
+@pytest.mark.parametrize("dispatch", ["ragged", "capacity"])
+def test_moe_routes_top_k_dropless_and_deterministically(dispatch):
+    """Both dispatches against a dense loop over experts; capacity with a buffer that
+    holds every row (factor = the expert count) drops nothing."""
+    cfg = dataclasses.replace(MOE, moe_dispatch=dispatch, moe_capacity_factor=MOE.n_experts)
+    layer = MoE(cfg, nnx.Rngs(0))
     _randomize(layer, 5)
     x = jax.random.normal(jax.random.key(6), (2, 11, MOE.d_model))
     apply = nnx.jit(lambda layer, x: layer(x))
-    out, aux = apply(layer, x)
-    again, aux2 = apply(layer, x)
+    out, aux, dropped = apply(layer, x)
+    again, aux2, _ = apply(layer, x)
     np.testing.assert_array_equal(out, again)
     assert float(aux) == float(aux2)
+    assert dropped.shape == (2,) and not np.any(np.asarray(dropped))
 
     # Reference: a dense loop over experts, each token weighted by its renormalised top-k.
     p = {k: np.asarray(v, np.float64) for k, v in nnx.state(layer, nnx.Param).to_pure_dict().items()}
@@ -125,6 +137,31 @@ def test_moe_routes_top_k_dropless_and_deterministically():
     shared = (silu(xm @ p["shared_gate"]) * (xm @ p["shared_up"])) @ p["shared_down"]
     want += shared / (1 + np.exp(-(xm @ p["shared_expert_gate"])))
     np.testing.assert_allclose(np.asarray(out).reshape(-1, MOE.d_model), want, rtol=1e-5, atol=1e-5)
+
+
+def test_capacity_drops_the_rows_past_an_experts_buffer_and_counts_them():
+    """A row past its expert's capacity (token order within the expert) contributes 0 and
+    counts as dropped; every other row is what the dropless grouped matmul gives."""
+    m, d, f, e, k, cap = 40, 16, 8, 4, 2, 12
+    keys = jax.random.split(jax.random.key(7), 5)
+    x = jax.random.normal(keys[0], (m, d))
+    gate, up = (jax.random.normal(kk, (e, d, f)) / 4 for kk in keys[1:3])
+    down = jax.random.normal(keys[3], (e, f, d)) / 4
+    experts = jax.random.randint(keys[4], (m, k), 0, e)  # 80 rows over 4 experts of 12
+    experts = jnp.where(experts[:, :1] == experts[:, 1:], (experts + 1) % e, experts)
+    got, dropped = jax.jit(capacity_swiglu, static_argnums=5)(x, experts, gate, up, down, cap)
+    want = grouped_swiglu(x, experts, gate, up, down)
+    seen = np.zeros(e, int)
+    kept = np.zeros((m, k), bool)
+    for row in np.argsort(np.asarray(experts).reshape(-1), kind="stable"):
+        ex = int(np.asarray(experts).reshape(-1)[row])
+        kept.reshape(-1)[row] = seen[ex] < cap
+        seen[ex] += 1
+    assert 0 < (~kept).sum() < m * k
+    np.testing.assert_allclose(np.asarray(got)[kept], np.asarray(want)[kept], rtol=1e-5, atol=1e-5)
+    assert not np.any(np.asarray(got)[~kept])
+    np.testing.assert_allclose(np.asarray(dropped), (~kept).mean(axis=1))
+    assert expert_capacity(80, 4, 1.0) == 24 and expert_capacity(80, 4, 100.0) == 80
 
 
 def test_load_balancing_loss_is_one_when_balanced_and_counts_assignments():

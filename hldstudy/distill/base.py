@@ -47,6 +47,9 @@ class TeacherOutputs:
     final_hidden: jax.Array | None  # final_hidden_BxTxD: input of the teacher's LM head
     hidden: dict  # {teacher layer: hidden_BxTxD}
     head_weight: jax.Array | None  # head_DxV: to rebuild teacher logits inside the loss
+    # [B] share of each row's routed expert slots the teacher's MoE dropped (capacity
+    # dispatch: hldstudy.model.moe); None for a dense teacher or where not reported.
+    expert_drop_rate: jax.Array | None = None
 
 
 @struct.dataclass
@@ -185,6 +188,13 @@ class Strategy:
         router's load-balancing loss x model.router_aux_weight (metric `router_aux`). With
         `whole`, the batch is a micro-batch and both are its share of the whole batch's."""
         loss, metrics, out = self._loss(stage, student, aux, batch, teacher, whole)
+        # Experts' dropped slots, the student's and the teacher's: never silent (0: dropless).
+        if out.expert_drop_rate is not None:
+            metrics = {**metrics, "expert_drop_rate": self._shared(
+                jnp.mean(out.expert_drop_rate), batch, whole)}
+        if teacher is not None and teacher.expert_drop_rate is not None:
+            metrics = {**metrics, "teacher_expert_drop_rate": self._shared(
+                jnp.mean(teacher.expert_drop_rate), batch, whole)}
         weight = student.cfg.router_aux_weight
         if out.router_aux_loss is None or not weight:
             return loss, metrics

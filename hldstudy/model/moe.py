@@ -1,20 +1,25 @@
-"""Mixture of experts (Qwen3.5-MoE): softmax router, top-k, dropless grouped SwiGLU experts,
-one sigmoid-gated shared expert, and the router's load-balancing loss.
+"""Mixture of experts (Qwen3.5-MoE): softmax router, top-k, grouped SwiGLU experts (dropless
+`ragged_dot`, or capacity-padded batched matmuls: `model.moe_dispatch`), one sigmoid-gated
+shared expert, and the router's load-balancing loss.
 
 Design notes: `docs/model.md`, under this file's name.
 """
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from hldstudy.chips import traced_target
 from hldstudy.config import ModelConfig
 from hldstudy.model.layers import _init_normal
 from hldstudy.sharding import expert_dim_metadata
 
-__all__ = ["MoE", "load_balancing_loss", "route"]
+__all__ = ["MoE", "capacity_swiglu", "expert_capacity", "grouped_swiglu", "load_balancing_loss",
+           "resolve_dispatch", "route"]
 
 
 def route(logits_MxE: jax.Array, k: int) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -54,6 +59,52 @@ def grouped_swiglu(x_MxD, experts_MxK, gate_ExDxF, up_ExDxF, down_ExFxD):
     return out.reshape(m, k, d)
 
 
+def expert_capacity(rows: int, n_experts: int, factor: float) -> int:
+    """Rows each expert's buffer holds: factor x the even share of the routed rows, rounded
+    up to a multiple of 8 (at most all of them)."""
+    return min(rows, max(8, -(-math.ceil(factor * rows / n_experts) // 8) * 8))
+
+
+def capacity_swiglu(x_MxD, experts_MxK, gate_ExDxF, up_ExDxF, down_ExFxD, capacity: int):
+    """Each (token, slot) row through its expert's SwiGLU with a fixed buffer of `capacity`
+    rows per expert: rows laid out [E, C, D] in token order within their expert, three
+    batched matmuls, and back. A row past its expert's capacity is dropped (its slot
+    contributes 0). Returns ([M, k, D], [M] share of each token's k slots dropped). With
+    capacity >= every expert's rows it computes what `grouped_swiglu` does."""
+    m, d = x_MxD.shape
+    k = experts_MxK.shape[1]
+    n_experts = gate_ExDxF.shape[0]
+    flat = experts_MxK.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    expert_of_row = flat[order]
+    sizes = jnp.bincount(flat, length=n_experts)
+    starts = jnp.cumsum(sizes) - sizes
+    place = jnp.arange(m * k) - starts[expert_of_row]  # the row's place in its expert's rows
+    kept = place < capacity
+    slot = jnp.where(kept, expert_of_row * capacity + place, n_experts * capacity)  # past end
+    rows = jnp.zeros((n_experts * capacity, d), x_MxD.dtype).at[slot].set(
+        jnp.take(x_MxD, order // k, axis=0), mode="drop", unique_indices=True)
+    rows_ExCxD = rows.reshape(n_experts, capacity, d)
+    h = (jax.nn.silu(jnp.einsum("ecd,edf->ecf", rows_ExCxD, gate_ExDxF))
+         * jnp.einsum("ecd,edf->ecf", rows_ExCxD, up_ExDxF))
+    out_ExCxD = jnp.einsum("ecf,efd->ecd", h, down_ExFxD).reshape(n_experts * capacity, d)
+    out_sorted = jnp.where(kept[:, None], jnp.take(out_ExCxD, slot, axis=0, mode="clip"), 0)
+    out = jnp.zeros_like(out_sorted).at[order].set(out_sorted, unique_indices=True)
+    dropped_MxK = jnp.zeros((m * k,), jnp.float32).at[order].set(
+        1.0 - kept.astype(jnp.float32), unique_indices=True).reshape(m, k)
+    return out.reshape(m, k, d), jnp.mean(dropped_MxK, axis=1)
+
+
+def resolve_dispatch(dispatch: str) -> str:
+    """`model.moe_dispatch` for the backend being traced for (`chips.traced_target`):
+    auto is capacity on NVIDIA GPUs, whose compiler runs `ragged_dot` as a dense pass over
+    every expert (benchmarks/results/aot_moe.md), and ragged elsewhere (TPU: a native
+    grouped matmul; CPU: the reference)."""
+    if dispatch != "auto":
+        return dispatch
+    return "capacity" if traced_target()[0] == "gpu" else "ragged"
+
+
 class MoE(nnx.Module):
     """Router `[D, E]`, experts `gate/up [E, D, F]`, `down [E, F, D]`, shared expert
     `shared_gate/shared_up [D, Fs]`, `shared_down [Fs, D]`, `shared_expert_gate [D, 1]`."""
@@ -75,18 +126,28 @@ class MoE(nnx.Module):
         self.has_shared = bool(fs)
         self.k = cfg.experts_per_token
         self.compute_dtype = jnp.dtype(cfg.dtype)
+        self.dispatch, self.capacity_factor = cfg.moe_dispatch, cfg.moe_capacity_factor
 
-    def __call__(self, x_BxTxD) -> tuple[jax.Array, jax.Array]:
-        """(output [B, T, D], this layer's load-balancing loss)."""
+    def __call__(self, x_BxTxD) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """(output [B, T, D], this layer's load-balancing loss, [B] share of each row's
+        routed slots dropped: 0 when dropless)."""
         dt = self.compute_dtype
         b, t, d = x_BxTxD.shape
         x_MxD = x_BxTxD.astype(dt).reshape(b * t, d)
         probs, weights, experts = route(x_MxD @ self.router[...].astype(dt), self.k)
-        routed = grouped_swiglu(x_MxD, experts, self.gate[...].astype(dt),
-                                self.up[...].astype(dt), self.down[...].astype(dt))
+        weights_in = (self.gate[...].astype(dt), self.up[...].astype(dt),
+                      self.down[...].astype(dt))
+        own_matmul = hasattr(weights_in[0], "grouped_matmul")  # FP8 experts: ragged only
+        if resolve_dispatch(self.dispatch) == "capacity" and not own_matmul:
+            capacity = expert_capacity(b * t * self.k, self.gate.shape[0], self.capacity_factor)
+            routed, dropped_M = capacity_swiglu(x_MxD, experts, *weights_in, capacity)
+            dropped_B = jnp.mean(dropped_M.reshape(b, t), axis=1)
+        else:
+            routed = grouped_swiglu(x_MxD, experts, *weights_in)
+            dropped_B = jnp.zeros((b,), jnp.float32)
         out = jnp.sum(routed * weights.astype(dt)[..., None], axis=1)
         if self.has_shared:
             shared = (jax.nn.silu(x_MxD @ self.shared_gate[...].astype(dt))
                       * (x_MxD @ self.shared_up[...].astype(dt))) @ self.shared_down[...].astype(dt)
             out = out + jax.nn.sigmoid(x_MxD @ self.shared_expert_gate[...].astype(dt)) * shared
-        return out.reshape(b, t, d), load_balancing_loss(probs, experts)
+        return out.reshape(b, t, d), load_balancing_loss(probs, experts), dropped_B

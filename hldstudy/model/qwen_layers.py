@@ -21,7 +21,7 @@ from hldstudy.model.deltanet import GatedDeltaNet
 from hldstudy.model.layers import RMSNorm, _init_normal, _tokens, apply_rope
 from hldstudy.model.moe import MoE
 
-__all__ = ["GatedAttention", "QwenBlock", "SwiGLU"]
+__all__ = ["GatedAttention", "QwenBlock", "SwiGLU", "block_aux_zeros"]
 
 
 class GatedAttention(nnx.Module):
@@ -85,7 +85,8 @@ class SwiGLU(nnx.Module):
 
 
 class QwenBlock(nnx.Module):
-    """x + mixer(norm(x)), then + mlp(norm(x)); returns (x, load-balancing loss or 0)."""
+    """x + mixer(norm(x)), then + mlp(norm(x)); returns (x, {"router_aux_loss": the
+    load-balancing loss or 0, "expert_drop_rate": [B] share of routed slots dropped or 0})."""
 
     def __init__(self, cfg: ModelConfig, layer_idx: int, rngs: nnx.Rngs):
         pdt = jnp.dtype(cfg.param_dtype)
@@ -107,7 +108,13 @@ class QwenBlock(nnx.Module):
         x_BxTxD = x_BxTxD + h
         h = self.mlp(self.pre_mlp_norm(x_BxTxD))
         if isinstance(h, tuple):
-            h, aux = h
+            h, aux, dropped = h
         else:
-            aux = jnp.zeros((), jnp.float32)
-        return x_BxTxD + h, aux
+            aux, dropped = block_aux_zeros(x_BxTxD.shape[0]).values()
+        return x_BxTxD + h, {"router_aux_loss": aux, "expert_drop_rate": dropped}
+
+
+def block_aux_zeros(batch: int) -> dict:
+    """What a QwenBlock reports beside its output, before any block ran."""
+    return {"router_aux_loss": jnp.zeros((), jnp.float32),
+            "expert_drop_rate": jnp.zeros((batch,), jnp.float32)}

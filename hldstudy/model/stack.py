@@ -57,20 +57,20 @@ def _call_block(block, x, positions, segment_ids, remat: bool, policy):
 
 
 def run_stack(blocks: Sequence[nnx.Module], x_BxTxD: jax.Array, positions_BxT, segment_ids_BxT,
-              *, n_run: int, stops: Sequence[int], with_aux: bool, scan: bool, remat: bool,
-              policy_name: str) -> tuple[jax.Array, jax.Array | None, dict]:
-    """Runs blocks [0, n_run). Returns (x after block n_run, the mean load-balancing loss over
-    the run blocks or None without `with_aux`, {layer: x after that block} for each layer in
-    `stops` within 1..n_run)."""
+              *, n_run: int, stops: Sequence[int], aux: dict | None, scan: bool, remat: bool,
+              policy_name: str) -> tuple[jax.Array, dict | None, dict]:
+    """Runs blocks [0, n_run). Returns (x after block n_run, the mean over the run blocks of
+    what they report beside x (blocks that do: `aux` is its zeros; None for blocks that do
+    not), {layer: x after that block} for each layer in `stops` within 1..n_run)."""
     policy = remat_policy(policy_name)
-    aux = jnp.zeros((), jnp.float32) if with_aux else None
+    with_aux = aux is not None
     hidden = {}
 
     def one(block, x, aux):
         out = _call_block(block, x, positions_BxT, segment_ids_BxT, remat, policy)
         if with_aux:
             out, layer_aux = out
-            aux = aux + layer_aux / max(n_run, 1)
+            aux = jax.tree.map(lambda a, x: a + x / max(n_run, 1), aux, layer_aux)
         return out, aux
 
     bounds = sorted({s for s in stops if 0 < s < n_run} | {n_run})

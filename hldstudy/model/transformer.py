@@ -21,6 +21,7 @@ from hldstudy.errors import ConfigError
 from hldstudy.family import family_of
 from hldstudy.model.blocks import build_block
 from hldstudy.model.layers import RMSNorm
+from hldstudy.model.qwen_layers import block_aux_zeros
 from hldstudy.model.stack import run_stack
 from hldstudy.numerics import softcap
 from hldstudy.shapes import count_params  # noqa: F401  (re-exported)
@@ -34,6 +35,9 @@ class ModelOutput:
     # Mean over the run blocks of the MoE router's load-balancing loss (0 without MoE;
     # None for families without it). A student's objective adds model.router_aux_weight x it.
     router_aux_loss: jax.Array | None = None
+    # [B] mean over the run blocks of the share of each row's routed expert slots dropped
+    # (capacity dispatch, hldstudy.model.moe; 0 when dropless; None without MoE blocks).
+    expert_drop_rate: jax.Array | None = None
 
 
 class Transformer(nnx.Module):
@@ -100,12 +104,16 @@ class Transformer(nnx.Module):
         embedded_BxTxD = self.embed(tokens_BxT)
         x_BxTxD, aux, hidden = run_stack(
             self.blocks, embedded_BxTxD, positions_BxT, segment_ids_BxT, n_run=n_run,
-            stops=hidden_layers, with_aux=family_of(cfg).blocks_return_aux,
+            stops=hidden_layers,
+            aux=block_aux_zeros(b) if family_of(cfg).blocks_return_aux else None,
             scan=cfg.scan_layers, remat=cfg.remat, policy_name=cfg.remat_policy)
+        aux = aux or {}
+        drop = aux.get("expert_drop_rate") if cfg.n_experts else None
         if 0 in hidden_layers:
             hidden[0] = embedded_BxTxD
         if max_layer is not None:
-            return ModelOutput(logits=None, final_hidden=None, hidden=hidden, router_aux_loss=aux)
+            return ModelOutput(logits=None, final_hidden=None, hidden=hidden,
+                               router_aux_loss=aux.get("router_aux_loss"), expert_drop_rate=drop)
 
         final_BxTxD = self.final_norm(x_BxTxD)
         logits = None
@@ -114,7 +122,7 @@ class Transformer(nnx.Module):
                                 preferred_element_type=jnp.float32)
             logits = softcap(logits, cfg.final_softcap)
         return ModelOutput(logits=logits, final_hidden=final_BxTxD, hidden=hidden,
-                           router_aux_loss=aux)
+                           router_aux_loss=aux.get("router_aux_loss"), expert_drop_rate=drop)
 
 
 def count_module_params(model: nnx.Module) -> int:

@@ -41,7 +41,8 @@ def teacher_forward_fn(graphdef, layers: tuple[int, ...], needs_head: bool) -> T
                     hidden_layers=layers, return_logits=False, max_layer=max_layer)
         return TeacherOutputs(final_hidden=out.final_hidden if needs_head else None,
                               hidden=out.hidden,
-                              head_weight=model.head_weight() if needs_head else None)
+                              head_weight=model.head_weight() if needs_head else None,
+                              expert_drop_rate=out.expert_drop_rate)
 
     return forward
 
@@ -66,20 +67,21 @@ class ParamsFeed:
         pass
 
 
-def forward_config(model: ModelConfig, dtype: str, scan_layers: bool = False) -> ModelConfig:
-    """The shape a teacher's forward runs in: its compute `dtype`, no remat (no backward
-    runs through it), its layers scanned where the run scans its student's
-    (`model.scan_layers`: the same compile-time bound for the teacher's forward)."""
-    return dataclasses.replace(model, dtype=dtype, remat=False, scan_layers=scan_layers)
+def forward_config(model: ModelConfig, dtype: str) -> ModelConfig:
+    """The shape a teacher's forward runs in: its compute `dtype`, no remat and its layers
+    unrolled. No backward runs through it, so neither remat nor a scan bounds anything;
+    and a scan stacks the parameters it runs inside the program (hldstudy.model.stack), a
+    second copy of the teacher's weights (62.7 GiB for Qwen3.5-35B-A3B in bf16, compiled
+    for an H100)."""
+    return dataclasses.replace(model, dtype=dtype, remat=False, scan_layers=False)
 
 
 class ColocatedTeacher:
     """The teacher model itself, run inside the student's step (implements `Teacher`)."""
 
-    def __init__(self, model, tokenizer, *, dtype: str = "float32", source: str = "",
-                 scan_layers: bool = False):
+    def __init__(self, model, tokenizer, *, dtype: str = "float32", source: str = ""):
         self.source = source
-        self.model_cfg: ModelConfig = forward_config(model.cfg, dtype, scan_layers)
+        self.model_cfg: ModelConfig = forward_config(model.cfg, dtype)
         _, params = nnx.split(model, nnx.Param)
         self.graphdef = nnx.split(nnx.eval_shape(
             lambda: type(model)(self.model_cfg, rngs=nnx.Rngs(0))), nnx.Param)[0]

@@ -43,7 +43,7 @@ def load_teacher(cfg: Config, student_tokenizer=None) -> Teacher:
                               "give an hldstudy run directory, a .gguf file or an HF directory")
         loaded = load_model(spec)
         teacher = ColocatedTeacher(loaded.model, loaded.tokenizer, dtype=cfg.teacher.dtype,
-                                   source=spec, scan_layers=cfg.model.scan_layers)
+                                   source=spec)
     if student_tokenizer is not None:
         teacher.check_tokenizer(student_tokenizer)
     return teacher

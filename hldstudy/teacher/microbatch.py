@@ -118,11 +118,12 @@ def replica_candidates(requested: int, teacher_model: ModelConfig, batch_size: i
 
 def served(forward):
     """A replica's program from a teacher forward (`teacher_forward_fn`): the tensors it
-    serves, (final hidden states, hidden states by layer)."""
+    serves, (final hidden states, hidden states by layer), and the [B] share of each row's
+    expert slots its MoE dropped (None for a dense teacher), which the replica logs."""
 
     def run(params, batch):
         out = forward(params, batch)
-        return out.final_hidden, out.hidden
+        return out.final_hidden, out.hidden, out.expert_drop_rate
 
     return run
 

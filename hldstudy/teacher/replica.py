@@ -37,6 +37,8 @@ from hldstudy.teacher.microbatch import (
     served,
 )
 
+LOG = logging.getLogger("hldstudy.teacher")
+
 
 def parse_layers(text: str) -> tuple[bool, tuple[int, ...]]:
     final, layers = False, []
@@ -125,7 +127,7 @@ class Replica:
             first = (str(e).strip().splitlines() or [type(e).__name__])[0]
             raise InputError(f"--checkpoint: cannot load {checkpoint}: {first[:300]}") from e
         self.teacher = ColocatedTeacher(loaded.model, loaded.tokenizer, dtype=dtype,
-                                        source=checkpoint, scan_layers=cfg.model.scan_layers)
+                                        source=checkpoint)
         self.model_cfg = self.teacher.model_cfg
         # The served layers are checked before anything is made (the data cache below),
         # against the flag they came from.
@@ -203,9 +205,13 @@ class Replica:
         digest = proto.batch_digest(batch["tokens"], batch["segment_ids"])
         inputs = self._inputs(batch)
         with self._lock:
-            final_h, hidden = self._forward(final, layers)[0](self.params, inputs)
+            final_h, hidden, dropped = self._forward(final, layers)[0](self.params, inputs)
             tensors = ([("final", np.asarray(final_h))] if final else []) + \
                 [(f"layer:{i}", np.asarray(hidden[i])) for i in sorted(layers)]
+        if dropped is not None and float(np.max(dropped)) > 0:  # capacity dispatch: say so
+            LOG.warning("step %d: the teacher's experts dropped %.4f%% of routed slots "
+                        "(model.moe_capacity_factor=%s)", step,
+                        100 * float(np.mean(dropped)), self.model_cfg.moe_capacity_factor)
         return digest, tensors
 
     def head(self) -> np.ndarray:
