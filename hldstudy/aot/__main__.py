@@ -1,10 +1,9 @@
 """`python -m hldstudy.aot`: compile a run's steps for a TPU or NVIDIA target on this
 machine, without the target, and say what the target's compiler reports per device.
 
-    python -m hldstudy.aot --config experiments/c4_123m_kd.py --set data.path=/x \\
-        --teacher-preset paper-teacher-3.4b --target v5e:2x4 [--cohort 4] [--json]
-    python -m hldstudy.aot --config experiments/disaggkd_qwen35.py --target h100:8 \
-        --layout disaggregated --parts train
+    python -m hldstudy.aot --config experiments/c4_123m_kd.py --target v5e:2x4 [--cohort 4]
+    python -m hldstudy.aot --config experiments/disaggkd_qwen35.py --target h100:8 \\
+        --layout disaggregated --parts train [--json]
 
 Targets: v4 / v5e / v5p / v6e with a topology (v5e:2x4, v4:2x2x1, v6e:2x2), h100:N,
 a100:N, h200:N (or Nxh100). Needs the `aot` extra (pip install -e '.[aot]'); runs the
