@@ -493,6 +493,10 @@ class TeacherConfig:
     # exist); a checkpoint's own config wins.
     preset: str | None = knob(None, resume=True)
     dtype: str = knob("float32", domain=DTYPES)
+    # How an MoE teacher's forward reaches its experts (model.moe_dispatch's choices;
+    # capacity drops rows past factor x the even share per expert, and says so each step).
+    moe_dispatch: str = knob("auto", domain=MOE_DISPATCHES)
+    moe_capacity_factor: float = knob(2.0, domain=POSITIVE)
     # Prefetch ring depth for a remote teacher.
     ring_size: int = knob(4, operational=True,
                           domain=Domain(">= 0", note="0 = request each step when it is needed"))

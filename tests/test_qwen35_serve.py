@@ -96,7 +96,7 @@ def test_a_cohort_replica_serves_the_moe_teacher_once_per_step(tmp_path, moe_tea
     # The colocated teacher's forward on the same batches: the same bits.
     loaded = load_model(moe_teacher)
     assert loaded.model.cfg.n_experts == 8 and not loaded.model.cfg.tie_embeddings
-    colocated = ColocatedTeacher(loaded.model, loaded.tokenizer, dtype="float32")
+    colocated = ColocatedTeacher(loaded.model, loaded.tokenizer)
     forward = jax.jit(colocated.forward_fn((), True))
     for step in range(n):
         batch = server.data.train.batch_at(step)

@@ -310,7 +310,7 @@ def compile_teacher_forward(cfg: Config, teacher_model: ModelConfig, method: str
         cfg, distill=dataclasses.replace(cfg.distill, method=spec.name)), cfg.model,
         teacher_model)
     needs = method_needs(strategy, teacher_model)
-    tcfg = forward_config(teacher_model, cfg.teacher.dtype)
+    tcfg = forward_config(teacher_model, cfg.teacher)
     graphdef, params = nnx.split(nnx.eval_shape(lambda: _transformer(tcfg, 2)), nnx.Param)
     tdt = jnp.dtype(cfg.teacher.dtype)
     params = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, tdt), params)

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from hldstudy import sharding
-from hldstudy.config import ModelConfig
+from hldstudy.config import ModelConfig, TeacherConfig
 from hldstudy.data.tokenizer import mismatch as tokenizer_mismatch
 from hldstudy.distill.base import Batch, Strategy, TeacherOutputs
 from hldstudy.distill.methods import Stage
@@ -67,21 +67,27 @@ class ParamsFeed:
         pass
 
 
-def forward_config(model: ModelConfig, dtype: str) -> ModelConfig:
-    """The shape a teacher's forward runs in: its compute `dtype`, no remat and its layers
+def forward_config(model: ModelConfig, teacher: TeacherConfig) -> ModelConfig:
+    """The shape a teacher's forward runs in: the run's `teacher.dtype` and MoE dispatch
+    (`teacher.moe_dispatch`, `teacher.moe_capacity_factor`), no remat and its layers
     unrolled. No backward runs through it, so neither remat nor a scan bounds anything;
     and a scan stacks the parameters it runs inside the program (hldstudy.model.stack), a
     second copy of the teacher's weights (62.7 GiB for Qwen3.5-35B-A3B in bf16, compiled
     for an H100)."""
-    return dataclasses.replace(model, dtype=dtype, remat=False, scan_layers=False)
+    return dataclasses.replace(model, dtype=teacher.dtype, remat=False, scan_layers=False,
+                               moe_dispatch=teacher.moe_dispatch,
+                               moe_capacity_factor=teacher.moe_capacity_factor)
 
 
 class ColocatedTeacher:
     """The teacher model itself, run inside the student's step (implements `Teacher`)."""
 
-    def __init__(self, model, tokenizer, *, dtype: str = "float32", source: str = ""):
+    def __init__(self, model, tokenizer, *, teacher: TeacherConfig | None = None,
+                 source: str = ""):
         self.source = source
-        self.model_cfg: ModelConfig = forward_config(model.cfg, dtype)
+        teacher = teacher or TeacherConfig()
+        dtype = teacher.dtype
+        self.model_cfg: ModelConfig = forward_config(model.cfg, teacher)
         _, params = nnx.split(model, nnx.Param)
         self.graphdef = nnx.split(nnx.eval_shape(
             lambda: type(model)(self.model_cfg, rngs=nnx.Rngs(0))), nnx.Param)[0]

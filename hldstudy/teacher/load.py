@@ -42,7 +42,7 @@ def load_teacher(cfg: Config, student_tokenizer=None) -> Teacher:
             raise ConfigError("teacher.checkpoint", f"{spec} does not exist",
                               "give an hldstudy run directory, a .gguf file or an HF directory")
         loaded = load_model(spec)
-        teacher = ColocatedTeacher(loaded.model, loaded.tokenizer, dtype=cfg.teacher.dtype,
+        teacher = ColocatedTeacher(loaded.model, loaded.tokenizer, teacher=cfg.teacher,
                                    source=spec)
     if student_tokenizer is not None:
         teacher.check_tokenizer(student_tokenizer)

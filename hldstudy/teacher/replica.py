@@ -126,7 +126,7 @@ class Replica:
         except (OSError, ValueError, KeyError, TypeError) as e:  # a damaged checkpoint
             first = (str(e).strip().splitlines() or [type(e).__name__])[0]
             raise InputError(f"--checkpoint: cannot load {checkpoint}: {first[:300]}") from e
-        self.teacher = ColocatedTeacher(loaded.model, loaded.tokenizer, dtype=dtype,
+        self.teacher = ColocatedTeacher(loaded.model, loaded.tokenizer, teacher=cfg.teacher,
                                         source=checkpoint)
         self.model_cfg = self.teacher.model_cfg
         # The served layers are checked before anything is made (the data cache below),
@@ -210,7 +210,7 @@ class Replica:
                 [(f"layer:{i}", np.asarray(hidden[i])) for i in sorted(layers)]
         if dropped is not None and float(np.max(dropped)) > 0:  # capacity dispatch: say so
             LOG.warning("step %d: the teacher's experts dropped %.4f%% of routed slots "
-                        "(model.moe_capacity_factor=%s)", step,
+                        "(teacher.moe_capacity_factor=%s)", step,
                         100 * float(np.mean(dropped)), self.model_cfg.moe_capacity_factor)
         return digest, tensors
 

@@ -287,7 +287,7 @@ def _abstract_teacher(cfg: Config, strategy, st, teacher_model: ModelConfig, lay
     """(teacher_forward, teacher_in) as the colocated teacher (its params an argument, its
     forward inside the step) or the disaggregated one (streamed outputs) gives them."""
     tdt = jnp.dtype(cfg.teacher.dtype)
-    tcfg = forward_config(teacher_model, cfg.teacher.dtype)
+    tcfg = forward_config(teacher_model, cfg.teacher)
     layers, needs_head = strategy.teacher_layers(st), strategy.teacher_needs_head(st)
     shape = (cfg.data.batch_size, cfg.data.seq_len, tcfg.d_model)
     if layout == "colocated":
