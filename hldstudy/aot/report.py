@@ -159,6 +159,8 @@ def step_rows(cfg: Config, teacher_model, target: Target, choices: Choices, step
             row["hlo_flops"] = s.hlo.flops
             if s.hlo.uncounted_kernels:
                 row["hlo_uncounted_kernels"] = list(s.hlo.uncounted_kernels)
+            if s.hlo.unknown_trip_loops:  # the TPU compiler records no trip counts
+                row["hlo_unknown_trip_loops"] = s.hlo.unknown_trip_loops
         # XLA's cost analysis where the compiler gives one (TPU); else (the XLA GPU
         # compiler) the count from the optimized HLO (hldstudy.flops.hlo_count).
         xla = s.flops if s.flops is not None else (s.hlo.flops if s.hlo is not None else None)

@@ -1,0 +1,103 @@
+"""The MoE teacher's forward compiled for each target with each expert dispatch: what the
+target's compiler makes of `ragged_dot` (dropless) and of capacity buffers, in FLOPs
+(counted from the optimized HLO, loop bodies times their trips, against the FLOP model's
+active-expert count) and memory per device. The evidence `model.moe_dispatch=auto` reads.
+
+    JAX_PLATFORMS=cpu python benchmarks/aot_moe.py [--runs h100:8=ragged,h100:8=capacity,...]
+
+Each run is `python -m hldstudy.aot --config experiments/disaggkd_qwen35.py --layout
+disaggregated --parts teacher --set teacher.moe_dispatch=D --target T --json` in its own
+process (the replica's forward of Qwen3.5-35B-A3B in bf16 for 256 x 4096 tokens, on one
+device, in the micro-batches the replica picks there). Needs the `aot` extra. Writes
+benchmarks/results/aot_moe.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from hldstudy.fileio import write_json_atomic, write_text_atomic
+
+ROOT = Path(__file__).resolve().parent.parent
+OUT = ROOT / "benchmarks" / "results"
+CONFIG = "experiments/disaggkd_qwen35.py"
+RUNS = ("h100:8=ragged", "h100:8=capacity", "h200:8=ragged", "h200:8=capacity",
+        "v5p:2x2x2=auto")
+GiB = 2 ** 30
+
+
+def compile_one(target: str, dispatch: str) -> dict:
+    cmd = [sys.executable, "-m", "hldstudy.aot", "--config", CONFIG, "--layout", "disaggregated",
+           "--parts", "teacher", "--target", target, "--json",
+           "--set", f"teacher.moe_dispatch={dispatch}"]
+    t0 = time.perf_counter()
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT,
+                         env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    rec = {"target": target, "dispatch": dispatch, "exit": out.returncode,
+           "seconds": round(time.perf_counter() - t0, 1)}
+    try:
+        report = json.loads(out.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        rec["error"] = (out.stderr.strip().splitlines() or ["?"])[-1][:400]
+        return rec
+    (row,) = report["rows"]
+    rec.update({k: row.get(k) for k in ("step", "fits", "xla_flops", "xla_flops_from",
+                                         "hlo_flops", "model_flops", "xla_over_model",
+                                         "device_memory_bytes", "tokens")})
+    rec["compiled"] = row["compiled"]
+    rec["peak"] = row.get("peak", {}).get("largest", [])[:3]
+    return rec
+
+
+def markdown(records: list[dict], load: float) -> str:
+    lines = ["# The MoE teacher's forward per target and expert dispatch", "",
+             f"`{CONFIG}`, `--parts teacher` (Qwen3.5-35B-A3B in bf16, 256 x 4096 tokens "
+             "on one device), per run `--set teacher.moe_dispatch=D --target T` "
+             f"(`benchmarks/aot_moe.py`; load average at start {load}). FLOPs per call: the "
+             "XLA count (TPU: cost analysis; GPU: counted from the optimized HLO) against "
+             "the FLOP model's active experts (top-k + shared). GiB per device.", "",
+             "| target | dispatch | XLA FLOPs | model FLOPs | XLA / model | temporaries | "
+             "total | device | fits | largest at the peak |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---|---|"]
+    for r in records:
+        if "error" in r:
+            lines.append(f"| {r['target']} | {r['dispatch']} | (failed: {r['error']}) "
+                         "| | | | | | | |")
+            continue
+        c = r["compiled"]
+        peak = ", ".join(f"{g['op'][:40]} {g['bytes'] / GiB:.2f}" for g in r["peak"])
+        ratio = r.get("xla_over_model")
+        lines.append(
+            f"| {r['target']} | {r['dispatch']} | {r['xla_flops']:.3g} | {r['model_flops']:.3g} "
+            f"| {'' if ratio is None else f'**{ratio:.2f}**'} | "
+            f"{c.get('temp_bytes', 0) / GiB:.2f} | {c.get('total_bytes', 0) / GiB:.2f} | "
+            f"{r['device_memory_bytes'] / GiB:.2f} | {'yes' if r['fits'] else '**no**'} | "
+            f"{peak} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--runs", default=",".join(RUNS), help="TARGET=DISPATCH,...")
+    args = ap.parse_args()
+    load = round(os.getloadavg()[0], 2)
+    records = []
+    for run in args.runs.split(","):
+        target, dispatch = run.split("=")
+        records.append(compile_one(target, dispatch))
+        print(json.dumps({k: records[-1].get(k) for k in
+                          ("target", "dispatch", "exit", "xla_over_model", "fits")}), flush=True)
+        OUT.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(OUT / "aot_moe.json", {"load_at_start": load, "records": records})
+        write_text_atomic(OUT / "aot_moe.md", markdown(records, load))
+    print(markdown(records, load))
+
+
+if __name__ == "__main__":
+    main()
