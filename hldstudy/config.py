@@ -268,6 +268,21 @@ UNIT = Domain("[0, 1]")
 _MESH = Domain(">= 1", also=(-1,), note="-1 on one axis takes the remaining devices")
 
 
+def moe_dispatch_for(dispatch: str, backend: str) -> str:
+    """`model.moe_dispatch` / `teacher.moe_dispatch` as it runs on `backend` ("cpu", "gpu",
+    "tpu"): auto is capacity on NVIDIA GPUs, whose compiler runs `ragged_dot` as a dense
+    pass over every expert (benchmarks/results/aot_moe.md), and ragged elsewhere."""
+    if dispatch != "auto":
+        return dispatch
+    return "capacity" if backend == "gpu" else "ragged"
+
+
+def experts_run_dense(dispatch: str, backend: str) -> bool:
+    """Whether an MoE's routed experts run as a dense pass of every row over every expert:
+    ragged dispatch (`jax.lax.ragged_dot`) on XLA's CPU and GPU compilers."""
+    return moe_dispatch_for(dispatch, backend) == "ragged" and backend in ("cpu", "gpu")
+
+
 def layer_window(sliding_window: int | None, global_every: int, i: int) -> int | None:
     """The attention window of 0-based layer i (None: global). Every `global_every`-th
     layer (1-based) is global, the others local with `sliding_window` (Gemma 3: 6)."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 
+from hldstudy.config import experts_run_dense
 from hldstudy.shapes import ModelShape, causal_context
 
 __all__ = ["deltanet_flops", "deltanet_mixing_flops", "gated_attention_flops",
@@ -78,12 +79,13 @@ def mlp_flops_per_token(m: ModelShape, *, grouped_dense: bool = False) -> float:
     return 6.0 * m.d_model * m.d_ff
 
 
-def grouped_matmuls_run_dense() -> bool:
-    """Whether the running backend executes `ragged_dot` as a dense matmul over all experts
-    (XLA CPU does; the hardware figure follows what runs)."""
+def grouped_matmuls_run_dense(dispatch: str = "auto") -> bool:
+    """Whether the running backend executes an MoE's routed experts as a dense pass over
+    all experts (`config.experts_run_dense`: ragged dispatch on XLA CPU and GPU; the
+    hardware figure follows what runs)."""
     import jax
 
-    return jax.default_backend() == "cpu"
+    return experts_run_dense(dispatch, jax.default_backend())
 
 
 def qwen_flops_per_token(m: ModelShape, seq_len: int, *, attention: str = "causal",

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from hldstudy.chips import traced_target
-from hldstudy.config import ModelConfig
+from hldstudy.config import ModelConfig, moe_dispatch_for
 from hldstudy.model.layers import _init_normal
 from hldstudy.sharding import expert_dim_metadata
 
@@ -96,13 +96,9 @@ def capacity_swiglu(x_MxD, experts_MxK, gate_ExDxF, up_ExDxF, down_ExFxD, capaci
 
 
 def resolve_dispatch(dispatch: str) -> str:
-    """`model.moe_dispatch` for the backend being traced for (`chips.traced_target`):
-    auto is capacity on NVIDIA GPUs, whose compiler runs `ragged_dot` as a dense pass over
-    every expert (benchmarks/results/aot_moe.md), and ragged elsewhere (TPU: a native
-    grouped matmul; CPU: the reference)."""
-    if dispatch != "auto":
-        return dispatch
-    return "capacity" if traced_target()[0] == "gpu" else "ragged"
+    """`model.moe_dispatch` for the backend being traced for (`chips.traced_target`;
+    `config.moe_dispatch_for` says what auto means there)."""
+    return moe_dispatch_for(dispatch, traced_target()[0])
 
 
 class MoE(nnx.Module):

@@ -11,13 +11,13 @@ XLA's report in the same keys, so tests compare the two.
 
 from __future__ import annotations
 
-from hldstudy.config import Config, ModelConfig
+from hldstudy.config import Config, ModelConfig, experts_run_dense, moe_dispatch_for
 from hldstudy.distill import methods
 from hldstudy.errors import ConfigError
 from hldstudy.flops import step_flops, trainable_params
-from hldstudy.flops.layers_qwen import grouped_matmuls_run_dense
 from hldstudy.plan.compilers import CPU, peak_habits
 from hldstudy.plan.terms import (
+    capacity_bytes,
     dtype_bytes,
     grouped_dense_bytes,
     layer_activation_bytes_per_token,
@@ -227,9 +227,11 @@ def predict_teacher_forward_memory(teacher_model: ModelConfig, batch_size: int, 
       output_bytes: the streamed `TeacherOutputs`: each requested layer's hidden states,
         the final hidden states and the head weight when the head is needed.
       temp_bytes: the forward's working set: the compiler's `replica_forward_share` of the
-        largest block's training activations plus the kept hidden states, and where `ragged_dot` runs
-        dense over all experts (grouped_dense; None: the running backend's way) the
-        expanded experts (`grouped_dense_bytes`).
+        largest block's training activations plus the kept hidden states; and for an MoE,
+        where `ragged_dot` runs dense over all experts (grouped_dense; None: as the
+        model's `moe_dispatch` runs under `compiler`, `config.experts_run_dense`) the
+        expanded experts (`grouped_dense_bytes`), where it runs by capacity one layer's
+        buffers (`capacity_bytes`).
     """
     t = PlanModel.from_model_config(teacher_model, "teacher")
     c = dtype_bytes(dtype)
@@ -244,7 +246,11 @@ def predict_teacher_forward_memory(teacher_model: ModelConfig, batch_size: int, 
                 for i in range(n_run))
     share = peak_habits(compiler).replica_forward_share
     temp = tok * (share * block + (1 + n_out) * t.d_model * c)
-    if grouped_matmuls_run_dense() if grouped_dense is None else grouped_dense:
+    if grouped_dense is None:
+        grouped_dense = experts_run_dense(teacher_model.moe_dispatch, compiler)
+    if grouped_dense:
         temp += grouped_dense_bytes(t, tok, c, n_run)
+    elif moe_dispatch_for(teacher_model.moe_dispatch, compiler) == "capacity":
+        temp += capacity_bytes(t, tok, c, teacher_model.moe_capacity_factor)
     return {"argument_bytes": float(argument), "output_bytes": float(output),
             "alias_bytes": 0.0, "temp_bytes": temp, "total_bytes": argument + output + temp}

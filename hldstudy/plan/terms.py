@@ -72,6 +72,16 @@ DELTANET_COPIES = {"conv": 6, "value": 3, "key": 6, "head_v": 4, "chunk": 19}
 MOE_COPIES = {"router": 2, "rows": 2}
 
 
+def capacity_bytes(m: PlanModel, tokens: float, compute_bytes: int, factor: float) -> float:
+    """One MoE layer's capacity buffers (`hldstudy.model.moe.capacity_swiglu`): the routed
+    rows laid out [E, C, d], the gate and up products [E, C, F] and the output [E, C, d],
+    with E C = factor x tokens x k. 0 for a dense model."""
+    if not m.n_experts:
+        return 0.0
+    slots = factor * tokens * m.experts_per_token
+    return compute_bytes * slots * 2 * (m.d_model + m.d_expert)
+
+
 def grouped_dense_bytes(m: PlanModel, tokens: float, compute_bytes: int,
                         n_layers: int | None = None) -> float:
     """Extra memory of an MoE forward where `ragged_dot` runs dense over all experts (XLA
