@@ -53,7 +53,9 @@ def get_config() -> Config:
                               fused_backend="auto"),
         # The replicas serve the teacher in bf16 (a 35B teacher in float32 is ~130 GiB);
         # its shape, until the checkpoint is given, is its preset's.
-        teacher=TeacherConfig(preset=TEACHER_PRESET, dtype="bfloat16"),
+        # Each replica over every GPU of its host: the 35B weights (~64 GiB in bf16) split
+        # over them, and every micro-batch of the step's sequences too.
+        teacher=TeacherConfig(preset=TEACHER_PRESET, dtype="bfloat16", replica_devices=0),
         budget=BudgetConfig(count_teacher=False),
     )
 

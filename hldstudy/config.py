@@ -522,6 +522,10 @@ class TeacherConfig:
     # data.batch_size whose forward fits the replica's device (hldstudy.teacher.microbatch).
     replica_batch: int = knob(0, operational=True,
                               domain=Domain(">= 0", note="0 = auto: the largest that fits"))
+    # Devices of its host a replica's forward runs over: its weights split over them
+    # (FSDP) and every micro-batch too (hldstudy.teacher.microbatch.replica_devices).
+    replica_devices: int = knob(1, operational=True,
+                                domain=Domain(">= 0", note="0 = every device of the host"))
     # Shared secret every call to a replica carries (the replicas' --token-file).
     token_file: str | None = knob(None, operational=True)
     # TLS: the root certificate (PEM) the replicas' --tls-cert chains to; None = plaintext.

@@ -138,6 +138,31 @@ def test_the_teacher_replica_forward_is_one_device_holding_the_whole_batch():
     assert step.memory["argument_bytes"] == param_bytes + batch
 
 
+def test_a_replica_over_several_devices_holds_its_share_of_weights_and_batch():
+    """teacher.replica_devices=0: the replica's forward compiled over all of the host's
+    devices, each holding its share of the teacher's weights (matrices split by FSDP
+    where a dimension divides, vectors whole) and of the batch."""
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    from hldstudy.aot.compile import compile_teacher_forward
+
+    cfg, teacher = _tiny()
+    cfg = dataclasses.replace(cfg, teacher=dataclasses.replace(cfg.teacher, replica_devices=0))
+    n = len(jax.devices())
+    step = compile_teacher_forward(cfg, teacher, "kd", jax.devices())
+    assert f"over {n} devices" in step.name
+    abstract = nnx.eval_shape(lambda: Transformer(teacher, rngs=nnx.Rngs(0)))
+    leaves = jax.tree_util.tree_leaves(nnx.state(abstract, nnx.Param))
+    itemsize = np.dtype(cfg.teacher.dtype).itemsize
+    whole = sum(int(np.prod(x.shape)) for x in leaves) * itemsize
+    split = sum(int(np.prod(x.shape)) // (n if len(x.shape) >= 2 and any(
+        d % n == 0 for d in x.shape) else 1) for x in leaves) * itemsize  # vectors whole
+    batch = 3 * cfg.data.batch_size * cfg.data.seq_len * 4 // n
+    assert step.memory["argument_bytes"] == split + batch < whole
+
+
 def test_the_trainers_eval_step_is_traced_under_its_mesh(monkeypatch):
     """Trainer.evaluate traces its step under the mesh (`jax.set_mesh`) as the train step
     is and as hldstudy.aot compiles it, so what `auto` decides sees the mesh's chip."""

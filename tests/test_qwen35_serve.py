@@ -160,3 +160,37 @@ def test_kd_members_of_a_served_moe_teacher_equal_their_colocated_runs(tmp_path,
                                    rtol=1e-6, atol=0)
         assert teacher_steps(tmp_path / name / "remote") == list(range(n))
     assert losses(tmp_path / "a" / "remote") != losses(tmp_path / "b" / "remote")
+
+
+def test_a_replica_over_several_devices_serves_the_one_device_forward(tmp_path, moe_teacher):
+    """teacher.replica_devices=0: the replica's weights and every micro-batch split over
+    all of its host's devices (here the 4 CPU devices; two interleaved micro-batches of
+    4 sequences). What it serves is the colocated forward's, to float32 rounding."""
+    from hldstudy.model.loading import load_model
+    from hldstudy.teacher.colocated import ColocatedTeacher
+    from hldstudy.teacher.replica import Replica
+
+    cfg = student_config("kd", moe_teacher,
+                         teacher_fields={"replica_devices": 0, "replica_batch": 4})
+    assert cfg.data.batch_size == 8 and len(jax.devices()) == 4
+    replica = Replica(cfg, str(moe_teacher), workdir=tmp_path / "replica")
+    try:
+        assert len(replica.devices) == 4 and replica.replica_batch(True, ()) == 4
+        spread = {leaf.sharding.spec for leaf in jax.tree_util.tree_leaves(replica.params)}
+        assert any(any(axis is not None for axis in spec) for spec in spread)  # weights split
+        loaded = load_model(moe_teacher)
+        colocated = ColocatedTeacher(loaded.model, loaded.tokenizer)
+        forward = jax.jit(colocated.forward_fn((), True))
+        for step in range(2):
+            _, tensors = replica.compute(step, True, ())
+            (name, served), = tensors
+            batch = replica.data.train.batch_at(step)
+            inputs = {k: batch[k] for k in ("tokens", "positions", "segment_ids")}
+            want = np.asarray(forward(colocated.params, inputs).final_hidden)
+            assert name == "final" and served.shape == want.shape
+            # Sharded contractions sum in another order: float32 rounding, through the
+            # DeltaNet's recurrence (relative 1e-6 in norm; a routing flip would be ~1e-1).
+            rel = np.linalg.norm(served - want) / np.linalg.norm(want)
+            assert rel <= 1e-5, rel
+    finally:
+        replica.cleanup()

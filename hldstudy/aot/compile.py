@@ -15,9 +15,8 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from hldstudy import sharding as mesh_lib
@@ -39,7 +38,9 @@ from hldstudy.teacher.microbatch import (
     device_memory,
     micro_batched,
     replica_candidates,
+    replica_devices,
     replica_forward_memory,
+    replica_mesh,
     served,
 )
 from hldstudy.train.probe import cost_analysis
@@ -288,23 +289,15 @@ def compile_train(cfg: Config, teacher_model, method: str, stage: str, mesh,
     raise AssertionError("no micro-batch candidate")
 
 
-def replica_mesh(devices) -> Mesh:
-    """The one device a teacher replica runs on: `hldstudy.teacher.serve` places the
-    teacher's params and each step's whole global batch on its default device and jits
-    its forward there, with no mesh. A one-device mesh over the target's first device
-    lets `chips.traced_target` see the target chip while tracing, as the replica's own
-    default device does."""
-    return Mesh(np.asarray(list(devices)[:1]), ("replica",))
-
-
 def compile_teacher_forward(cfg: Config, teacher_model: ModelConfig, method: str,
                             devices) -> CompiledStep:
     """A teacher replica's forward as `hldstudy.teacher.serve` runs it: the hidden states
     every stage of `method` asks for, in the teacher's inference dtype, for the whole
-    global batch (`data.batch_size` sequences) on one device of the target, in the
-    micro-batches the replica picks there (teacher.replica_batch, or
-    `replica_candidates` against the target chip's memory, checked by the target's
-    compiler as the replica checks it: `compiler_checked`)."""
+    global batch (`data.batch_size` sequences) on `teacher.replica_devices` of the
+    target's devices (one: the whole batch and the weights on it; several: both split
+    over them, `replica_mesh`), in the micro-batches the replica picks there
+    (teacher.replica_batch, or `replica_candidates` against the target chip's memory,
+    checked by the target's compiler as the replica checks it: `compiler_checked`)."""
     spec = methods.get(method)
     strategy = make_strategy(dataclasses.replace(
         cfg, distill=dataclasses.replace(cfg.distill, method=spec.name)), cfg.model,
@@ -315,27 +308,29 @@ def compile_teacher_forward(cfg: Config, teacher_model: ModelConfig, method: str
     tdt = jnp.dtype(cfg.teacher.dtype)
     params = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, tdt), params)
     run = served(teacher_forward_fn(graphdef, needs.layers, needs.final))  # as the server
-    mesh = replica_mesh(devices)
+    replica = replica_devices(cfg.teacher.replica_devices, devices)
+    mesh = replica_mesh(replica)
     with jax.set_mesh(mesh):
         backend = traced_target()[0]
-    b = cfg.data.batch_size
+    b, n = cfg.data.batch_size, len(replica)
     memory = device_memory(mesh.devices.flat[0])
     candidates = replica_candidates(cfg.teacher.replica_batch, tcfg, b, cfg.data.seq_len,
                                     layers=needs.layers, head=needs.final,
-                                    dtype=cfg.teacher.dtype, backend=backend, memory_bytes=memory)
-    one = mesh_lib.replicated(mesh)
-    params = _placed(params, jax.tree_util.tree_map(lambda _: one, params))
-    batch = {k: v for k, v in abstract_batch(cfg, one).items()
+                                    dtype=cfg.teacher.dtype, backend=backend, memory_bytes=memory,
+                                    shards=n)
+    params = _placed(params, mesh_lib.tree_shardings(mesh, params))
+    batch = {k: v for k, v in abstract_batch(cfg, mesh_lib.batch_sharding(mesh)).items()
              if k in ("tokens", "positions", "segment_ids")}  # what TeacherServer.compute sends
+    where = f"over {n} devices, " if n > 1 else ""
 
     def compile_micro(m: int) -> CompiledStep:
-        step = _compile(f"teacher forward (one replica, {b // m} x {m} sequences)", "teacher",
-                        spec.name, None, jax.jit(micro_batched(run, b // m)), (params, batch),
-                        mesh)
+        step = _compile(f"teacher forward (one replica, {where}{b // m} x {m} sequences)",
+                        "teacher", spec.name, None, jax.jit(micro_batched(run, b // m)),
+                        (params, batch), mesh)
         return dataclasses.replace(step, loop_trips=b // m, sequences=b, layout="disaggregated",
                                    planner=replica_forward_memory(
             tcfg, b, m, cfg.data.seq_len, layers=needs.layers, head=needs.final,
-            dtype=cfg.teacher.dtype, backend=backend))
+            dtype=cfg.teacher.dtype, backend=backend, shards=n))
 
     # One candidate: compiled once, whatever it needs (the table says whether it fits).
     return compiler_checked(

@@ -6,17 +6,41 @@ Design notes: `docs/teacher.md`, under this file's name.
 from __future__ import annotations
 
 import jax
+import numpy as np
+from jax.sharding import Mesh
 
 from hldstudy import chips
 from hldstudy.config import ModelConfig
 from hldstudy.errors import ConfigError
+from hldstudy.mesh_axes import MESH_AXES
 from hldstudy.model.attention import resolve_implementation
 from hldstudy.plan import predict_teacher_forward_memory, xla_memory
 
 
+def replica_devices(requested: int, devices) -> list:
+    """The devices a replica's forward runs over: `teacher.replica_devices` of `devices`
+    (0: all of them). Over several, its weights are split over them (FSDP: a layer's
+    gathered as it runs) and every micro-batch's sequences too."""
+    devices = list(devices)
+    n = len(devices) if requested == 0 else requested
+    if n > len(devices):
+        raise ConfigError("teacher.replica_devices", f"{n} devices asked, the replica's host "
+                          f"has {len(devices)}", "give at most that many, or 0 (all of them)")
+    return devices[:n]
+
+
+def replica_mesh(devices) -> Mesh:
+    """A replica's mesh: its devices on the FSDP axis (`hldstudy.sharding` then splits the
+    weights over them and the batch too). One device: the mesh `chips.traced_target`
+    reads the target chip from while tracing, as the replica's own default device does."""
+    return Mesh(np.asarray(list(devices)).reshape(1, len(devices), 1), MESH_AXES)
+
+
 def micro_batched(forward, n: int):
     """`forward(params, batch) -> outputs` (arrays with the batch leading) as `n`
-    micro-batches looped inside one program; n = 1: `forward` itself."""
+    micro-batches looped inside one program; n = 1: `forward` itself. Sequence r goes to
+    micro-batch r mod n: where the batch is split over devices in contiguous blocks, every
+    micro-batch is then split over all of them."""
     if n == 1:
         return forward
 
@@ -25,10 +49,11 @@ def micro_batched(forward, n: int):
             if x.shape[0] % n:
                 raise ConfigError("teacher.replica_batch", f"a batch of {x.shape[0]} "
                                   f"sequences does not split into {n} micro-batches")
-            return x.reshape(n, x.shape[0] // n, *x.shape[1:])
+            return jax.numpy.swapaxes(x.reshape(x.shape[0] // n, n, *x.shape[1:]), 0, 1)
 
         out = jax.lax.map(lambda b: forward(params, b), jax.tree_util.tree_map(split, batch))
-        return jax.tree_util.tree_map(lambda y: y.reshape(-1, *y.shape[2:]), out)
+        return jax.tree_util.tree_map(
+            lambda y: jax.numpy.swapaxes(y, 0, 1).reshape(-1, *y.shape[2:]), out)
 
     return run
 
@@ -51,11 +76,12 @@ def device_memory(device) -> int | None:
 
 def replica_forward_memory(teacher_model: ModelConfig, batch_size: int, micro: int,
                           seq_len: int, *, layers: tuple[int, ...], head: bool, dtype: str,
-                          backend: str) -> dict[str, float]:
+                          backend: str, shards: int = 1) -> dict[str, float]:
     """The planner's `memory_analysis()` of a replica's forward of `batch_size` sequences
     run as micro-batches of `micro`, as `backend`'s compiler schedules it (its row of
-    `hldstudy.plan.compilers`): params, the whole batch's inputs and outputs, one
-    micro-batch's working set."""
+    `hldstudy.plan.compilers`), per device of `shards`: params, the whole batch's inputs
+    and outputs, one micro-batch's working set; over several devices each holds its share
+    of all of them, and one layer's weights gathered whole."""
     impl = resolve_implementation(teacher_model.attention, dtype=dtype,
                                   softcap=teacher_model.attn_softcap,
                                   head_dim=teacher_model.head_dim, seq_len=seq_len,
@@ -65,55 +91,73 @@ def replica_forward_memory(teacher_model: ModelConfig, batch_size: int, micro: i
     kw = dict(layers=layers, head=head, dtype=dtype, compiler=backend,
               attention="dense" if impl == "dense" else "flash")
     whole = predict_teacher_forward_memory(teacher_model, batch_size, seq_len, **kw)
-    one = whole if micro == batch_size else \
-        predict_teacher_forward_memory(teacher_model, micro, seq_len, **kw)
+    per_device = max(micro // shards, 1)
+    one = whole if per_device == batch_size else \
+        predict_teacher_forward_memory(teacher_model, per_device, seq_len, **kw)
     out = dict(whole, temp_bytes=one["temp_bytes"])
+    if shards > 1:
+        layer = whole["argument_bytes"] / max(teacher_model.n_layers, 1)  # one layer gathered
+        out.update(argument_bytes=whole["argument_bytes"] / shards,
+                   output_bytes=whole["output_bytes"] / shards,
+                   temp_bytes=one["temp_bytes"] + layer)
     out["total_bytes"] = out["argument_bytes"] + out["output_bytes"] + out["temp_bytes"]
     return out
 
 
 def forward_bytes(teacher_model: ModelConfig, batch_size: int, micro: int, seq_len: int, *,
-                  layers: tuple[int, ...], head: bool, dtype: str, backend: str) -> float:
+                  layers: tuple[int, ...], head: bool, dtype: str, backend: str,
+                  shards: int = 1) -> float:
     """`replica_forward_memory`'s total: what `pick_replica_batch` holds to the device."""
     return replica_forward_memory(teacher_model, batch_size, micro, seq_len, layers=layers,
-                                  head=head, dtype=dtype, backend=backend)["total_bytes"]
+                                  head=head, dtype=dtype, backend=backend,
+                                  shards=shards)["total_bytes"]
 
 
 def pick_replica_batch(requested: int, teacher_model: ModelConfig, batch_size: int,
                        seq_len: int, *, layers: tuple[int, ...], head: bool, dtype: str,
-                       backend: str, memory_bytes: int | None) -> int:
+                       backend: str, memory_bytes: int | None, shards: int = 1) -> int:
     """Sequences per micro-batch: `requested` (teacher.replica_batch) when set; else the
-    largest divisor of `batch_size` whose forward fits `memory_bytes` by the planner
-    (the whole batch where the memory is unknown, the smallest divisor where nothing
-    fits: the compiler then says by how much)."""
+    largest divisor of `batch_size` (a multiple of the replica's `shards` devices, each
+    taking its share) whose forward fits `memory_bytes` per device by the planner (the
+    whole batch where the memory is unknown, the smallest candidate where nothing fits:
+    the compiler then says by how much)."""
     if requested:
-        if requested < 0 or batch_size % requested:
+        if requested < 0 or batch_size % requested or requested % shards:
             raise ConfigError("teacher.replica_batch", f"{requested} does not divide the "
-                              f"batch of {batch_size}", "give a divisor of data.batch_size, "
-                              "or 0 (auto)")
+                              f"batch of {batch_size} into micro-batches that split over "
+                              f"the replica's {shards} device(s)",
+                              "give a divisor of data.batch_size that is a multiple of "
+                              "teacher.replica_devices, or 0 (auto)")
         return requested
+    if batch_size % shards:
+        raise ConfigError("teacher.replica_devices", f"the batch of {batch_size} sequences "
+                          f"does not split over {shards} devices",
+                          "give a divisor of data.batch_size")
     if memory_bytes is None:
         return batch_size
-    divisors = divisors_from(batch_size, batch_size)
+    divisors = divisors_from(batch_size, batch_size, shards)
     return next((b for b in divisors
                  if forward_bytes(teacher_model, batch_size, b, seq_len, layers=layers,
-                                  head=head, dtype=dtype, backend=backend) <= memory_bytes),
+                                  head=head, dtype=dtype, backend=backend,
+                                  shards=shards) <= memory_bytes),
                 divisors[-1])
 
 
 def replica_candidates(requested: int, teacher_model: ModelConfig, batch_size: int,
                        seq_len: int, *, layers: tuple[int, ...], head: bool, dtype: str,
-                       backend: str, memory_bytes: int | None) -> list[int]:
+                       backend: str, memory_bytes: int | None,
+                       shards: int = 1) -> list[int]:
     """The micro-batches a replica tries, largest first (`compiler_checked`): the one
     asked for, or the whole batch where the device's memory is unknown (nothing to check
-    against); else the planner's pick and every smaller divisor, so the compiler has the
-    last word. The one rule for the server and for `hldstudy.aot`."""
+    against); else the planner's pick and every smaller divisor (multiples of `shards`),
+    so the compiler has the last word. The one rule for the server and for
+    `hldstudy.aot`."""
     micro = pick_replica_batch(requested, teacher_model, batch_size, seq_len, layers=layers,
                                head=head, dtype=dtype, backend=backend,
-                               memory_bytes=memory_bytes)
+                               memory_bytes=memory_bytes, shards=shards)
     if requested or memory_bytes is None:
         return [micro]
-    return divisors_from(batch_size, micro)
+    return divisors_from(batch_size, micro, shards)
 
 
 def served(forward):
@@ -128,9 +172,10 @@ def served(forward):
     return run
 
 
-def divisors_from(batch_size: int, start: int) -> list[int]:
-    """The divisors of `batch_size` from `start` down, largest first."""
-    return [b for b in range(start, 0, -1) if batch_size % b == 0]
+def divisors_from(batch_size: int, start: int, multiple_of: int = 1) -> list[int]:
+    """The divisors of `batch_size` from `start` down that are multiples of `multiple_of`,
+    largest first."""
+    return [b for b in range(start, 0, -1) if batch_size % b == 0 and b % multiple_of == 0]
 
 
 def compiled_fits(compiled, memory_bytes: int) -> bool:

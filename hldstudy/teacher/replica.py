@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from hldstudy import sharding
 from hldstudy.data import prepare_data
 from hldstudy.distill.base import make_strategy
 from hldstudy.errors import ConfigError, HLDError, InputError
@@ -34,6 +35,8 @@ from hldstudy.teacher.microbatch import (
     device_memory,
     micro_batched,
     replica_candidates,
+    replica_devices,
+    replica_mesh,
     served,
 )
 
@@ -148,7 +151,14 @@ class Replica:
             self.cleanup()
             raise
         self.fingerprint = params_fingerprint(self.model_cfg, self.teacher.params)
-        self.params = jax.device_put(self.teacher.params)
+        self.devices = replica_devices(cfg.teacher.replica_devices, jax.local_devices())
+        if len(self.devices) > 1:  # weights and each micro-batch split over the devices
+            self.mesh = replica_mesh(self.devices)
+            self.params = sharding.put_tree(
+                self.teacher.params, sharding.tree_shardings(self.mesh, self.teacher.params))
+        else:
+            self.mesh = None
+            self.params = jax.device_put(self.teacher.params)
         self._jits: dict = {}
         self._lock = threading.Lock()
 
@@ -175,26 +185,35 @@ class Replica:
         if key not in self._jits:
             run = served(self.teacher.forward_fn(layers, final))
             d = self.cfg.data
-            b, memory = d.batch_size, device_memory(jax.devices()[0])
+            b, memory = d.batch_size, device_memory(self.devices[0])
             candidates = replica_candidates(
                 self.cfg.teacher.replica_batch, self.model_cfg, b, d.seq_len, layers=layers,
-                head=final, dtype=self.dtype, backend=jax.default_backend(), memory_bytes=memory)
-            if len(candidates) == 1:  # nothing to check ahead: compiled at the first call
+                head=final, dtype=self.dtype, backend=jax.default_backend(), memory_bytes=memory,
+                shards=len(self.devices))
+            if len(candidates) == 1 and self.mesh is None:  # compiled at the first call
                 self._jits[key] = jax.jit(micro_batched(run, b // candidates[0])), candidates[0]
             else:
                 inputs = self._inputs(self.data.train.batch_at(0))
                 abstract = jax.tree_util.tree_map(
-                    lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (self.params, inputs))
+                    lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(
+                        x, "sharding", None)), (self.params, inputs))
                 micro, compiled = compiler_checked(
-                    candidates,
-                    lambda m: jax.jit(micro_batched(run, b // m)).lower(*abstract).compile(),
-                    lambda c: compiled_fits(c, memory))
+                    candidates, lambda m: self._compile(micro_batched(run, b // m), abstract),
+                    lambda c: memory is None or compiled_fits(c, memory))
                 self._jits[key] = compiled, micro
         return self._jits[key]
 
-    @staticmethod
-    def _inputs(batch) -> dict:
-        return {k: jnp.asarray(batch[k]) for k in ("tokens", "positions", "segment_ids")}
+    def _compile(self, fn, abstract):
+        if self.mesh is None:
+            return jax.jit(fn).lower(*abstract).compile()
+        with jax.set_mesh(self.mesh):  # traced for the replica's devices (chips.traced_target)
+            return jax.jit(fn).lower(*abstract).compile()
+
+    def _inputs(self, batch) -> dict:
+        inputs = {k: np.asarray(batch[k]) for k in ("tokens", "positions", "segment_ids")}
+        if self.mesh is None:
+            return {k: jnp.asarray(v) for k, v in inputs.items()}
+        return sharding.put_batch(inputs, self.mesh)  # each device its rows
 
     def compute(self, step: int, final: bool, layers: tuple[int, ...]):
         """(digest, [(name, array)]) of one step, in protocol order (IndexError: a step
