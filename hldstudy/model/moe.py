@@ -135,9 +135,15 @@ class MoE(nnx.Module):
                       self.down[...].astype(dt))
         own_matmul = hasattr(weights_in[0], "grouped_matmul")  # FP8 experts: ragged only
         if resolve_dispatch(self.dispatch) == "capacity" and not own_matmul:
-            capacity = expert_capacity(b * t * self.k, self.gate.shape[0], self.capacity_factor)
-            routed, dropped_M = capacity_swiglu(x_MxD, experts, *weights_in, capacity)
-            dropped_B = jnp.mean(dropped_M.reshape(b, t), axis=1)
+            # Each sequence dispatched on its own (its buffers sized for its T x k rows):
+            # routing stays where the sequence is when the batch is split over devices,
+            # no sort or buffer spans the global batch.
+            capacity = expert_capacity(t * self.k, self.gate.shape[0], self.capacity_factor)
+            per_row = jax.vmap(capacity_swiglu, in_axes=(0, 0, None, None, None, None))
+            routed, dropped_BxT = per_row(x_MxD.reshape(b, t, d), experts.reshape(b, t, -1),
+                                          *weights_in, capacity)
+            routed = routed.reshape(b * t, self.k, d)
+            dropped_B = jnp.mean(dropped_BxT, axis=1)
         else:
             routed = grouped_swiglu(x_MxD, experts, *weights_in)
             dropped_B = jnp.zeros((b,), jnp.float32)
