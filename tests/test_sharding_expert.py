@@ -84,7 +84,7 @@ def test_moe_layer_loss_and_grads_on_an_expert_mesh_match_one_device():
     x = jax.random.normal(jax.random.key(1), (4, 16, cfg.model.d_model), jnp.float32)
 
     def loss(params, x):
-        out, aux = nnx.merge(graphdef, params)(x)
+        out, aux, _ = nnx.merge(graphdef, params)(x)
         return jnp.mean(jnp.square(out)) + 0.05 * aux
 
     step = jax.jit(jax.value_and_grad(loss))
