@@ -6,9 +6,9 @@ active-expert count) and memory per device. The evidence `model.moe_dispatch=aut
     JAX_PLATFORMS=cpu python benchmarks/aot_moe.py [--runs h100:8=ragged,h100:8=capacity,...]
 
 Each run is `python -m hldstudy.aot --config experiments/disaggkd_qwen35.py --layout
-disaggregated --parts teacher --set teacher.moe_dispatch=D --target T --json` in its own
-process (the replica's forward of Qwen3.5-35B-A3B in bf16 for 256 x 4096 tokens, on one
-device, in the micro-batches the replica picks there). Needs the `aot` extra. Writes
+disaggregated --parts teacher --set teacher.moe_dispatch=D --set teacher.replica_devices=1
+--target T --json` in its own process (the replica's forward of Qwen3.5-35B-A3B in bf16 for
+256 x 4096 tokens, on one device, in the micro-batches the replica picks there). Needs the `aot` extra. Writes
 benchmarks/results/aot_moe.{json,md}.
 """
 
@@ -35,7 +35,7 @@ GiB = 2 ** 30
 def compile_one(target: str, dispatch: str) -> dict:
     cmd = [sys.executable, "-m", "hldstudy.aot", "--config", CONFIG, "--layout", "disaggregated",
            "--parts", "teacher", "--target", target, "--json",
-           "--set", f"teacher.moe_dispatch={dispatch}"]
+           "--set", f"teacher.moe_dispatch={dispatch}", "--set", "teacher.replica_devices=1"]
     t0 = time.perf_counter()
     out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT,
                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
