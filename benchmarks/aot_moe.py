@@ -17,10 +17,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
-import time
 from pathlib import Path
+
+from aot_runs import run_aot
 
 from hldstudy.fileio import write_json_atomic, write_text_atomic
 
@@ -33,19 +32,14 @@ GiB = 2 ** 30
 
 
 def compile_one(target: str, dispatch: str) -> dict:
-    cmd = [sys.executable, "-m", "hldstudy.aot", "--config", CONFIG, "--layout", "disaggregated",
-           "--parts", "teacher", "--target", target, "--json",
-           "--set", f"teacher.moe_dispatch={dispatch}", "--set", "teacher.replica_devices=1"]
-    t0 = time.perf_counter()
-    out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT,
-                         env={**os.environ, "JAX_PLATFORMS": "cpu"})
-    rec = {"target": target, "dispatch": dispatch, "exit": out.returncode,
-           "seconds": round(time.perf_counter() - t0, 1)}
-    try:
-        report = json.loads(out.stdout.strip().splitlines()[-1])
-    except (ValueError, IndexError):
-        rec["error"] = (out.stderr.strip().splitlines() or ["?"])[-1][:400]
-        return rec
+    run = run_aot(["--config", CONFIG, "--layout", "disaggregated", "--parts", "teacher",
+                   "--target", target, "--set", f"teacher.moe_dispatch={dispatch}",
+                   "--set", "teacher.replica_devices=1"])
+    rec = {"target": target, "dispatch": dispatch, "exit": run["exit"],
+           "seconds": run["seconds"]}
+    if "error" in run:
+        return {**rec, "error": run["error"]}
+    report = run["report"]
     (row,) = report["rows"]
     rec.update({k: row.get(k) for k in ("step", "fits", "xla_flops", "xla_flops_from",
                                          "hlo_flops", "model_flops", "xla_over_model",

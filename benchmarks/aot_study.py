@@ -14,11 +14,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
-import time
 from pathlib import Path
+
+from aot_runs import run_aot
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "benchmarks" / "results"
@@ -28,18 +26,9 @@ GiB = 2 ** 30
 
 
 def compile_one(config: str, target: str, parts: str) -> dict:
-    t0 = time.perf_counter()
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    out = subprocess.run([sys.executable, "-m", "hldstudy.aot", "--config",
-                          f"experiments/{config}.py", "--target", target, "--parts", parts,
-                          "--json"], capture_output=True, text=True, cwd=ROOT, env=env)
-    rec = {"config": config}
-    try:
-        rec.update(json.loads(out.stdout.strip().splitlines()[-1]))
-    except (ValueError, IndexError):
-        rec["error"] = (out.stderr.strip().splitlines() or ["?"])[-1][:300]
-    rec.update(experiment=config, target=target, exit=out.returncode,
-               seconds=round(time.perf_counter() - t0, 1))
+    run = run_aot(["--config", f"experiments/{config}.py", "--target", target, "--parts", parts])
+    rec = {"config": config, **run.pop("report", {}), **run}
+    rec.update(experiment=config, target=target)
     return rec
 
 

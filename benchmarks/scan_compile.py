@@ -19,10 +19,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
-import time
 from pathlib import Path
+
+from aot_runs import run_aot
 
 from hldstudy.fileio import write_json_atomic, write_text_atomic
 
@@ -32,21 +31,16 @@ GiB = 2 ** 30
 
 
 def compile_once(args, scan: bool) -> dict:
-    cmd = [sys.executable, "-m", "hldstudy.aot", "--config", args.config, "--target",
-           args.target, "--layout", args.layout, "--parts", "train", "--json",
-           "--set", f"model.scan_layers={str(scan).lower()}"]
+    cmd = ["--config", args.config, "--target", args.target, "--layout", args.layout,
+           "--parts", "train", "--set", f"model.scan_layers={str(scan).lower()}"]
     for kv in args.overrides:
         cmd += ["--set", kv]
-    t0 = time.perf_counter()
-    out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT,
-                         env={**os.environ, "JAX_PLATFORMS": "cpu"})
-    rec = {"scan_layers": scan, "exit": out.returncode,
-           "process_s": round(time.perf_counter() - t0, 1), "command": " ".join(cmd[1:])}
-    try:
-        report = json.loads(out.stdout.strip().splitlines()[-1])
-    except (ValueError, IndexError):
-        rec["error"] = (out.stderr.strip().splitlines() or ["?"])[-1][:400]
-        return rec
+    run = run_aot(cmd)
+    rec = {"scan_layers": scan, "exit": run["exit"], "process_s": run["seconds"],
+           "command": run["command"]}
+    if "error" in run:
+        return {**rec, "error": run["error"]}
+    report = run["report"]
     (row,) = report["rows"]
     rec.update(step=row["step"], compile_s=row["compile_s"], fits=row["fits"],
                total_bytes=row["compiled"].get("total_bytes"),

@@ -9,46 +9,22 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from flax import nnx
+from helpers.programs import keep_grads, program_pieces
 
-from hldstudy.config import Config, DataConfig, DistillConfig, TrainConfig, validate
-from hldstudy.distill.base import make_strategy
+from hldstudy.config import Config, DataConfig, TrainConfig, validate
 from hldstudy.errors import ConfigError
-from hldstudy.model import Transformer, preset
-from hldstudy.teacher.colocated import teacher_forward_fn
+from hldstudy.model import preset
 from hldstudy.train.program import Members, microbatch_candidates, train_program
-from hldstudy.train.step import split_params
 
 B, T, VOCAB = 8, 32, 256
 CASES = [("kd", "main"), ("hldf", "stage1"), ("hldc", "main")]
 
 
-def _keep_grads():
-    """Test double of an optimizer: no update; its state is the last gradient it saw."""
-    return optax.GradientTransformation(
-        lambda params: jax.tree_util.tree_map(jnp.zeros_like, params),
-        lambda grads, state, params=None: (jax.tree_util.tree_map(jnp.zeros_like, grads), grads))
-
-
 def _setup(method: str, stage: str):
-    cfg = Config(model=preset("tiny", vocab_size=VOCAB), data=DataConfig(batch_size=B, seq_len=T),
-                 distill=DistillConfig(method=method, loss_impl="materialized"),
-                 train=TrainConfig(seed=0))
-    teacher_cfg = preset("tiny-teacher", vocab_size=VOCAB)
-    strategy = make_strategy(cfg, cfg.model, teacher_cfg)
-    st = next(s for s in strategy.stages() if s.name == stage)
-    graphdefs, params = split_params(Transformer(cfg.model, rngs=nnx.Rngs(0)),
-                                     strategy.init_aux(st, nnx.Rngs(1)))
-    t_gd, t_params = nnx.split(Transformer(teacher_cfg, rngs=nnx.Rngs(2)), nnx.Param)
-    forward = teacher_forward_fn(t_gd, strategy.teacher_layers(st), strategy.teacher_needs_head(st))
-    rng = np.random.default_rng(0)
-    tokens = rng.integers(0, VOCAB, (B, T), dtype=np.int32)
     # Micro-batches with different numbers of valid tokens: the weighting must count them.
-    mask = rng.random((B, T)) < np.linspace(0.3, 1.0, B)[:, None]
-    batch = {"tokens": jnp.asarray(tokens), "targets": jnp.asarray(np.roll(tokens, -1, 1)),
-             "positions": jnp.tile(jnp.arange(T, dtype=jnp.int32), (B, 1)),
-             "segment_ids": jnp.ones((B, T), jnp.int32), "mask": jnp.asarray(mask)}
-    return strategy, st, graphdefs, params, forward, t_params, batch
+    return program_pieces(method, stage, preset("tiny", vocab_size=VOCAB),
+                          preset("tiny-teacher", vocab_size=VOCAB), batch_size=B, seq_len=T,
+                          uneven_mask=True)
 
 
 def _close(a, b, rtol=1e-5):
@@ -60,7 +36,7 @@ def _close(a, b, rtol=1e-5):
 @pytest.mark.parametrize("layout", ["colocated", "streamed"])
 def test_micro_batches_give_the_whole_batch_gradient(method, stage, layout):
     strategy, st, graphdefs, params, forward, t_params, batch = _setup(method, stage)
-    opt = _keep_grads()
+    opt = keep_grads()
     state = {"params": params, "opt_state": opt.init(params), "step": jnp.int32(0)}
     if layout == "colocated":
         teacher_in, fwd = t_params, forward
@@ -81,7 +57,7 @@ def test_micro_batches_give_the_whole_batch_gradient(method, stage, layout):
 @pytest.mark.parametrize("method,stage", CASES)
 def test_a_cohort_accumulates_each_member_like_its_solo_run(method, stage):
     strategy, st, graphdefs, params, forward, t_params, batch = _setup(method, stage)
-    opt = _keep_grads()
+    opt = keep_grads()
     state = {"params": params, "opt_state": opt.init(params), "step": jnp.int32(0)}
     solo = jax.jit(train_program(strategy, st, graphdefs, opt, forward))
     want, want_metrics, _ = solo(state, batch, t_params, {}, jnp.int32(0))
@@ -130,7 +106,7 @@ def test_a_strategy_without_micro_batches_is_named():
 
     strategy.__class__ = WholeOnly
     with pytest.raises(ConfigError) as e:
-        train_program(strategy, st, graphdefs, _keep_grads(), forward, microbatches=2)
+        train_program(strategy, st, graphdefs, keep_grads(), forward, microbatches=2)
     assert e.value.field == "train.microbatches" and "WholeOnly" in str(e.value)
 
 

@@ -13,14 +13,12 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from helpers.programs import keep_grads, program_pieces
 
-from hldstudy.config import Config, ConfigError, DataConfig, DistillConfig, TrainConfig, validate
-from hldstudy.distill.base import make_strategy
+from hldstudy.config import Config, ConfigError, validate
 from hldstudy.model import Transformer, preset
 from hldstudy.model.stack import scan_groups
-from hldstudy.teacher.colocated import teacher_forward_fn
 from hldstudy.train.program import Members, train_program
-from hldstudy.train.step import split_params
 
 B, T, VOCAB = 4, 32, 256
 
@@ -114,31 +112,12 @@ def test_an_unknown_remat_policy_is_refused_naming_the_field():
         validate(Config(model=dataclasses.replace(preset("tiny"), remat_policy="everything")))
 
 
-def _keep_grads():
-    """Test double of an optimizer: no update; its state is the last gradient it saw."""
-    return optax.GradientTransformation(
-        lambda params: jax.tree_util.tree_map(jnp.zeros_like, params),
-        lambda grads, state, params=None: (jax.tree_util.tree_map(jnp.zeros_like, grads), grads))
-
-
 def _program_outputs(method, stage, scan, members=None):
-    model = preset("tiny", n_layers=6, vocab_size=VOCAB, scan_layers=scan)
-    cfg = Config(model=model, data=DataConfig(batch_size=B, seq_len=T),
-                 distill=DistillConfig(method=method, loss_impl="materialized"),
-                 train=TrainConfig(seed=0))
-    teacher_cfg = preset("tiny-teacher", vocab_size=VOCAB, scan_layers=scan)
-    strategy = make_strategy(cfg, cfg.model, teacher_cfg)
-    st = next(s for s in strategy.stages() if s.name == stage)
-    graphdefs, params = split_params(Transformer(cfg.model, rngs=nnx.Rngs(0)),
-                                     strategy.init_aux(st, nnx.Rngs(1)))
-    t_gd, t_params = nnx.split(Transformer(teacher_cfg, rngs=nnx.Rngs(2)), nnx.Param)
-    forward = teacher_forward_fn(t_gd, strategy.teacher_layers(st), strategy.teacher_needs_head(st))
-    rng = np.random.default_rng(0)
-    tokens = rng.integers(0, VOCAB, (B, T), dtype=np.int32)
-    batch = {"tokens": jnp.asarray(tokens), "targets": jnp.asarray(np.roll(tokens, -1, 1)),
-             "positions": jnp.tile(jnp.arange(T, dtype=jnp.int32), (B, 1)),
-             "segment_ids": jnp.ones((B, T), jnp.int32), "mask": jnp.ones((B, T), bool)}
-    opt = _keep_grads()
+    strategy, st, graphdefs, params, forward, t_params, batch = program_pieces(
+        method, stage, preset("tiny", n_layers=6, vocab_size=VOCAB, scan_layers=scan),
+        preset("tiny-teacher", vocab_size=VOCAB, scan_layers=scan), batch_size=B, seq_len=T,
+        uneven_mask=False)
+    opt = keep_grads()
     state = {"params": params, "opt_state": opt.init(params), "step": jnp.int32(0)}
     step = jnp.int32(0)
     if members:
