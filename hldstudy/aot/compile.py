@@ -94,6 +94,8 @@ class CompiledStep:
     # A teacher replica's forward: the planner's figures for the micro-batch compiled, as
     # the target's compiler schedules it (`replica_forward_memory`); None for other steps.
     planner: dict[str, float] | None = None
+    # Devices a teacher replica's forward is split over (teacher.replica_devices).
+    replica_devices: int = 1
     # Trips of a loop XLA's cost analysis counts once (a replica's micro-batches run in a
     # `lax.map`): its FLOPs are then about 1 / loop_trips of the program's.
     loop_trips: int = 1
@@ -328,6 +330,7 @@ def compile_teacher_forward(cfg: Config, teacher_model: ModelConfig, method: str
                         "teacher", spec.name, None, jax.jit(micro_batched(run, b // m)),
                         (params, batch), mesh)
         return dataclasses.replace(step, loop_trips=b // m, sequences=b, layout="disaggregated",
+                                   replica_devices=n,
                                    planner=replica_forward_memory(
             tcfg, b, m, cfg.data.seq_len, layers=needs.layers, head=needs.final,
             dtype=cfg.teacher.dtype, backend=backend, shards=n))
