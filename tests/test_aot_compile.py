@@ -187,15 +187,15 @@ def test_the_disaggkd_student_step_fits_8_h100_as_committed(capsys):
 def test_the_moe_teachers_forward_by_capacity_costs_its_active_experts(capsys):
     """The 35B-A3B replica's forward on one H200 (room for its weights: no compiler
     rematerialisation): auto dispatch is capacity there; XLA's FLOPs (counted from the
-    HLO) within 1.3x of the active-expert model, no temporary near 1 GiB per sequence."""
+    HLO) within 1.3x of the active-expert model, no expert buffer at the peak of 1 GiB per
+    sequence of the micro-batch (ragged expanded 32 GiB: benchmarks/results/aot_moe.md)."""
     assert aot_main(["--config", DISAGG, "--layout", "disaggregated", "--target", "h200:8",
                      "--parts", "teacher", "--set", "teacher.replica_devices=1",
                      "--json"]) == 0
     (row,) = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"]
     assert row["fits"] and row["xla_over_model"] <= 1.3, row
     micro = int(re.search(r"x (\d+) sequences", row["step"]).group(1))
-    working = [g for g in row["peak"]["largest"]  # not the weights, inputs or served outputs
-               if g["op"] != "arguments" and not g["op"].startswith("arg_tuple")
-               and "dynamic_update_slice" not in g["op"]]
-    assert all(g["bytes"] < micro * 2**30 for g in working), row["peak"]
+    experts = [g for g in row["peak"]["largest"]  # the expert matmuls' buffers at the peak
+               if any(op in g["op"] for op in ("ecd,edf", "ecf,efd", "ragged_dot"))]
+    assert all(g["bytes"] < micro * 2**30 for g in experts), row["peak"]
     assert abs(row["planner_over_compiled"] - 1.0) <= 0.15, row
