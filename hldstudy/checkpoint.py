@@ -144,6 +144,9 @@ class Checkpointer:
         absl_log = logging.getLogger("absl")
         if not any(isinstance(f, _OrbaxNoiseFilter) for f in absl_log.filters):
             absl_log.addFilter(_OrbaxNoiseFilter())
+        asyncio_log = logging.getLogger("asyncio")  # a failed save's abandoned writes
+        if not any(isinstance(f, _AbandonedReadLogFilter) for f in asyncio_log.filters):
+            asyncio_log.addFilter(_AbandonedReadLogFilter())
         if not self.directory.is_dir():
             return
         for path in sorted(self.directory.glob(f"*/{ORBAX_BOOKKEEPING}")):
@@ -332,11 +335,14 @@ class _AbandonedReadLogFilter(logging.Filter):
     Orbax's that is garbage-collected with its error never retrieved makes asyncio log
     "Task exception was never retrieved" with the task's traceback (the logging path,
     not sys.unraisablehook, so the hook alone lets it through when the task is collected
-    late). Only records naming an Orbax coroutine are dropped."""
+    late); a failed save's writes (a full disk) log "_GatheringFuture exception was never
+    retrieved" so. Only records naming Orbax are dropped: the save's failure is reported
+    in one line (`Checkpointer.save`)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
-        return not (message.startswith("Task exception was never retrieved")
+        return not (message.startswith(("Task exception was never retrieved",
+                                        "_GatheringFuture exception was never retrieved"))
                     and "orbax" in message)
 
 

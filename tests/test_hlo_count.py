@@ -62,6 +62,7 @@ def test_a_loops_body_counts_times_its_trips():
     assert cost_analysis(compiled)["flops"] < 2 * one  # the body once (plus its tanh)
 
 
+@pytest.mark.slow  # four train-step compiles, about a minute
 @pytest.mark.parametrize("name", ["tiny", "tiny-qwen"])
 def test_the_scanned_train_step_counts_as_the_unrolled_one(name):
     cfg = Config(model=preset(name, n_layers=8, vocab_size=256),

@@ -198,9 +198,9 @@ def test_dropped_expert_slots_are_reported_in_the_step_metrics():
             state, batch, t_params, {}, jnp.int32(0))
         assert float(metrics["teacher_expert_drop_rate"]) == pytest.approx(
             float(jnp.mean(teacher_drop)), rel=1e-6)
-        if dispatch == "capacity":  # half the even share per expert: many rows dropped
-            assert float(metrics["teacher_expert_drop_rate"]) > 0.2
-            assert float(metrics["expert_drop_rate"]) > 0.2
+        if dispatch == "capacity":  # buffers of 8 rows for 64 per sequence: some dropped
+            assert float(metrics["teacher_expert_drop_rate"]) > 0.05
+            assert float(metrics["expert_drop_rate"]) > 0.05
         else:
             assert float(metrics["teacher_expert_drop_rate"]) == 0.0
             assert float(metrics["expert_drop_rate"]) == 0.0

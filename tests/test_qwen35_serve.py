@@ -162,6 +162,7 @@ def test_kd_members_of_a_served_moe_teacher_equal_their_colocated_runs(tmp_path,
     assert losses(tmp_path / "a" / "remote") != losses(tmp_path / "b" / "remote")
 
 
+@pytest.mark.slow  # the default tier compiles the sharded replica (tests/test_aot.py)
 def test_a_replica_over_several_devices_serves_the_one_device_forward(tmp_path, moe_teacher):
     """teacher.replica_devices=0: the replica's weights and every micro-batch split over
     all of its host's devices (here the 4 CPU devices; two interleaved micro-batches of

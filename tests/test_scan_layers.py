@@ -130,9 +130,11 @@ def _program_outputs(method, stage, scan, members=None):
     return new["opt_state"], metrics
 
 
-@pytest.mark.parametrize("method,stage", [pytest.param("kd", "main", marks=pytest.mark.slow),
-                                          ("hldf", "stage1"), ("hldc", "main")])
-@pytest.mark.parametrize("members", [None, "vmap"])
+@pytest.mark.parametrize("method,stage,members", [
+    ("hldf", "stage1", None), ("hldc", "main", "vmap"),
+    *(pytest.param(m, s, k, marks=pytest.mark.slow) for m, s, k in
+      [("kd", "main", None), ("kd", "main", "vmap"), ("hldf", "stage1", "vmap"),
+       ("hldc", "main", None)])])
 def test_the_train_program_scanned_trains_like_unrolled(method, stage, members):
     grads0, metrics0 = _program_outputs(method, stage, False, members)
     grads1, metrics1 = _program_outputs(method, stage, True, members)
