@@ -361,9 +361,9 @@ class ModelConfig:
     router_aux_weight: float = knob(0.0, domain=NONNEG)
     # How routed rows reach their experts (hldstudy.model.moe): ragged (dropless
     # jax.lax.ragged_dot: a grouped matmul on TPU, a dense pass over every expert on CPU and
-    # GPU), capacity (a buffer of moe_capacity_factor x the even share of rows per expert,
-    # batched matmuls; rows past it dropped and logged: expert_drop_rate), auto (capacity
-    # on GPU, ragged elsewhere).
+    # GPU), capacity (per sequence, a buffer of moe_capacity_factor x the even share of its
+    # rows per expert, batched matmuls; rows past it dropped and logged: expert_drop_rate),
+    # auto (capacity on GPU, ragged elsewhere).
     moe_dispatch: str = knob("auto", analysis="ignore", domain=MOE_DISPATCHES)
     moe_capacity_factor: float = knob(2.0, analysis="ignore", domain=POSITIVE)
 

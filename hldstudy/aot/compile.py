@@ -362,7 +362,8 @@ def compile_run(cfg: Config, teacher_model: ModelConfig | None, method: str, dev
     """Every program of one run on `devices`: the train step of each stage of `method`
     (the cohort step of K with `cohort`; its teacher in `layout`: its forward inside the
     step, or its outputs streamed in), the teacher replica's forward (a method with a
-    teacher; on one of `devices`, as a replica runs it), and the eval step. `cfg` and `teacher_model` come resolved for the target
+    teacher; on teacher.replica_devices of `devices`, as a replica runs it), and the eval
+    step. `cfg` and `teacher_model` come resolved for the target
     (`resolve_for_target`)."""
     mesh = mesh_for(cfg, devices)
     spec = methods.get(method)

@@ -79,13 +79,13 @@ def mlp_flops_per_token(m: ModelShape, *, grouped_dense: bool = False) -> float:
     return 6.0 * m.d_model * m.d_ff
 
 
-def grouped_matmuls_run_dense(dispatch: str = "auto") -> bool:
-    """Whether the running backend executes an MoE's routed experts as a dense pass over
-    all experts (`config.experts_run_dense`: ragged dispatch on XLA CPU and GPU; the
-    hardware figure follows what runs)."""
+def grouped_matmuls_run_dense() -> bool:
+    """Whether the running backend executes an MoE's routed experts (auto dispatch) as a
+    dense pass over all experts (`config.experts_run_dense`: on XLA CPU; the hardware
+    figure follows what runs)."""
     import jax
 
-    return experts_run_dense(dispatch, jax.default_backend())
+    return experts_run_dense("auto", jax.default_backend())
 
 
 def qwen_flops_per_token(m: ModelShape, seq_len: int, *, attention: str = "causal",

@@ -107,10 +107,9 @@ class QwenBlock(nnx.Module):
             h = self.mixer(h, positions_BxT, segment_ids_BxT)
         x_BxTxD = x_BxTxD + h
         h = self.mlp(self.pre_mlp_norm(x_BxTxD))
-        if isinstance(h, tuple):
-            h, aux, dropped = h
-        else:
-            aux, dropped = block_aux_zeros(x_BxTxD.shape[0]).values()
+        if not isinstance(h, tuple):  # a dense MLP: no router, nothing dropped
+            return x_BxTxD + h, block_aux_zeros(x_BxTxD.shape[0])
+        h, aux, dropped = h
         return x_BxTxD + h, {"router_aux_loss": aux, "expert_drop_rate": dropped}
 
 

@@ -20,15 +20,12 @@ from hldstudy.config import REMAT_POLICIES
 
 __all__ = ["REMAT_POLICIES", "remat_policy", "run_stack", "scan_groups"]
 
-# model.remat_policy (REMAT_POLICIES) -> what the backward keeps from a block's forward (jax.checkpoint's
-# policy). nothing_saveable: only the block's inputs (the least memory, the most
-# recompute; nnx.remat's default, so today's runs are unchanged); dots_saveable: matmul
-# outputs too (less recompute, more memory); offload_dots: matmul outputs without batch
-# dimensions kept in pinned host memory (TPU and GPU targets).
-
-
 def remat_policy(name: str):
-    """The `jax.checkpoint` policy of a `model.remat_policy` name (None: save nothing)."""
+    """The `jax.checkpoint` policy of a `model.remat_policy` name (REMAT_POLICIES): what
+    the backward keeps from a block's forward. nothing_saveable: only the block's inputs
+    (None: nnx.remat's default, so today's runs are unchanged); dots_saveable: matmul
+    outputs too (less recompute, more memory); offload_dots: matmul outputs without batch
+    dimensions kept in pinned host memory (TPU and GPU targets)."""
     if name == "nothing_saveable":
         return None
     if name == "dots_saveable":

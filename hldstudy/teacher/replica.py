@@ -204,9 +204,8 @@ class Replica:
         return self._jits[key]
 
     def _compile(self, fn, abstract):
-        if self.mesh is None:
-            return jax.jit(fn).lower(*abstract).compile()
-        with jax.set_mesh(self.mesh):  # traced for the replica's devices (chips.traced_target)
+        # Over several devices, traced under their mesh (what chips.traced_target reads).
+        with contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh):
             return jax.jit(fn).lower(*abstract).compile()
 
     def _inputs(self, batch) -> dict:
