@@ -1,9 +1,11 @@
 """FLOPs counted from a compiled program's HLO (hldstudy.flops.hlo_count) against closed
-forms and against XLA's own cost analysis: a matmul, a convolution, a loop's body times
-its trip count (which the cost analysis counts once), and the train step of a scanned
-stack equal to the unrolled one's."""
+forms and against XLA's own cost analysis: a matmul, convolutions (padded, input-dilated),
+a loop's body times its trip count (which the cost analysis counts once; read from the
+loop's condition where none is recorded), and the train step of a scanned stack equal to
+the unrolled one's."""
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -42,7 +44,11 @@ def test_a_depthwise_convolution_is_its_closed_form():
         x, w, (1,), [(k - 1, 0)], dimension_numbers=("NWC", "WIO", "NWC"),
         feature_group_count=c)
     compiled = _compiled(conv, x, w)
-    assert hlo_flops(compiled.as_text()).flops == 2 * b * t * c * k
+    # The causal padding's taps multiply nothing: the first k - 1 positions see 1..k-1 real
+    # inputs (XLA's cost analysis counts the same).
+    real_taps = t * k - k * (k - 1) // 2
+    assert hlo_flops(compiled.as_text()).flops == 2 * b * c * real_taps \
+        == cost_analysis(compiled)["flops"]
 
 
 def test_a_loops_body_counts_times_its_trips():
@@ -60,6 +66,41 @@ def test_a_loops_body_counts_times_its_trips():
     assert count.flops == trips * one
     assert count.loops == 1 and count.unknown_trip_loops == 0
     assert cost_analysis(compiled)["flops"] < 2 * one  # the body once (plus its tanh)
+
+
+@pytest.mark.parametrize("start", [0, 2])
+def test_a_loop_without_a_recorded_trip_count_counts_its_condition(start):
+    """libtpu records no trip counts: the count reads the loop's condition (counter < bound)
+    and the counter's initial value. The CPU program with its record removed counts the same
+    as with it."""
+    trips = 7
+    w = jnp.ones((16, 16))
+
+    def loop(x, w):
+        return jax.lax.fori_loop(start, trips, lambda i, x: jnp.tanh(x @ w), x)
+
+    text = _compiled(loop, jnp.ones((8, 16)), w).as_text()
+    assert "known_trip_count" in text
+    bare = re.sub(r'"known_trip_count":\{[^}]*\},?', "", text)
+    assert "known_trip_count" not in bare
+    count = hlo_flops(bare)
+    assert count.flops == hlo_flops(text).flops == (trips - start) * 2 * 8 * 16 * 16
+    assert count.loops == 1 and count.unknown_trip_loops == 0
+
+
+@pytest.mark.parametrize("lhs_dilation, padding", [((1,), [(3, 3)]), ((4,), [(3, 3)]),
+                                                   ((3,), [(0, 0)])])
+def test_a_padded_or_dilated_convolution_counts_its_real_taps(lhs_dilation, padding):
+    """libtpu writes batched matmuls as convolutions over padded or input-dilated windows
+    (a window of 32 over one padded input value): the taps on padding and inserted zeros
+    multiply nothing. Equal to XLA's cost analysis, which counts them so too."""
+    x, w = jnp.ones((2, 5, 3)), jnp.ones((4, 3, 6))
+    conv = lambda x, w: jax.lax.conv_general_dilated(  # noqa: E731
+        x, w, (1,), padding, lhs_dilation=lhs_dilation,
+        dimension_numbers=("NWC", "WIO", "NWC"))
+    compiled = _compiled(conv, x, w)
+    assert "convolution(" in compiled.as_text()
+    assert hlo_flops(compiled.as_text()).flops == cost_analysis(compiled)["flops"]
 
 
 @pytest.mark.slow  # four train-step compiles, about a minute

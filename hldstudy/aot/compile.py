@@ -181,6 +181,10 @@ def _compile(name, kind, method, stage, jitted, args, mesh) -> CompiledStep:
     lower) is a RuntimeFault naming the step and the compiler's first line."""
     t0 = time.perf_counter()
     dump = tempfile.TemporaryDirectory(prefix="hldstudy-aot-")
+    # A program served from the persistent compilation cache is not compiled, so nothing is
+    # dumped and its peak would go unexplained: this compile bypasses that cache.
+    cached = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
     try:
         # Traced under the target's mesh: what sizes itself for the chip being traced
         # for (the fused loss's kernel blocks, chips.traced_target) sees the target.
@@ -188,6 +192,7 @@ def _compile(name, kind, method, stage, jitted, args, mesh) -> CompiledStep:
             compiled = jitted.trace(*args).lower().compile(
                 {"xla_dump_to": dump.name, **DUMP_OPTIONS})
     except Exception as e:  # noqa: BLE001 - the target compiler's refusals are its own types
+        jax.config.update("jax_enable_compilation_cache", cached)
         dump.cleanup()
         text = str(e)
         first = next((ln.strip() for ln in text.splitlines() if ln.strip()), type(e).__name__)
@@ -202,6 +207,7 @@ def _compile(name, kind, method, stage, jitted, args, mesh) -> CompiledStep:
                     "--set distill.fused_backend=xla compiles the loss without them)")
         raise RuntimeFault(f"the {name} step does not compile for the target: "
                            f"{type(e).__name__}: {first[:400]}{hint}") from e
+    jax.config.update("jax_enable_compilation_cache", cached)
     flops = cost_analysis(compiled).get("flops") if _reports_flops(compiled) else None
     hlo = hlo_flops(compiled.as_text())
     with dump:

@@ -161,14 +161,17 @@ def step_rows(cfg: Config, teacher_model, target: Target, choices: Choices, step
                 row["hlo_uncounted_kernels"] = list(s.hlo.uncounted_kernels)
             if s.hlo.unknown_trip_loops:  # the TPU compiler records no trip counts
                 row["hlo_unknown_trip_loops"] = s.hlo.unknown_trip_loops
-        # XLA's cost analysis where the compiler gives one (TPU); else (the XLA GPU
-        # compiler) the count from the optimized HLO (hldstudy.flops.hlo_count).
-        xla = s.flops if s.flops is not None else (s.hlo.flops if s.hlo is not None else None)
+        # XLA's cost analysis where the compiler gives one (TPU) and the program has no
+        # loops (it counts a loop's body once); else the count from the optimized HLO
+        # (hldstudy.flops.hlo_count: loops times their trips; the XLA GPU compiler's only).
+        from_cost = s.flops is not None and (s.hlo is None or (
+            s.hlo.loops == 0 or s.hlo.unknown_trip_loops))
+        xla = s.flops if from_cost else (s.hlo.flops if s.hlo is not None else None)
         if xla is not None:
             model = flop_model(cfg, teacher_model, s, n_devices, cohort if s.kind == "train"
                                else None, target.backend)
             row["xla_flops"] = xla
-            row["xla_flops_from"] = "cost_analysis" if s.flops is not None else "hlo"
+            row["xla_flops_from"] = "cost_analysis" if from_cost else "hlo"
             if model:
                 row["model_flops"] = model
                 row["xla_over_model"] = xla / model

@@ -1,9 +1,9 @@
 """FLOPs of a compiled program counted from its optimized HLO text, where XLA's cost
 analysis cannot count: a compiler that gives none (XLA GPU) and loops (a scanned stack,
 micro-batches, a replica's micro-batch map), whose bodies the cost analysis counts once.
-Counted: dots, convolutions, cuBLAS GEMM calls and kernels' declared costs, in every
-computation they sit in, a while loop's body times its known trip count; elementwise
-operations are not. Pure text parsing of `compiled.as_text()`; nothing here compiles.
+Counted: dots, convolutions (their taps on real input), cuBLAS GEMM calls and kernels'
+declared costs, in every computation they sit in, a while loop's body times its trip count
+(recorded, or read from its condition); elementwise operations are not. Pure text parsing of `compiled.as_text()`; nothing here compiles.
 Design notes: `docs/flops.md`, under this file's name.
 """
 
@@ -26,7 +26,7 @@ _TRIPS = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"?(\d+)')
 _DIMS = re.compile(r"(lhs_contracting_dims|rhs_contracting_dims|lhs_batch_dims)=\{([\d,]*)\}")
 _GEMM = re.compile(r'"lhs_contracting_dimensions"\s*:\s*\[([^\]]*)\]')
 _DECLARED = re.compile(r'\\?"flops\\?"\s*:\s*\\?"?(\d+(?:\.\d+)?(?:[eE][+-]?\d+)?)')
-_LABELS = re.compile(r"dim_labels=[^_\s]+_([^-\s]+)->")
+_WINDOW = re.compile(r"window=\{([^}]*)\}")
 _TARGET = re.compile(r'custom_call_target="([^"]+)"')
 GEMM_TARGETS = ("__cublas$gemm", "__cublas$lt$matmul", "__cublas$lt$matmul$f8")
 # Custom calls that do no multiply-adds (not listed as uncounted).
@@ -87,15 +87,17 @@ def _operand_shapes(operands: str, shapes: dict[str, list[int]]) -> list[list[in
 
 
 def _parse(hlo_text: str):
-    """{computation: [(op, type, operands, attrs, own shapes map)]}, the entry's name."""
+    """{computation: [(op, type, operands, attrs, own shapes map)]}, the entry's name, and
+    {computation: {instruction: (op, operands, attrs)}} with the root under "ROOT"."""
     comps: dict[str, list] = {}
+    defs: dict[str, dict] = {}
     entry, current, shapes = None, None, {}
     for line in hlo_text.splitlines():
         if current is None:
             h = _HEADER.match(line)
             if h:
                 current, shapes = h["name"], {}
-                comps[current] = []
+                comps[current], defs[current] = [], {}
                 if line.lstrip().startswith("ENTRY"):
                     entry = current
             continue
@@ -110,7 +112,72 @@ def _parse(hlo_text: str):
         if dims is not None:
             shapes[m["name"]] = dims
         comps[current].append((m["op"], m["type"], operands, attrs, shapes))
-    return comps, entry
+        defs[current][m["name"]] = (m["op"], operands, attrs)
+        if line.lstrip().startswith("ROOT"):
+            defs[current]["ROOT"] = (m["op"], operands, attrs)
+    return comps, entry, defs
+
+
+def _names(operands: str) -> list[str]:
+    return [part.strip().rsplit(" ", 1)[-1].lstrip("%") for part in operands.split(",")]
+
+
+def _constant(defs: dict, name: str) -> int | None:
+    """The integer `name` holds where it is a scalar constant (through copies)."""
+    for _ in range(8):
+        op, operands, _ = defs.get(name, (None, "", ""))
+        if op == "constant":
+            try:
+                return int(operands.strip())
+            except ValueError:
+                return None
+        if op not in ("copy", "bitcast", "convert"):
+            return None
+        name = _names(operands)[0]
+    return None
+
+
+_FLIP = {"LT": "GT", "LE": "GE", "GT": "LT", "GE": "LE"}
+
+
+def _trip_count(defs: dict, caller: str, init: str, condition: str) -> int | None:
+    """A counted loop's trips from its condition where the compiler records none (libtpu):
+    the condition's root compares a tuple element (the counter, +1 per trip) with a
+    constant bound; the counter starts at that element of the loop's initial tuple (a
+    constant; 0 where it is not one, as XLA's counted loops start)."""
+    cond_defs = defs.get(condition, {})
+    root = cond_defs.get("ROOT")
+    if root is not None and root[0] == "fusion":  # XLA CPU wraps the compare in a fusion
+        fused = re.search(r"calls=%?([\w.\-]+)", root[2])
+        inner = defs.get(fused.group(1), {}) if fused else {}
+        outer = _names(root[1])
+        if inner.get("ROOT", ("",))[0] != "compare":
+            return None
+        params = {n: int(v[1]) for n, v in inner.items() if n != "ROOT" and v[0] == "parameter"}
+        args = [outer[params[a]] if a in params else a for a in _names(inner["ROOT"][1])]
+        root = ("compare", ", ".join(args), inner["ROOT"][2])
+    if root is None or root[0] != "compare":
+        return None
+    direction = re.search(r"direction=(\w+)", root[2])
+    args = _names(root[1])
+    if direction is None or len(args) != 2:
+        return None
+    d = direction.group(1)
+    bound, counter = _constant(cond_defs, args[1]), args[0]
+    if bound is None:
+        bound, counter, d = _constant(cond_defs, args[0]), args[1], _FLIP.get(d, d)
+    op, operands, attrs = cond_defs.get(counter, (None, "", ""))
+    index = re.search(r"index=(\d+)", attrs)
+    if bound is None or op != "get-tuple-element" or index is None or d not in ("LT", "LE"):
+        return None
+    start = 0
+    tup = defs.get(caller, {}).get(init)
+    if tup is not None and tup[0] == "tuple":
+        elements = _names(tup[1])
+        if int(index.group(1)) < len(elements):
+            start = _constant(defs[caller], elements[int(index.group(1))]) or 0
+    trips = bound - start + (1 if d == "LE" else 0)
+    return trips if trips > 0 else None
 
 
 def _dot_flops(type_text, operands, attrs, shapes) -> float:
@@ -123,17 +190,54 @@ def _dot_flops(type_text, operands, attrs, shapes) -> float:
     return 2.0 * math.prod(out) * contracted
 
 
+def _window_fields(attrs: str) -> dict[str, list]:
+    window = _WINDOW.search(attrs)
+    fields = dict(f.split("=", 1) for f in window.group(1).split() if "=" in f) if window else {}
+    return {k: v.split("x") for k, v in fields.items()}
+
+
+def _real_taps(n: int, out: int, k: int, stride: int, lo: int, lhs_dilate: int,
+               rhs_dilate: int) -> int:
+    """Over one spatial dim, the (output position, window tap) pairs that land on a real
+    input value, not on padding or the zeros an input dilation inserts: libtpu writes
+    batched matmuls as convolutions whose windows are mostly such zeros (a window of 32
+    over one padded input; windows of 8x32x64 over an input dilated by as much)."""
+    if out * k > 4_000_000:  # a plain window too long to walk: its taps, all real
+        return out * k
+    hits = 0
+    span = (n - 1) * lhs_dilate + 1
+    for q in range(out):
+        for t in range(k):
+            x = q * stride + t * rhs_dilate - lo
+            hits += 0 <= x < span and x % lhs_dilate == 0
+    return hits
+
+
 def _conv_flops(type_text, operands, attrs, shapes) -> float:
-    """2 x output elements x the kernel's elements per output feature (its spatial extent
-    times its input features per group): the kernel's `o` dim from `dim_labels`."""
+    """2 x the multiply-adds on real values: per output element, the kernel's input features
+    per group (its `i` dim, `dim_labels`) times the window taps that land on real input
+    (`_real_taps`, each spatial dim)."""
     out = _first_array(type_text)
     shp = _operand_shapes(operands, shapes)
-    labels = _LABELS.search(attrs)
-    if out is None or len(shp) < 2 or shp[1] is None or labels is None:
+    labels = re.search(r"dim_labels=([^_\s]+)_([^-\s]+)->(\S+?)[,\s]", attrs + " ")
+    if out is None or len(shp) < 2 or shp[0] is None or shp[1] is None or labels is None:
         return 0.0
-    kernel = shp[1]
-    o = labels.group(1).index("o")
-    return 2.0 * math.prod(out) * math.prod(kernel) / max(kernel[o], 1)
+    lhs_l, rhs_l, out_l = labels.groups()
+    lhs, kernel = shp
+    w = _window_fields(attrs)
+    spatial = sorted(c for c in lhs_l if c.isdigit())
+    # Per output element of the non-spatial dims: the input features times the real taps.
+    macs = math.prod(out[out_l.index(c)] for c in out_l if not c.isdigit()) \
+        * kernel[rhs_l.index("i")]
+    for d, c in enumerate(spatial):
+        def field(name, default, d=d):
+            return int(w[name][d]) if name in w and d < len(w[name]) else default
+
+        lo = int(w["pad"][d].split("_")[0]) if "pad" in w and d < len(w["pad"]) else 0
+        macs *= _real_taps(lhs[lhs_l.index(c)], out[out_l.index(c)], kernel[rhs_l.index(c)],
+                           field("stride", 1), lo, field("lhs_dilate", 1),
+                           field("rhs_dilate", 1))
+    return 2.0 * macs
 
 
 def _custom_flops(type_text, operands, attrs, shapes) -> float | None:
@@ -156,7 +260,7 @@ def _custom_flops(type_text, operands, attrs, shapes) -> float | None:
 
 def hlo_flops(hlo_text: str) -> HloCount:
     """The program's FLOPs by the rules above (module docstring)."""
-    comps, entry = _parse(hlo_text)
+    comps, entry, defs = _parse(hlo_text)
     count = HloCount()
     memo: dict[str, float] = {}
 
@@ -181,10 +285,12 @@ def hlo_flops(hlo_text: str) -> HloCount:
             if op == "while":
                 called = dict(re.findall(r"\b(body|condition)=%?([\w.\-]+)", attrs))
                 trips = _TRIPS.search(attrs)
+                n = int(trips.group(1)) if trips else _trip_count(
+                    defs, name, _names(operands)[0], called.get("condition", ""))
                 count.loops += 1
-                if trips is None:
+                if n is None:
                     count.unknown_trip_loops += 1
-                n = int(trips.group(1)) if trips else 1
+                    n = 1
                 flops += n * sum(total(c, stack + (name,)) for c in called.values())
                 continue
             branches = _BRANCHES.search(attrs)
