@@ -24,16 +24,24 @@ class Chip:
     onchip_bytes: int          # VMEM (TPU) or shared memory per block (GPU)
     scoped_default_bytes: int  # TPU scoped-VMEM default per kernel; 0 on GPU
     fp8_matmul: bool           # native FP8 dot on the matrix units
+    # Public figures per device (sources in docs/infrastructure.md); 0 where not recorded.
+    bf16_tflops: float = 0.0   # dense bf16 peak
+    devices_per_node: int = 0  # devices of one host / node (what "two nodes" doubles)
+    scale_up_gbps: float = 0.0   # inbound per device inside a slice / node: ICI, NVLink
+    scale_out_gbps: float = 0.0  # inbound per device between nodes: DCN, InfiniBand NIC
 
 
 CHIPS: dict[str, Chip] = {c.name: c for c in (
     Chip("v4", "tpu", int(15.25 * GiB), 16 * MiB, 16 * MiB, False),
     Chip("v5e", "tpu", int(15.75 * GiB), 128 * MiB, 16 * MiB, False),
-    Chip("v5p", "tpu", int(95.74 * GiB), 64 * MiB, 16 * MiB, False),
+    Chip("v5p", "tpu", int(95.74 * GiB), 64 * MiB, 16 * MiB, False, bf16_tflops=459.0,
+         devices_per_node=4, scale_up_gbps=4800.0, scale_out_gbps=50.0),
     Chip("v6e", "tpu", int(31.25 * GiB), 128 * MiB, 32 * MiB, False),
     Chip("a100", "cuda", 40960 * MiB, 163 * KiB, 0, False),
-    Chip("h100", "cuda", 81559 * MiB, 227 * KiB, 0, True),
-    Chip("h200", "cuda", 143771 * MiB, 227 * KiB, 0, True),
+    Chip("h100", "cuda", 81559 * MiB, 227 * KiB, 0, True, bf16_tflops=989.0,
+         devices_per_node=8, scale_up_gbps=3600.0, scale_out_gbps=400.0),
+    Chip("h200", "cuda", 143771 * MiB, 227 * KiB, 0, True, bf16_tflops=989.0,
+         devices_per_node=8, scale_up_gbps=3600.0, scale_out_gbps=400.0),
 )}
 
 

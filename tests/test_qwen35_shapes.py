@@ -39,3 +39,7 @@ def test_real_presets_have_their_names_sizes():
     assert moe.total_params() == pytest.approx(34.66e9, rel=0.01)
     assert moe.active_params() == pytest.approx(3.45e9, rel=0.01)
     assert (dense.linear_layers, moe.linear_layers) == (24, 30)
+    larger = ModelShape.from_model_config(preset("qwen3.5-122b-a10b"))
+    assert larger.total_params() == pytest.approx(122e9, rel=0.01)
+    assert larger.active_params() == pytest.approx(10e9, rel=0.03)
+    assert (larger.n_layers, larger.linear_layers) == (48, 36)

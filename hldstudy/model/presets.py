@@ -2,9 +2,9 @@
 
 Real Gemma 3 shapes (`gemma3-*`), the paper's layouts with a configurable
 vocabulary (`paper-*`, default 32768), Qwen3.5 dense and MoE (`qwen3.5-*`: the
-disaggregated experiment's 9B student and 35B-A3B teacher), and tiny CPU shapes. Presets are
-`ModelConfig` values; override any field with `dataclasses.replace` or
-`--set model.field=value`.
+disaggregated experiment's 9B student and 35B-A3B teacher, and the 122B-A10B), and tiny
+CPU shapes. Presets are `ModelConfig` values; override any field with
+`dataclasses.replace` or `--set model.field=value`.
 """
 
 from __future__ import annotations
@@ -56,6 +56,16 @@ PRESETS["qwen3.5-35b-a3b"] = ModelConfig(
     d_model=2048, n_layers=40, n_heads=16, n_kv_heads=2, d_ff=512, n_experts=256,
     experts_per_token=8, d_expert=512, d_shared_expert=512, router_aux_weight=0.001,
     **_QWEN35_COMMON)
+# Qwen3.5-122B-A10B, the next larger of the family (the decision map's larger pair, teacher of
+# the 35B-A3B): 48 layers (12 gated-attention), d 3072, 32 query / 2 kv heads of 256, 256
+# experts of 1024 (8 routed + 1 shared of 1024), 248,320 vocabulary, as its public
+# config.json is summarised on its model pages (apxml.com/models/qwen35-122b-a10b,
+# awesomeagents.ai/models/qwen-3-5-122b-a10b). Its DeltaNet has 64 value heads (16 key heads
+# of 128): with them the count is 122.1e9 parameters, 9.77e9 active (the name's 122B-A10B);
+# with the 35B's 32 it would be 120.7e9 / 8.40e9.
+PRESETS["qwen3.5-122b-a10b"] = dataclasses.replace(
+    PRESETS["qwen3.5-35b-a3b"], d_model=3072, n_layers=48, n_heads=32, n_kv_heads=2,
+    d_ff=1024, d_expert=1024, d_shared_expert=1024, linear_v_heads=64)
 # Tiny CPU Qwen3.5 pair (a student and an MoE teacher sharing a vocabulary).
 _QWEN35_TINY = dict(
     family=QWEN3_5.name, vocab_size=512, n_heads=4, n_kv_heads=2, head_dim=16, rotary_fraction=0.25,
