@@ -1,9 +1,22 @@
 """The train mesh's axis names and those that shard the batch.
 
-A leaf module (no hldstudy imports) so that the losses, which partition themselves
-over the batch, and sharding.py, which builds the mesh, read one definition without
-an import cycle (sharding -> config -> distill -> losses).
+A leaf module (no hldstudy imports) so that the losses and the MoE, which partition
+themselves over the batch, and sharding.py, which builds the mesh, read one definition
+without an import cycle (sharding -> config -> distill -> losses).
 """
+
+import jax
 
 MESH_AXES = ("data", "fsdp", "expert")
 BATCH_AXES = MESH_AXES
+
+
+def traced_batch_axes():
+    """(mesh, axes): the abstract mesh being traced under and those of its BATCH_AXES that
+    split the batch there (size > 1, not already manual); (None, ()) when nothing does."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return None, ()
+    axes = tuple(a for a in BATCH_AXES
+                 if a in mesh.axis_names and mesh.shape[a] > 1 and a not in mesh.manual_axes)
+    return (mesh, axes) if axes else (None, ())

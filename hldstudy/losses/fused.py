@@ -32,7 +32,7 @@ from hldstudy.losses.kd_chunks import (
     temperature_is_one,
     update_stats,
 )
-from hldstudy.mesh_axes import BATCH_AXES
+from hldstudy.mesh_axes import traced_batch_axes
 from hldstudy.numerics import softcap
 
 log = logging.getLogger("hldstudy.losses")
@@ -410,11 +410,7 @@ def _batch_partition(n_tokens: int):
     (sharding.BATCH_AXES, size > 1, not already manual), or (None, ()) when the loss
     runs whole. The tokens are flattened batch-major, so sharding the rows over these
     axes keeps each device's own examples (no communication)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
-        return None, ()
-    axes = tuple(a for a in BATCH_AXES
-                 if a in mesh.axis_names and mesh.shape[a] > 1 and a not in mesh.manual_axes)
+    mesh, axes = traced_batch_axes()
     size = _axes_size(mesh, axes)
     if size <= 1:
         return None, ()

@@ -12,9 +12,12 @@ import math
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from hldstudy.chips import traced_target
 from hldstudy.config import ModelConfig, moe_dispatch_for
+from hldstudy.mesh_axes import traced_batch_axes
 from hldstudy.model.layers import _init_normal
 from hldstudy.sharding import expert_dim_metadata
 
@@ -95,6 +98,19 @@ def capacity_swiglu(x_MxD, experts_MxK, gate_ExDxF, up_ExDxF, down_ExFxD, capaci
     return out.reshape(m, k, d), jnp.mean(dropped_MxK, axis=1)
 
 
+def _on_batch_shards(x):
+    """`x` (batch leading) held split by the batch where the mesh traced under splits it:
+    each device then runs its own sequences' expert buffers against gathered weights. Left
+    to itself XLA may keep the weights sharded and gather every sequence's buffers instead
+    (the 35B-A3B replica over 8 H100s: the [E, C, F] products of all 8 sequences on every
+    device, 7.5 GiB)."""
+    mesh, axes = traced_batch_axes()
+    size = math.prod(mesh.shape[a] for a in axes) if axes else 1
+    if size <= 1 or x.shape[0] % size:
+        return x
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(axes)))
+
+
 def resolve_dispatch(dispatch: str) -> str:
     """`model.moe_dispatch` for the backend being traced for (`chips.traced_target`;
     `config.moe_dispatch_for` says what auto means there)."""
@@ -140,9 +156,10 @@ class MoE(nnx.Module):
             # no sort or buffer spans the global batch.
             capacity = expert_capacity(t * self.k, self.gate.shape[0], self.capacity_factor)
             per_row = jax.vmap(capacity_swiglu, in_axes=(0, 0, None, None, None, None))
-            routed, dropped_BxT = per_row(x_MxD.reshape(b, t, d), experts.reshape(b, t, -1),
+            routed, dropped_BxT = per_row(_on_batch_shards(x_MxD.reshape(b, t, d)),
+                                          _on_batch_shards(experts.reshape(b, t, -1)),
                                           *weights_in, capacity)
-            routed = routed.reshape(b * t, self.k, d)
+            routed = _on_batch_shards(routed).reshape(b * t, self.k, d)
             dropped_B = jnp.mean(dropped_BxT, axis=1)
         else:
             routed = grouped_swiglu(x_MxD, experts, *weights_in)
