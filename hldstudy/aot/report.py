@@ -59,6 +59,7 @@ def predicted_train_memory(cfg: Config, teacher_model: ModelConfig | None, metho
         if micro > 1:  # the summed gradient, beside the micro-batch's own
             pred = {**pred, "temp_bytes": pred["temp_bytes"] + grads,
                     "total_bytes": pred["total_bytes"] + grads}
+            grads *= 2  # both sharded like the params (below)
     else:
         pred = cohort_memory(local, teacher_model, cohort, mode=choices.cohort_mode, **kw)
         one = predict_step_memory(local, teacher_model, **kw)
