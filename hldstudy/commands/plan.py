@@ -17,6 +17,7 @@ import sys
 from hldstudy.aot.check import check_grid
 from hldstudy.aot.targets import parse_target
 from hldstudy.cli_common import SWEEPS, find_builtin, warn_long_sequence
+from hldstudy.commands.decision_map import main as decision_map_main
 from hldstudy.errors import ConfigError, RuntimeFault, user_errors
 from hldstudy.model.loading import teacher_model_config
 from hldstudy.plan.layouts import PlanInputs, check_inputs, plan
@@ -215,6 +216,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if any(a == "--sweep" or a.startswith("--sweep=") for a in argv):
         return study_main(argv)
+    if "--decision-map" in argv:
+        return decision_map_main(argv)
     ap = argparse.ArgumentParser(prog="hldstudy plan",
                                  description="Memory / network planner: colocated vs "
                                              "disaggregated teacher.")

@@ -151,19 +151,22 @@ def _layout_memory(p: PlanInputs, tok_step_dev: float, tok_micro: float,
     return colocated, disagg
 
 
-def _teacher_side(p: PlanInputs, n_dev: int) -> dict[str, float]:
-    """Bytes per device of a disaggregated teacher spread over `n_dev` devices."""
+def teacher_side_memory(p: PlanInputs, n_dev: int,
+                        microbatches: int | None = None) -> dict[str, float]:
+    """Bytes per device of a disaggregated teacher spread over `n_dev` devices, its step's
+    forward in `microbatches` pieces (default: the trainer's `grad_accum`)."""
     t, n_streamed = p.teacher, 1 + p.hidden_layers
     tb, cb, sb = dtype_bytes(p.teacher_dtype), dtype_bytes(p.compute_dtype), \
         dtype_bytes(p.stream_dtype)
-    tok_t = p.tokens_per_step / n_dev / p.grad_accum  # one forward's share
+    micro = p.grad_accum if microbatches is None else microbatches
+    tok_t = p.tokens_per_step / n_dev / micro  # one forward's share
     return {
         "teacher_weights": weights_bytes(t, tb, n_dev),
         "teacher_fsdp_gather": fsdp_gather_bytes(t, tb, n_dev),
         "teacher_activations": inference_activation_bytes(t, tok_t, p.seq_len, cb,
                                                           attention=p.attention,
                                                           kept_layers=n_streamed),
-        "send_buffer": tok_t * p.grad_accum * n_streamed * t.d_model * sb,
+        "send_buffer": tok_t * micro * n_streamed * t.d_model * sb,
     }
 
 
@@ -209,10 +212,10 @@ def plan(p: PlanInputs) -> dict:
     limit = p.hbm_gb * GB * p.usable
 
     colocated, disagg = _layout_memory(p, tok_step_dev, tok_micro, vocab)
-    teacher_side = _teacher_side(p, t_dev)
+    teacher_side = teacher_side_memory(p, t_dev)
     # Fewest teacher devices whose memory fits (None if even 4096 do not).
     teacher_devices_for_memory = next(
-        (n for n in range(1, 4097) if sum(_teacher_side(p, n).values()) <= limit), None)
+        (n for n in range(1, 4097) if sum(teacher_side_memory(p, n).values()) <= limit), None)
     flops, colocated_time, disagg_time, teacher_time = _step_flops(p, vocab)
 
     sb = dtype_bytes(p.stream_dtype)

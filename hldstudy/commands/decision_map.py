@@ -1,0 +1,293 @@
+"""`hldstudy plan --decision-map`: the seed's decision map (colocated or disaggregated, per
+pair and target) from the planner, beside what the target's compiler says of the cells it
+compiled.
+
+    hldstudy plan --decision-map --out docs/decision_map.md            # planner + records
+    hldstudy plan --decision-map --compile --out docs/decision_map.md  # + compile the rest
+
+The compiled cells (`COMPILED`) run `python -m hldstudy.aot` in a process each (~15 GiB of
+RAM, minutes per program), kept in `--records` (rewritten atomically after each) by their
+command: a planner change that changes a cell's micro-batches asks for a new compile.
+Design notes: `docs/planner.md`, under `hldstudy/plan/decision_map.py`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from hldstudy.aot.targets import parse_target
+from hldstudy.cli_common import check_output_file
+from hldstudy.errors import InputError, user_errors
+from hldstudy.fileio import write_json_atomic, write_text_atomic
+from hldstudy.plan.decision_map import PAIRS, TARGETS, decision_map, slice_spec
+from hldstudy.plan.presets import plan_model
+
+PROG = "hldstudy plan --decision-map"
+ROOT = Path(__file__).resolve().parents[2]
+RECORDS = "docs/decision_map.json"
+GiB = 2**30
+# The cells compiled (pair's teacher, target): every 35B -> 9B cell on one node of H100 and
+# of v5p, and for the larger pair the v5p cell that decides the seed's claim (the planner:
+# colocated out of memory, disaggregated fits) and H200, where the planner has colocated fit.
+COMPILED = (("qwen3.5-35b-a3b", "h100:8"), ("qwen3.5-35b-a3b", "v5p:2x2x2"),
+            ("qwen3.5-122b-a10b", "v5p:2x2x2"), ("qwen3.5-122b-a10b", "h200:8"))
+
+
+def compile_commands(cell: dict) -> dict[str, list[str]]:
+    """The aot command lines (after `python -m hldstudy.aot`) of a cell's three programs, at
+    the planner's micro-batches: the colocated step, the disaggregated student step, and one
+    replica's forward on its own devices."""
+    base = ["--config", cell["config"], "--json"]
+    dis = cell["disaggregated"]
+    chip = parse_target(cell["target"]).chip
+    return {
+        "colocated": base + ["--target", cell["target"], "--layout", "colocated",
+                             "--parts", "train", "--set",
+                             f"train.microbatches={cell['colocated']['microbatches']}"],
+        "disaggregated": base + ["--target", cell["target"], "--layout", "disaggregated",
+                                 "--parts", "train", "--set",
+                                 f"train.microbatches={dis['microbatches']}"],
+        "replica": base + ["--target", slice_spec(chip, dis["replica_devices"]),
+                           "--layout", "disaggregated", "--parts", "teacher", "--set",
+                           f"teacher.replica_batch={dis['replica_batch']}"],
+    }
+
+
+def _key(args: list[str]) -> str:
+    return " ".join(["python -m hldstudy.aot", *args])
+
+
+def run_compile(args: list[str]) -> dict:
+    """One aot compile in a process of its own: its row's memory and FLOPs, or its error."""
+    t0 = time.perf_counter()
+    out = subprocess.run([sys.executable, "-m", "hldstudy.aot", *args], capture_output=True,
+                         text=True, cwd=ROOT, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    rec = {"command": _key(args), "exit": out.returncode,
+           "seconds": round(time.perf_counter() - t0, 1)}
+    try:
+        (row,) = json.loads(out.stdout.strip().splitlines()[-1])["rows"]
+    except (ValueError, IndexError, KeyError):
+        rec["error"] = (out.stderr.strip().splitlines() or ["?"])[-1][:400]
+        return rec
+    rec.update({k: row[k] for k in ("fits", "device_memory_bytes", "refused", "microbatches",
+                                    "xla_over_model", "planner_over_compiled") if k in row})
+    rec["total_bytes"] = row.get("compiled", {}).get("total_bytes")
+    rec["largest"] = [[g["op"], g["bytes"]] for g in row.get("peak", {}).get("largest", [])[:3]]
+    return rec
+
+
+def _load(path: Path) -> dict[str, dict]:
+    if not path.exists():
+        return {}
+    try:
+        return {r["command"]: r for r in json.loads(path.read_text())["compiled"]}
+    except (ValueError, KeyError, TypeError) as e:
+        raise InputError(f"--records {path} is not a decision map's records ({e}): give "
+                         "another path, or move it away to compile afresh") from None
+
+
+def _most_microbatches(cell: dict) -> int:
+    return cell["tokens_per_step"] // cell["seq_len"] // cell["devices"]
+
+
+def attach(cells: list[dict], records: dict[str, dict]) -> list[tuple[dict, str, list[str]]]:
+    """Each compiled cell's records under cell["compiled"][program] (a list: the compile at
+    the planner's micro-batches, and where that one does not fit, another at one sequence
+    per device: a train step's most micro-batches, a replica's smallest forward; a program
+    is out of memory only when that one is too); the (cell, program, args) still
+    missing."""
+    missing = []
+    for cell in cells:
+        if (cell["pair"].split(" -> ")[0], cell["target"]) not in COMPILED:
+            continue
+        cell["compiled"] = {}
+        for program, args in compile_commands(cell).items():
+            rec = records.get(_key(args))
+            if rec is None:
+                missing.append((cell, program, args))
+                continue
+            cell["compiled"][program] = [rec]
+            if rec.get("fits") or "error" in rec:
+                continue
+            if program == "replica":  # one sequence per replica device
+                least = cell["disaggregated"]["replica_devices"]
+                if cell["disaggregated"]["replica_batch"] == least:
+                    continue
+                more = [a if not a.startswith("teacher.replica_batch=") else
+                        f"teacher.replica_batch={least}" for a in args]
+            else:
+                most = _most_microbatches(cell)
+                if cell[program]["microbatches"] == most:
+                    continue
+                more = [a if not a.startswith("train.microbatches=") else
+                        f"train.microbatches={most}" for a in args]
+            again = records.get(_key(more))
+            if again is None:
+                missing.append((cell, program, more))
+            else:
+                cell["compiled"][program].append(again)
+    return missing
+
+
+def _gib(x) -> str:
+    return "-" if x is None else f"{x / GiB:.1f}"
+
+
+def _compiled_cell(recs: list[dict] | None) -> str:
+    if not recs:
+        return ""
+    out = []
+    for rec in recs:
+        if "error" in rec:
+            out.append("error")
+            continue
+        fits = "fits" if rec.get("fits") else "**OOM**"
+        mb = ""
+        if len(recs) > 1:
+            batch = re.search(r"replica_batch=(\d+)", rec["command"])
+            mb = (f" at {batch.group(1)} seq" if batch else
+                  f" at mb {rec['microbatches']}" if "microbatches" in rec else "")
+        out.append(f"**{_gib(rec.get('total_bytes'))}** ({fits}{mb})")
+    return " / compiled " + "; ".join(out)
+
+
+def format_map(cells: list[dict]) -> str:
+    lines = [
+        "# The decision map: colocated or disaggregated, from the planner and the compiler",
+        "",
+        "Generated by `hldstudy plan --decision-map --compile --out docs/decision_map.md` "
+        "(`hldstudy.commands.decision_map`; cells: `hldstudy.plan.decision_map`). GiB per "
+        "device at the fewest micro-batches (`mb`) that fit 90% of the device (the most, "
+        "when none does); the student trains in bf16 with float32 weights and Adam, remat, "
+        "FSDP over the target's devices, 256 x 4096 tokens per step; the teacher in bf16. "
+        "Disaggregated: the student on the target, the teacher on replicas of their own "
+        "(`k x R`: k replicas of R devices, as many as keep the student busy). Network: "
+        "the stream's need per device (Gbps) against the data-center link "
+        "(`hldstudy.chips`, sources in docs/infrastructure.md). Cells marked *compiled* "
+        "give the compiler's figure beside the planner's (`python -m hldstudy.aot` at the "
+        "same micro-batches; the commands are in docs/decision_map.json); their verdict is "
+        "the compiler's.",
+        "",
+        "| pair | target | colocated (planner) | disaggregated student | replicas | "
+        "replica peak | network need / link | verdict |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for c in cells:
+        col, dis = c["colocated"], c["disaggregated"]
+        comp = c.get("compiled", {})
+        col_cell = (f"{'fits' if col['fits'] else '**OOM**'} {_gib(col['peak_bytes'])} "
+                    f"(mb {col['microbatches']}){_compiled_cell(comp.get('colocated'))}")
+        if not col["fits"]:
+            col_cell += f"; largest: {col['largest'][0][0]} {_gib(col['largest'][0][1])}"
+        dis_cell = (f"{'fits' if dis['student_fits'] else '**OOM**'} "
+                    f"{_gib(dis['peak_bytes'])} (mb {dis['microbatches']})"
+                    f"{_compiled_cell(comp.get('disaggregated'))}")
+        rep_cell = (f"{'fits' if dis['replica_fits'] else '**OOM**'} "
+                    f"{_gib(dis['replica_peak_bytes'])} ({dis['replica_batch']} seq per "
+                    f"forward){_compiled_cell(comp.get('replica'))}")
+        target = c["target"] + (" *compiled*" if comp else "")
+        dis_verdict = "fits" if _fits(c, "disaggregated") else (
+            dis["verdict"] if dis["verdict"] != "fits" else "OOM")
+        verdict = (f"colocated {'fits' if _fits(c, 'colocated') else 'OOM'}, "
+                   f"disaggregated {dis_verdict}" + (" (compiled)" if comp else ""))
+        lines.append(
+            f"| {c['pair']} | {target} | {col_cell} | {dis_cell} | "
+            f"{dis['replicas']} x {dis['replica_devices']} ({dis['devices_total']} devices) | "
+            f"{rep_cell} | {dis['need_gbps']:.2f} / {dis['link_gbps']:g} | {verdict} |")
+    lines += ["", _reading(cells)]
+    return "\n".join(lines) + "\n"
+
+
+def _fits(cell: dict, layout: str) -> bool:
+    """The layout's verdict, the compiler's where it compiled the cell (a train step fits
+    when it fits at some micro-batch count compiled)."""
+    comp = cell.get("compiled", {})
+
+    def compiled(program):
+        recs = [r for r in comp.get(program, []) if "fits" in r]
+        return any(r["fits"] for r in recs) if recs else None
+
+    if layout == "colocated":
+        got = compiled("colocated")
+        return cell["colocated"]["fits"] if got is None else got
+    student, replica = compiled("disaggregated"), compiled("replica")
+    if student is None or replica is None:
+        return cell["disaggregated"]["fits"]
+    return student and replica and cell["disaggregated"]["verdict"] != "network-bound"
+
+
+def _reading(cells: list[dict]) -> str:
+    """The table read against the seed's claim, one line per pair."""
+    out = ["## Against the seed", ""]
+    for pair in PAIRS:
+        mine = [c for c in cells if c["pair"] == pair.name]
+        decisive = [c["target"] for c in mine if not _fits(c, "colocated")
+                    and _fits(c, "disaggregated")]
+        both = [c["target"] for c in mine if _fits(c, "colocated")]
+        out.append(f"- {pair.name}: colocated fits on {', '.join(both) or 'no target'}; "
+                   f"out of memory colocated and fitting disaggregated on "
+                   f"{', '.join(decisive) or 'no target'}.")
+    return "\n".join(out)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog=PROG, description=(
+        "The seed's decision map: colocated or disaggregated per teacher -> student pair and "
+        "target, from the planner, beside the compiler's figures for the cells it compiled."))
+    ap.add_argument("--decision-map", action="store_true", required=True)
+    ap.add_argument("--out", default=None, help="write the markdown here (default: print it)")
+    ap.add_argument("--records", default=RECORDS,
+                    help=f"the compiled cells' records, JSON (default {RECORDS})")
+    ap.add_argument("--compile", action="store_true",
+                    help="compile the marked cells' programs not yet in --records (needs the "
+                         "aot extra; minutes and up to ~15 GiB of RAM each)")
+    ap.add_argument("--json", action="store_true", help="the cells as one JSON list")
+    ap.add_argument("--debug", action="store_true")
+    return ap
+
+
+def main(argv: list[str]) -> int:
+    a = build_parser().parse_args(argv)
+    with user_errors(a.debug, prog=PROG):
+        out = check_output_file(a.out, "--out") if a.out else None
+        records_path = check_output_file(a.records, "--records") if a.compile \
+            else Path(a.records)
+        targets = [(t, parse_target(t).chip, parse_target(t).n_devices) for t in TARGETS]
+        cells = decision_map(PAIRS, targets, shape_of=plan_model)
+        records = _load(records_path)
+        missing = attach(cells, records)
+        done = 0
+        while a.compile and missing:  # a compile that does not fit may ask for one more
+            cell, program, args = missing[0]
+            done += 1
+            print(f"[{done}, {len(missing)} to go] compiling {cell['pair']} on "
+                  f"{cell['target']}: {program} ({args[-1]})", file=sys.stderr, flush=True)
+            rec = run_compile(args)
+            print(f"    {rec.get('seconds')} s: " + (rec.get("error") or (
+                f"{_gib(rec.get('total_bytes'))} GiB per device, "
+                f"{'fits' if rec.get('fits') else 'does not fit'}")), file=sys.stderr, flush=True)
+            records[rec["command"]] = rec
+            write_json_atomic(records_path, {"compiled": list(records.values())})
+            missing = attach(cells, records)
+        if missing:
+            print(f"{PROG}: {len(missing)} marked program(s) not compiled yet (--compile "
+                  "compiles them)", file=sys.stderr)
+        if a.json:
+            print(json.dumps(cells, sort_keys=True))
+            return 0
+        text = format_map(cells)
+        if out is not None:
+            write_text_atomic(out, text)
+            print(f"wrote {out}", file=sys.stderr)
+        else:
+            print(text)
+    return 0
+
+
+__all__ = ["COMPILED", "attach", "compile_commands", "format_map", "main"]

@@ -1,0 +1,164 @@
+"""The seed's decision map from the planner: for a teacher -> student pair on a target (a chip
+and how many of it), whether the colocated step (fused loss) fits, whether the disaggregated
+layout (the student on the target's devices, the teacher on replicas of its own) fits, the
+peak per device of each, and the stream's network need against the link.
+Design notes: `docs/planner.md`, under this file's name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from hldstudy.chips import Chip
+from hldstudy.errors import ConfigError
+from hldstudy.plan.layouts import PlanInputs, plan, teacher_side_memory
+from hldstudy.plan.terms import GB
+from hldstudy.shapes import ModelShape
+
+
+@dataclasses.dataclass(frozen=True)
+class MapPair:
+    teacher: str          # model presets
+    student: str
+    config: str           # the experiment file its compiled cells compile
+    tokens_per_step: int = 1_048_576
+    seq_len: int = 4096
+
+    @property
+    def name(self) -> str:
+        return f"{self.teacher} -> {self.student}"
+
+
+PAIRS = (
+    MapPair("qwen3.5-35b-a3b", "qwen3.5-9b", "experiments/disaggkd_qwen35.py"),
+    MapPair("qwen3.5-122b-a10b", "qwen3.5-35b-a3b", "experiments/disaggkd_qwen35_122b.py"),
+)
+# One node of each (8 GPUs; v5p:2x2x2 is two 4-chip hosts, 8 chips) and twice each.
+TARGETS = ("h100:8", "h200:8", "v5p:2x2x2", "h100:16", "h200:16", "v5p:2x2x4")
+# A replica's devices: powers of two (its micro-batch rows are dealt over them), from one
+# GPU; a TPU replica is a slice of its own, a whole host (v5p: 2x2x1) at the least.
+REPLICA_DEVICES = (1, 2, 4, 8, 16)
+
+
+def replica_device_counts(chip: Chip) -> tuple[int, ...]:
+    if chip.platform == "tpu":
+        return tuple(n for n in REPLICA_DEVICES if n >= chip.devices_per_node)
+    return REPLICA_DEVICES
+
+
+def slice_spec(chip: Chip, n: int) -> str:
+    """The aot target of `n` devices of `chip`: h100:4, v5p:2x2x1 (TPU slices of 4, 8, 16
+    chips as 2x2xN)."""
+    if chip.platform == "tpu":
+        return f"{chip.name}:2x2x{n // 4}"
+    return f"{chip.name}:{n}"
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _largest(breakdown: dict[str, float], top: int = 2) -> list[list]:
+    return [[k, v] for k, v in sorted(breakdown.items(), key=lambda kv: -kv[1])[:top]]
+
+
+def map_cell(teacher: ModelShape, student: ModelShape, chip: Chip, n_devices: int, *,
+             tokens_per_step: int, seq_len: int, usable: float = 0.9,
+             mfu: float = 0.4) -> dict:
+    """One cell: both layouts on `n_devices` of `chip`, as the planner (`plan`) sizes them,
+    each at the fewest micro-batches that fit (the most when none does: its peak then says
+    by how much). The student trains in bf16 with float32 weights and Adam, remat on,
+    flash attention, FSDP over its devices; the replica serves the teacher in bf16 over the
+    fewest devices (`replica_device_counts`) that hold it, as many replicas as keep the student
+    busy. The stream crosses the data-center network: its need per device (the student's
+    inbound, a replica device's outbound) is held against `chip.scale_out_gbps`."""
+    if not (chip.bf16_tflops and chip.scale_out_gbps):
+        raise ConfigError("target", f"{chip.name} has no compute or link figures in "
+                          "hldstudy.chips", "choose a chip with them: h100, h200 or v5p")
+    sequences = tokens_per_step // seq_len
+    if tokens_per_step % seq_len or sequences % n_devices:
+        raise ConfigError("tokens_per_step", f"{tokens_per_step} tokens of {seq_len} do not "
+                          f"split into whole sequences over {n_devices} devices")
+    base = PlanInputs(teacher=teacher, student=student, tokens_per_step=tokens_per_step,
+                      devices=n_devices, hbm_gb=chip.device_memory_bytes / GB,
+                      link_gbps=chip.scale_out_gbps, seq_len=seq_len, remat=True,
+                      tflops=chip.bf16_tflops, mfu=mfu, attention="flash", usable=usable)
+    limit = chip.device_memory_bytes * usable
+    runs = {k: plan(dataclasses.replace(base, grad_accum=k))
+            for k in _divisors(sequences // n_devices)}
+
+    def fewest(layout: str) -> int:
+        return next((k for k, r in runs.items() if r[layout]["bytes_per_device"] <= limit),
+                    max(runs))
+
+    k_col, k_dis = fewest("colocated"), fewest("disaggregated")
+    col, dis = runs[k_col]["colocated"], runs[k_dis]["disaggregated"]
+    replica = _replica(base, sequences, limit, replica_device_counts(chip))
+    # Teacher devices that keep up with the student (the planner's count at one step's
+    # FLOPs), in whole replicas.
+    keep_up = dis["teacher_devices_for_throughput"]
+    r_dev = replica["devices"]
+    replicas = max(1, math.ceil(keep_up / r_dev))
+    teacher_time = dis["teacher_step_time_s"] * n_devices / (replicas * r_dev)
+    step_time = max(dis["student_step_time_s"], teacher_time)
+    hidden = runs[k_dis]["network_bytes_per_step"]["hidden"]
+    need = 8 * hidden / min(n_devices, replicas * r_dev) / step_time / 1e9
+    student_fits = dis["bytes_per_device"] <= limit
+    if not (student_fits and replica["fits"]):
+        verdict = "out of memory"
+    elif need > chip.scale_out_gbps:
+        verdict = "network-bound"
+    else:
+        verdict = "fits"
+    return {
+        "devices": n_devices, "device_memory_bytes": chip.device_memory_bytes,
+        "tokens_per_step": tokens_per_step, "seq_len": seq_len,
+        "limit_bytes": limit, "usable": usable,
+        "colocated": {"fits": col["bytes_per_device"] <= limit, "microbatches": k_col,
+                      "peak_bytes": col["bytes_per_device"],
+                      "largest": _largest(col["breakdown"]),
+                      "step_time_s": col["step_time_s"]},
+        "disaggregated": {
+            "fits": verdict == "fits", "verdict": verdict, "microbatches": k_dis,
+            "peak_bytes": dis["bytes_per_device"], "student_fits": student_fits,
+            "largest": _largest(dis["breakdown"]),
+            "replica_devices": r_dev, "replica_microbatches": replica["microbatches"],
+            "replica_batch": sequences // replica["microbatches"],
+            "replica_peak_bytes": replica["peak_bytes"], "replica_fits": replica["fits"],
+            "replicas": replicas, "devices_total": n_devices + replicas * r_dev,
+            "step_time_s": step_time, "hidden_bytes_per_step": hidden,
+            "need_gbps": need, "link_gbps": chip.scale_out_gbps},
+    }
+
+
+def _replica(base: PlanInputs, sequences: int, limit: float, counts: tuple[int, ...]) -> dict:
+    """The fewest replica devices of `counts` that hold the teacher's forward, at the fewest
+    micro-batches (its step's sequences dealt over the devices); the most devices at the
+    most micro-batches when none does."""
+    last = None
+    for n in counts:
+        if sequences % n:
+            continue
+        for m in _divisors(sequences // n):
+            peak = sum(teacher_side_memory(base, n, m).values())
+            last = {"devices": n, "microbatches": m, "peak_bytes": peak, "fits": peak <= limit}
+            if last["fits"]:
+                return last
+    return last
+
+
+def decision_map(pairs=PAIRS, targets: tuple[tuple[str, Chip, int], ...] = (), *,
+                 shape_of=None, usable: float = 0.9, mfu: float = 0.4) -> list[dict]:
+    """Every (pair, target) cell: `targets` as (spec, chip, devices); `shape_of(preset)` the
+    planner's shape of a model preset (`hldstudy.plan.plan_model`)."""
+    cells = []
+    for pair in pairs:
+        t, s = shape_of(pair.teacher), shape_of(pair.student)
+        for spec, chip, n in targets:
+            cell = map_cell(t, s, chip, n, tokens_per_step=pair.tokens_per_step,
+                            seq_len=pair.seq_len, usable=usable, mfu=mfu)
+            cell.update({"pair": pair.name, "config": pair.config, "target": spec,
+                         "chip": chip.name})
+            cells.append(cell)
+    return cells

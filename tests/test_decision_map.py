@@ -1,0 +1,164 @@
+"""The seed's decision map (`hldstudy plan --decision-map`): each cell is the planner's plan at
+the fewest micro-batches that fit, the replica the fewest devices that hold the teacher, the
+compiled cells' commands carry the planner's choices, records are reused only for the same
+command, and the committed docs/decision_map.md is what the command writes from the
+committed records."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from hldstudy.aot.targets import parse_target
+from hldstudy.chips import CHIPS
+from hldstudy.commands import decision_map as cmd
+from hldstudy.commands.plan import main as plan_main
+from hldstudy.config import load_experiment
+from hldstudy.errors import ConfigError
+from hldstudy.model.presets import preset
+from hldstudy.plan import plan_model
+from hldstudy.plan.decision_map import (
+    PAIRS,
+    TARGETS,
+    decision_map,
+    map_cell,
+    replica_device_counts,
+    slice_spec,
+)
+from hldstudy.plan.layouts import PlanInputs, plan, teacher_side_memory
+
+ROOT = Path(__file__).resolve().parent.parent
+SMALL, LARGE = PAIRS
+
+
+def _cells():
+    targets = [(t, parse_target(t).chip, parse_target(t).n_devices) for t in TARGETS]
+    return decision_map(PAIRS, targets, shape_of=plan_model)
+
+
+def _inputs(pair, chip, n, k):
+    return PlanInputs(teacher=plan_model(pair.teacher), student=plan_model(pair.student),
+                      tokens_per_step=pair.tokens_per_step, devices=n,
+                      hbm_gb=chip.device_memory_bytes / 1e9, link_gbps=chip.scale_out_gbps,
+                      seq_len=pair.seq_len, remat=True, tflops=chip.bf16_tflops,
+                      attention="flash", grad_accum=k)
+
+
+@pytest.mark.parametrize("pair, target", [(SMALL, "h100:8"), (LARGE, "v5p:2x2x2"),
+                                          (LARGE, "h100:8")])
+def test_a_cell_is_the_planners_plan_at_the_fewest_microbatches_that_fit(pair, target):
+    t = parse_target(target)
+    cell = map_cell(plan_model(pair.teacher), plan_model(pair.student), t.chip, t.n_devices,
+                    tokens_per_step=pair.tokens_per_step, seq_len=pair.seq_len)
+    limit = t.chip.device_memory_bytes * 0.9
+    for layout in ("colocated", "disaggregated"):
+        k = cell[layout]["microbatches"]
+        at_k = plan(_inputs(pair, t.chip, t.n_devices, k))[layout]["bytes_per_device"]
+        assert cell[layout]["peak_bytes"] == at_k
+        fewer = [d for d in range(1, k) if k % d == 0 or (256 // t.n_devices) % d == 0]
+        if at_k <= limit:  # fewer micro-batches than chosen would not fit
+            assert all(plan(_inputs(pair, t.chip, t.n_devices, d))[layout][
+                "bytes_per_device"] > limit for d in fewer if (256 // t.n_devices) % d == 0)
+        else:  # none fits: the most micro-batches (one sequence per device)
+            assert k == 256 // t.n_devices
+    dis = cell["disaggregated"]
+    r, m = dis["replica_devices"], dis["replica_microbatches"]
+    base = _inputs(pair, t.chip, t.n_devices, 1)
+    assert dis["replica_peak_bytes"] == sum(teacher_side_memory(base, r, m).values())
+    assert dis["replica_batch"] * m == 256 and r in replica_device_counts(t.chip)
+    smaller = [n for n in replica_device_counts(t.chip) if n < r]
+    assert all(sum(teacher_side_memory(base, n, 256 // n).values()) > limit for n in smaller)
+    assert dis["devices_total"] == t.n_devices + dis["replicas"] * r
+
+
+def test_the_map_reads_against_the_seed():
+    """The planner's reading: the 35B-A3B -> 9B pair fits colocated on one node of each;
+    the 122B-A10B -> 35B-A3B pair is out of memory colocated on 8 x H100 and v5p:2x2x2
+    (the 35B student's float32 state and Adam over 8 devices), and fits disaggregated on
+    v5p:2x2x2; both layouts stream well under the link."""
+    cells = {(c["pair"], c["target"]): c for c in _cells()}
+    assert all(cells[(SMALL.name, t)]["colocated"]["fits"] for t in ("h100:8", "v5p:2x2x2"))
+    for t in ("h100:8", "v5p:2x2x2"):
+        assert not cells[(LARGE.name, t)]["colocated"]["fits"]
+    assert cells[(LARGE.name, "v5p:2x2x2")]["disaggregated"]["verdict"] == "fits"
+    assert all(c["disaggregated"]["need_gbps"] < c["disaggregated"]["link_gbps"]
+               for c in cells.values())
+
+
+def test_a_chip_without_link_figures_is_refused_by_name():
+    with pytest.raises(ConfigError, match="target.*v5e has no compute or link figures"):
+        map_cell(plan_model("qwen3.5-35b-a3b"), plan_model("qwen3.5-9b"), CHIPS["v5e"], 8,
+                 tokens_per_step=1 << 20, seq_len=4096)
+
+
+def test_compile_commands_carry_the_planners_choices():
+    cell = next(c for c in _cells() if c["pair"] == LARGE.name and c["target"] == "v5p:2x2x2")
+    cmds = cmd.compile_commands(cell)
+    assert cmds["colocated"][cmds["colocated"].index("--set") + 1] == \
+        f"train.microbatches={cell['colocated']['microbatches']}"
+    assert "disaggregated" in cmds["disaggregated"] and "train" in cmds["disaggregated"]
+    rep = cmds["replica"]
+    assert rep[rep.index("--target") + 1] == slice_spec(CHIPS["v5p"],
+                                                       cell["disaggregated"]["replica_devices"])
+    assert f"teacher.replica_batch={cell['disaggregated']['replica_batch']}" in rep
+    assert slice_spec(CHIPS["v5p"], 8) == "v5p:2x2x2" and slice_spec(CHIPS["h100"], 2) == "h100:2"
+    assert replica_device_counts(CHIPS["v5p"]) == (4, 8, 16)
+
+
+def test_records_are_reused_only_for_the_same_command():
+    cells = _cells()
+    cell = next(c for c in cells if c["pair"] == SMALL.name and c["target"] == "h100:8")
+    args = cmd.compile_commands(cell)["colocated"]
+    rec = {"command": cmd._key(args), "fits": True, "total_bytes": 50 * 2**30}
+    stale = dict(rec, command=rec["command"].replace("train.microbatches=", "train.microbatches=9"))
+    missing = cmd.attach(cells, {rec["command"]: rec, stale["command"]: stale})
+    assert cell["compiled"] == {"colocated": [rec]}
+    assert (cell, "colocated", args) not in missing
+    assert sum(1 for c, _, _ in missing if c is cell) == 2  # disaggregated, replica
+    assert len(missing) == 3 * len(cmd.COMPILED) - 1
+    text = cmd.format_map(cells)
+    assert "h100:8 *compiled*" in text and "compiled **50.0** (fits)" in text
+    # A train step that does not fit at the planner's micro-batches is compiled again at the
+    # most (one sequence per device); it is out of memory only if that one is too.
+    oom = dict(rec, fits=False)
+    missing = cmd.attach(cells, {rec["command"]: oom})
+    again = [a for c, p, a in missing if c is cell and p == "colocated"]
+    assert again and "train.microbatches=32" in again[0]
+    assert "colocated OOM" in cmd.format_map(cells).split(cell["target"] + " *compiled*")[1] \
+        .splitlines()[0]
+    missing = cmd.attach(cells, {rec["command"]: oom, cmd._key(again[0]): dict(
+        rec, command=cmd._key(again[0]), microbatches=32)})
+    assert cmd._fits(cell, "colocated") and len(cell["compiled"]["colocated"]) == 2
+
+
+def test_the_committed_map_is_what_the_command_writes(tmp_path, capsys):
+    out = tmp_path / "map.md"
+    assert plan_main(["--decision-map", "--out", str(out),
+                      "--records", str(ROOT / cmd.RECORDS)]) == 0
+    assert out.read_text() == (ROOT / "docs" / "decision_map.md").read_text()
+    records = json.loads((ROOT / cmd.RECORDS).read_text())["compiled"]
+    assert "not compiled yet" not in capsys.readouterr().err  # every marked cell compiled
+    assert all("error" not in r for r in records)
+
+
+@pytest.mark.parametrize("flag", ["--out", "--records"])
+def test_bad_paths_are_one_line(tmp_path, capsys, flag):
+    blocker = tmp_path / "file"
+    blocker.write_text("{not json")
+    bad = str(blocker / "map.md") if flag == "--out" else str(blocker)
+    with pytest.raises(SystemExit) as exit_:
+        plan_main(["--decision-map", flag, bad])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and flag in err[0]
+
+
+def test_the_pair_presets_are_the_experiment_files_models():
+    for pair in PAIRS:
+        cfg = load_experiment(ROOT / pair.config)
+        assert cfg.teacher.preset == pair.teacher
+        assert cfg.model == preset(pair.student, dtype="bfloat16", remat=True,
+                                   scan_layers=True)
+        assert cfg.data.batch_size * cfg.data.seq_len == pair.tokens_per_step
