@@ -54,7 +54,8 @@ def markdown(records: list[dict], load: float) -> str:
              f"`{CONFIG}`, `--parts teacher` (Qwen3.5-35B-A3B in bf16, 256 x 4096 tokens "
              "on one device), per run `--set teacher.moe_dispatch=D --target T` "
              f"(`benchmarks/aot_moe.py`; load average at start {load}). FLOPs per call: the "
-             "XLA count (TPU: cost analysis; GPU: counted from the optimized HLO) against "
+             "XLA count (counted from the optimized HLO, the replica's micro-batch loop "
+             "times its trips: `xla_flops_from: hlo` on every target) against "
              "the FLOP model's active experts (top-k + shared). GiB per device.", "",
              "| target | dispatch | XLA FLOPs | model FLOPs | XLA / model | temporaries | "
              "total | device | fits | largest at the peak |",
