@@ -162,3 +162,31 @@ def test_the_pair_presets_are_the_experiment_files_models():
         assert cfg.model == preset(pair.student, dtype="bfloat16", remat=True,
                                    scan_layers=True)
         assert cfg.data.batch_size * cfg.data.seq_len == pair.tokens_per_step
+
+
+def test_a_failed_compile_is_not_recorded_and_ends_in_one_line(tmp_path, capsys, monkeypatch):
+    """A compile that fails (the extra missing, the process killed) is reported, the others
+    go on, nothing of it is kept in the records (so the next --compile tries it again), and
+    the command ends in one line, exit 3."""
+    records = tmp_path / "records.json"
+    calls = []
+
+    def fake_compile(args):  # a test double: the real one runs python -m hldstudy.aot
+        calls.append(args)
+        if len(calls) == 1:
+            return {"command": cmd._key(args), "exit": 1, "seconds": 0.1, "error": "killed"}
+        return {"command": cmd._key(args), "exit": 0, "seconds": 0.1, "fits": True,
+                "total_bytes": 2**30, "largest": []}
+
+    monkeypatch.setattr(cmd, "run_compile", fake_compile)
+    monkeypatch.setattr(cmd, "check_installed", lambda target: None)
+    with pytest.raises(SystemExit) as exit_:
+        plan_main(["--decision-map", "--compile", "--records", str(records),
+                   "--out", str(tmp_path / "map.md")])
+    assert exit_.value.code == 3
+    kept = json.loads(records.read_text())["compiled"]
+    assert len(kept) == len(calls) - 1 == 3 * len(cmd.COMPILED) - 1
+    assert cmd._key(calls[0]) not in {r["command"] for r in kept}
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("hldstudy plan --decision-map: error: 1 compile(s) failed")
+    assert (tmp_path / "map.md").exists()

@@ -7,8 +7,8 @@ compiled.
 
 The compiled cells (`COMPILED`) run `python -m hldstudy.aot` in a process each (~15 GiB of
 RAM, minutes per program), kept in `--records` (rewritten atomically after each) by their
-command: a planner change that changes a cell's micro-batches asks for a new compile.
-Design notes: `docs/planner.md`, under `hldstudy/plan/decision_map.py`."""
+command: a planner change that moves a cell's micro-batches asks for a new compile; a
+failed compile is not kept (exit 3). Notes: `docs/planner.md`, `plan/decision_map.py`."""
 
 from __future__ import annotations
 
@@ -21,9 +21,9 @@ import sys
 import time
 from pathlib import Path
 
-from hldstudy.aot.targets import parse_target
+from hldstudy.aot.targets import check_installed, parse_target
 from hldstudy.cli_common import check_output_file
-from hldstudy.errors import InputError, user_errors
+from hldstudy.errors import InputError, RuntimeFault, user_errors
 from hldstudy.fileio import write_json_atomic, write_text_atomic
 from hldstudy.plan.decision_map import PAIRS, TARGETS, decision_map, slice_spec
 from hldstudy.plan.presets import plan_model
@@ -287,16 +287,25 @@ def main(argv: list[str]) -> int:
         cells = decision_map(PAIRS, targets, shape_of=plan_model)
         records = _load(records_path)
         missing = attach(cells, records)
-        done = 0
-        while a.compile and missing:  # a compile that does not fit may ask for one more
-            cell, program, args = missing[0]
+        if a.compile and missing:  # the compiler's extra, checked before minutes of work
+            for spec in sorted({args[args.index("--target") + 1] for _, _, args in missing}):
+                check_installed(parse_target(spec))
+        done, failed = 0, []
+        while a.compile:  # a compile that does not fit may ask for one more
+            todo = [m for m in missing if _key(m[2]) not in failed]
+            if not todo:
+                break
+            cell, program, args = todo[0]
             done += 1
-            print(f"[{done}, {len(missing)} to go] compiling {cell['pair']} on "
+            print(f"[{done}, {len(todo)} to go] compiling {cell['pair']} on "
                   f"{cell['target']}: {program} ({args[-1]})", file=sys.stderr, flush=True)
             rec = run_compile(args)
             print(f"    {rec.get('seconds')} s: " + (rec.get("error") or (
                 f"{_gib(rec.get('total_bytes'))} GiB per device, "
                 f"{'fits' if rec.get('fits') else 'does not fit'}")), file=sys.stderr, flush=True)
+            if "error" in rec:  # not kept: a failed compile is tried again next time
+                failed.append(rec["command"])
+                continue
             records[rec["command"]] = rec
             write_json_atomic(records_path, {"compiled": list(records.values())})
             missing = attach(cells, records)
@@ -305,13 +314,14 @@ def main(argv: list[str]) -> int:
                   "compiles them)", file=sys.stderr)
         if a.json:
             print(json.dumps(cells, sort_keys=True))
-            return 0
-        text = format_map(cells)
-        if out is not None:
-            write_text_atomic(out, text)
+        elif out is not None:
+            write_text_atomic(out, format_map(cells))
             print(f"wrote {out}", file=sys.stderr)
         else:
-            print(text)
+            print(format_map(cells))
+        if failed:
+            raise RuntimeFault(f"{len(failed)} compile(s) failed and were not recorded; the "
+                               f"first: {failed[0]}")
     return 0
 
 
