@@ -298,3 +298,27 @@ def test_a_replica_steps_down_to_the_micro_batch_its_compiler_fits(teacher_dir, 
           f"{b // micro2} x {micro2}")
     whole.cleanup()
     small.cleanup()
+
+
+def test_a_gpu_replica_over_devices_holds_its_weights_twice_when_it_loops(monkeypatch):
+    """XLA GPU copies a sharded replica's weights into its micro-batch loop (the 35B-A3B over
+    8 H100s: a 7.7 GiB "while" value beside 7.95 GiB of weights per device): the planner adds
+    each device's weight share on GPU where there is a loop (micro-batch < batch) and the
+    replica spans devices; nothing on one micro-batch, on one device, for libtpu or XLA CPU."""
+    import hldstudy.teacher.microbatch as mb
+    from hldstudy.plan.compilers import COMPILERS
+
+    t = preset("qwen3.5-35b-a3b", attention="chunked")
+
+    def temp(backend, micro, shards=8):
+        return replica_forward_memory(t, 256, micro, 4096, layers=(), head=True,
+                                      dtype="bfloat16", backend=backend, shards=shards)
+
+    with_copy = {(b, m, n): temp(b, m, n) for b in ("gpu", "tpu", "cpu")
+                 for m in (128, 256) for n in (1, 8)}
+    monkeypatch.setattr(mb, "peak_habits", lambda name: dataclasses.replace(
+        COMPILERS[name], sharded_loop_weight_copy=0.0))
+    for (backend, micro, shards), got in with_copy.items():
+        extra = got["temp_bytes"] - temp(backend, micro, shards)["temp_bytes"]
+        copies = backend == "gpu" and micro < 256 and shards > 1
+        assert extra == pytest.approx(got["argument_bytes"] if copies else 0.0)

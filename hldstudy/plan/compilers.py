@@ -33,12 +33,18 @@ class PeakHabits:
     # `predict_teacher_forward_memory`); not the colocated one above, which the train
     # step's backward overlaps.
     replica_forward_share: float
+    # Share of a sharded replica's weights (each device's share) copied into its micro-batch
+    # loop: XLA GPU holds a "while" value that size beside the arguments (the 35B-A3B over 8
+    # H100s: 7.7 of 7.95 GiB; the 122B-A10B over 4 H200s: 55.3 of 58.0 at 8 micro-batches,
+    # 37.3 at 64); XLA CPU and libtpu do not (a v5p host's 122B replica: none).
+    sharded_loop_weight_copy: float = 0.0
 
 
 CPU = PeakHabits("cpu", grads_beside_activations=True, vmap_activation_extra=0.25,
                  teacher_forward_share=1.0, teacher_live_copies=TEACHER_LIVE_COPIES,
                  replica_forward_share=0.15)
-GPU = dataclasses.replace(CPU, name="gpu", replica_forward_share=0.30)
+GPU = dataclasses.replace(CPU, name="gpu", replica_forward_share=0.30,
+                          sharded_loop_weight_copy=1.0)
 TPU = PeakHabits("tpu", grads_beside_activations=False, vmap_activation_extra=0.0,
                  teacher_forward_share=0.22, teacher_live_copies=0,
                  replica_forward_share=0.55)

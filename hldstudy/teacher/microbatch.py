@@ -14,7 +14,7 @@ from hldstudy.config import ModelConfig
 from hldstudy.errors import ConfigError
 from hldstudy.mesh_axes import MESH_AXES
 from hldstudy.model.attention import resolve_implementation
-from hldstudy.plan import predict_teacher_forward_memory, xla_memory
+from hldstudy.plan import peak_habits, predict_teacher_forward_memory, xla_memory
 
 
 def replica_devices(requested: int, devices) -> list:
@@ -97,9 +97,12 @@ def replica_forward_memory(teacher_model: ModelConfig, batch_size: int, micro: i
     out = dict(whole, temp_bytes=one["temp_bytes"])
     if shards > 1:
         layer = whole["argument_bytes"] / max(teacher_model.n_layers, 1)  # one layer gathered
+        # A compiler that copies the sharded weights into the micro-batch loop (XLA GPU).
+        copy = peak_habits(backend).sharded_loop_weight_copy if micro < batch_size else 0.0
         out.update(argument_bytes=whole["argument_bytes"] / shards,
                    output_bytes=whole["output_bytes"] / shards,
-                   temp_bytes=one["temp_bytes"] + layer)
+                   temp_bytes=one["temp_bytes"] + layer
+                   + copy * whole["argument_bytes"] / shards)
     out["total_bytes"] = out["argument_bytes"] + out["output_bytes"] + out["temp_bytes"]
     return out
 
