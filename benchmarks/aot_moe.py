@@ -19,8 +19,7 @@ import json
 import os
 from pathlib import Path
 
-from aot_runs import run_aot
-
+from hldstudy.aot.process import run_aot
 from hldstudy.fileio import write_json_atomic, write_text_atomic
 
 ROOT = Path(__file__).resolve().parent.parent

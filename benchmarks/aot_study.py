@@ -16,7 +16,7 @@ import argparse
 import json
 from pathlib import Path
 
-from aot_runs import run_aot
+from hldstudy.aot.process import run_aot
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "benchmarks" / "results"

@@ -5,6 +5,8 @@ themselves over the batch, and sharding.py, which builds the mesh, read one defi
 without an import cycle (sharding -> config -> distill -> losses).
 """
 
+import math
+
 import jax
 
 MESH_AXES = ("data", "fsdp", "expert")
@@ -20,3 +22,8 @@ def traced_batch_axes():
     axes = tuple(a for a in BATCH_AXES
                  if a in mesh.axis_names and mesh.shape[a] > 1 and a not in mesh.manual_axes)
     return (mesh, axes) if axes else (None, ())
+
+
+def axes_size(mesh, axes) -> int:
+    """Devices the batch is split over along `axes` of `mesh` (1 for none)."""
+    return math.prod(mesh.shape[a] for a in axes) if axes else 1

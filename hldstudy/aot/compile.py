@@ -192,7 +192,6 @@ def _compile(name, kind, method, stage, jitted, args, mesh) -> CompiledStep:
             compiled = jitted.trace(*args).lower().compile(
                 {"xla_dump_to": dump.name, **DUMP_OPTIONS})
     except Exception as e:  # noqa: BLE001 - the target compiler's refusals are its own types
-        jax.config.update("jax_enable_compilation_cache", cached)
         dump.cleanup()
         text = str(e)
         first = next((ln.strip() for ln in text.splitlines() if ln.strip()), type(e).__name__)
@@ -207,7 +206,8 @@ def _compile(name, kind, method, stage, jitted, args, mesh) -> CompiledStep:
                     "--set distill.fused_backend=xla compiles the loss without them)")
         raise RuntimeFault(f"the {name} step does not compile for the target: "
                            f"{type(e).__name__}: {first[:400]}{hint}") from e
-    jax.config.update("jax_enable_compilation_cache", cached)
+    finally:
+        jax.config.update("jax_enable_compilation_cache", cached)
     flops = cost_analysis(compiled).get("flops") if _reports_flops(compiled) else None
     hlo = hlo_flops(compiled.as_text())
     with dump:

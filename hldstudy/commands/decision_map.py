@@ -14,13 +14,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
-import subprocess
 import sys
-import time
 from pathlib import Path
 
+from hldstudy.aot.process import run_aot
 from hldstudy.aot.targets import check_installed, parse_target
 from hldstudy.cli_common import check_output_file
 from hldstudy.errors import InputError, RuntimeFault, user_errors
@@ -29,7 +27,6 @@ from hldstudy.plan.decision_map import PAIRS, TARGETS, decision_map, slice_spec
 from hldstudy.plan.presets import plan_model
 
 PROG = "hldstudy plan --decision-map"
-ROOT = Path(__file__).resolve().parents[2]
 RECORDS = "docs/decision_map.json"
 GiB = 2**30
 # The cells compiled (pair's teacher, target): every 35B -> 9B cell on one node of H100 and
@@ -64,16 +61,14 @@ def _key(args: list[str]) -> str:
 
 
 def run_compile(args: list[str]) -> dict:
-    """One aot compile in a process of its own: its row's memory and FLOPs, or its error."""
-    t0 = time.perf_counter()
-    out = subprocess.run([sys.executable, "-m", "hldstudy.aot", *args], capture_output=True,
-                         text=True, cwd=ROOT, env={**os.environ, "JAX_PLATFORMS": "cpu"})
-    rec = {"command": _key(args), "exit": out.returncode,
-           "seconds": round(time.perf_counter() - t0, 1)}
+    """One aot compile in a process of its own (`run_aot`): its row's memory and FLOPs, or
+    its error, under its command (`_key`)."""
+    run = run_aot(args)
+    rec = {"command": _key(args), "exit": run["exit"], "seconds": run["seconds"]}
     try:
-        (row,) = json.loads(out.stdout.strip().splitlines()[-1])["rows"]
-    except (ValueError, IndexError, KeyError):
-        rec["error"] = (out.stderr.strip().splitlines() or ["?"])[-1][:400]
+        (row,) = run["report"]["rows"]
+    except (KeyError, TypeError, ValueError):
+        rec["error"] = run.get("error", "no single row in the report")
         return rec
     rec.update({k: row[k] for k in ("fits", "device_memory_bytes", "refused", "microbatches",
                                     "xla_over_model", "planner_over_compiled") if k in row})

@@ -3,7 +3,8 @@ analysis cannot count: a compiler that gives none (XLA GPU) and loops (a scanned
 micro-batches, a replica's micro-batch map), whose bodies the cost analysis counts once.
 Counted: dots, convolutions (their taps on real input), cuBLAS GEMM calls and kernels'
 declared costs, in every computation they sit in, a while loop's body times its trip count
-(recorded, or read from its condition); elementwise operations are not. Pure text parsing of `compiled.as_text()`; nothing here compiles.
+(recorded, or read from its condition); elementwise operations are not. Pure text parsing
+of `compiled.as_text()`; nothing here compiles.
 Design notes: `docs/flops.md`, under this file's name.
 """
 

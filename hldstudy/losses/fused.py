@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
 
 import jax
 import jax.numpy as jnp
@@ -32,7 +31,7 @@ from hldstudy.losses.kd_chunks import (
     temperature_is_one,
     update_stats,
 )
-from hldstudy.mesh_axes import traced_batch_axes
+from hldstudy.mesh_axes import axes_size, traced_batch_axes
 from hldstudy.numerics import softcap
 
 log = logging.getLogger("hldstudy.losses")
@@ -364,7 +363,7 @@ def fused_kd_loss(
     else:
         default_rows, default_vocab = CPU_ROW_BLOCK, CPU_VOCAB_BLOCK
     mesh, axes = _batch_partition(h_s.shape[0])
-    n_rows = h_s.shape[0] // _axes_size(mesh, axes)  # rows each shard's loss sees
+    n_rows = h_s.shape[0] // axes_size(mesh, axes)  # rows each shard's loss sees
     row_block = int(row_block or default_rows)
     if backend == "xla":  # no point in windows taller than the input
         row_block = max(1, min(row_block, n_rows))
@@ -401,17 +400,13 @@ def fused_kd_loss(
 # Partitioning over the batch.
 
 
-def _axes_size(mesh, axes) -> int:
-    return math.prod(mesh.shape[a] for a in axes) if axes else 1
-
-
 def _batch_partition(n_tokens: int):
     """(mesh, axes): the mesh being traced under and its axes that shard the batch
     (sharding.BATCH_AXES, size > 1, not already manual), or (None, ()) when the loss
     runs whole. The tokens are flattened batch-major, so sharding the rows over these
     axes keeps each device's own examples (no communication)."""
     mesh, axes = traced_batch_axes()
-    size = _axes_size(mesh, axes)
+    size = axes_size(mesh, axes)
     if size <= 1:
         return None, ()
     if n_tokens % size:

@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 from hldstudy.chips import traced_target
 from hldstudy.config import ModelConfig, moe_dispatch_for
-from hldstudy.mesh_axes import traced_batch_axes
+from hldstudy.mesh_axes import axes_size, traced_batch_axes
 from hldstudy.model.layers import _init_normal
 from hldstudy.sharding import expert_dim_metadata
 
@@ -105,7 +105,7 @@ def _on_batch_shards(x):
     (the 35B-A3B replica over 8 H100s: the [E, C, F] products of all 8 sequences on every
     device, 7.5 GiB)."""
     mesh, axes = traced_batch_axes()
-    size = math.prod(mesh.shape[a] for a in axes) if axes else 1
+    size = axes_size(mesh, axes)
     if size <= 1 or x.shape[0] % size:
         return x
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(axes)))

@@ -1,6 +1,6 @@
-"""`python -m hldstudy.aot ... --json` in a process of its own, for the compile benchmarks
-(aot_study, aot_moe, scan_compile): a full-size compile needs up to ~15 GiB of RAM, which
-a fresh process returns."""
+"""`python -m hldstudy.aot ... --json` in a process of its own, for what compiles many
+full-size programs one after another (the decision map, the compile benchmarks): such a
+compile needs up to ~15 GiB of RAM, which a fresh process returns."""
 
 from __future__ import annotations
 
@@ -11,13 +11,16 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+# Experiment paths (experiments/...) are relative to the repository's root.
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_aot(args: list[str]) -> dict:
     """{"exit", "seconds", "command"} and the JSON report ("report") or the last line the
-    command wrote to stderr ("error")."""
-    cmd = [sys.executable, "-m", "hldstudy.aot", *args, "--json"]
+    command wrote to stderr ("error"). `--json` is added unless `args` has it."""
+    cmd = [sys.executable, "-m", "hldstudy.aot", *args]
+    if "--json" not in args:
+        cmd.append("--json")
     t0 = time.perf_counter()
     out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT,
                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
