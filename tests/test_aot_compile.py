@@ -83,7 +83,9 @@ def test_123m_kd_step_on_v5e_2x4_does_not_fit_and_the_planner_agrees():
 def test_the_study_experiment_fits_v5e_and_h100_with_no_flags(capsys):
     """`--config` and `--target` only: no data path, the teacher's shape from
     teacher.preset, the micro-batches the trainer would pick (v5e: 2, after 1 is refused;
-    H100: 1)."""
+    H100: 1); the student's layers scanned, as the experiment sets them, so that on the
+    GPU the planner's peak is the compiler's (unrolled, XLA GPU holds every layer's
+    recomputation at once: 46.8 GiB against the planner's 28.1)."""
     for target, micro in (("v5e:2x4", 2), ("h100:8", 1)):
         assert aot_main(["--config", C4_KD, "--target", target, "--parts", "train",
                          "--json"]) == 0
@@ -91,6 +93,7 @@ def test_the_study_experiment_fits_v5e_and_h100_with_no_flags(capsys):
         assert row["fits"] and row["microbatches"] == micro, row
         assert row["tokens_per_step"] == row["tokens"] == 256 * 2048
         assert row["compiled"]["total_bytes"] <= 0.95 * row["device_memory_bytes"]
+        assert _within(row, 0.15), row
 
 
 def test_123m_kd_step_on_v5e_2x4_at_two_sequences_per_chip():

@@ -82,13 +82,15 @@ def test_a_c4_single_run_is_a_point_of_its_grid(size, method):
     assert differ <= {"name", "train.progress", "train.steps"}, differ
     assert single.name == f"c4-{size}-{method}" and single.distill.method == method
     assert single.budget.flops == run.config.budget.flops > 0
-    assert single.model == preset(_c4.STUDENTS[size].preset, dtype="bfloat16", remat=True)
+    assert single.model == preset(_c4.STUDENTS[size].preset, dtype="bfloat16", remat=True,
+                                  scan_layers=True)
     assert single.data.batch_size == _c4.STUDENTS[size].batch_size
 
 
 def test_the_teacher_run_pretrains_the_paper_teacher_on_106b_c4_tokens():
     cfg = load_experiment(EXPERIMENTS / "c4_teacher_3p4b.py")
-    assert cfg.model == preset("paper-teacher-3.4b", dtype="bfloat16", remat=True)
+    assert cfg.model == preset("paper-teacher-3.4b", dtype="bfloat16", remat=True,
+                               scan_layers=True)
     assert cfg.data.tfds_name == "c4/en" and cfg.distill.method == "baseline"
     tokens = cfg.train.steps * cfg.data.batch_size * cfg.data.seq_len
     assert math.isclose(tokens, 106e9, rel_tol=1e-4)
