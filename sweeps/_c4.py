@@ -93,10 +93,11 @@ def c4_sweep(size: str) -> Sweep:
     student = STUDENTS[size]
     base = Config(
         name=f"c4-{size}",
-        # Scanned in groups of Gemma 3's pattern (five local layers, one global): on the
-        # CPU the same bits as unrolled; on a GPU the backward then holds one group's
-        # recomputation, not every layer's (XLA GPU hoists an unrolled stack's: the 123M
-        # step needs 46.8 GiB per H100 unrolled, 27.3 scanned).
+        # Scanned in groups of Gemma 3's pattern (five local layers, one global): in
+        # float32 the unrolled stack's bits, in bf16 its gradient to bf16 rounding (as
+        # remat moves it; tests/test_scan_layers.py). On a GPU the backward then holds
+        # one group's recomputation, not most layers' (XLA GPU hoists an unrolled
+        # stack's: the 123M step needs 46.8 GiB per H100 unrolled, 27.3 scanned).
         model=preset(student.preset, dtype="bfloat16", remat=True, scan_layers=True),
         data=_data(student.batch_size),
         train=_train(student.warmup_steps, mesh_fsdp=student.mesh_fsdp),
