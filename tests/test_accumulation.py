@@ -96,6 +96,15 @@ def test_auto_tries_the_fewest_micro_batches_that_split_over_the_devices():
     assert microbatch_candidates(2, 16, 4) == [2]
 
 
+def test_micro_batches_that_do_not_split_over_the_devices_are_refused():
+    """8 sequences over 8 devices in 4 micro-batches: 2 sequences each, so 6 devices would
+    compute rows that are not theirs. Refused, naming the field and the divisors."""
+    with pytest.raises(ConfigError) as e:
+        microbatch_candidates(4, 8, 8)
+    assert e.value.field == "train.microbatches"
+    assert "2 sequences each for 8 devices" in str(e.value) and "divisor of 1" in str(e.value)
+
+
 def test_a_strategy_without_micro_batches_is_named():
     """A method's own strategy whose loss() takes no `whole` is refused for K > 1."""
     strategy, st, graphdefs, params, forward, _, _ = _setup("kd", "main")

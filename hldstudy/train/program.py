@@ -99,10 +99,19 @@ def _merge(x):
 
 def microbatch_candidates(microbatches: int, batch_size: int, n_devices: int) -> list[int]:
     """The micro-batch counts a run may use, fewest first: `microbatches` itself, or
-    (0, auto) every k whose micro-batches split evenly over the devices' rows."""
-    if microbatches:
-        return [microbatches]
+    (0, auto) every k whose micro-batches split evenly over the devices' rows. A count
+    whose micro-batches do not split so is refused: a device left without rows of its own
+    would compute another's (every device ran the whole micro-batch: on 8 v5e chips, 8
+    sequences in 4 micro-batches counted 1.7x the step's FLOPs)."""
     rows = batch_size // n_devices
+    if microbatches:
+        if rows % microbatches:
+            raise ConfigError(
+                "train.microbatches", f"{microbatches} micro-batches of data.batch_size="
+                f"{batch_size} leave {batch_size // microbatches} sequences each for "
+                f"{n_devices} devices, not a whole number per device",
+                f"give a divisor of {rows} (the sequences per device), or 0 (auto)")
+        return [microbatches]
     return [k for k in range(1, rows + 1) if rows % k == 0]
 
 
