@@ -131,6 +131,20 @@ def test_mosaic_loss_compiles_over_a_mesh(capsys):
     assert row["step"] == "train kd" and row["fits"] and row["planner_fits"]
 
 
+def test_splash_attention_trains_over_a_mesh(capsys):
+    """Splash is Mosaic kernels too: it runs per batch shard, so a train step with
+    `model.attention=splash` (the student's; auto picks it on a TPU) compiles over the 8
+    chips of v5e 2x4 (it was refused: 'Mosaic kernels cannot be automatically
+    partitioned')."""
+    assert aot_main(["--config", "tiny_distill", "--teacher-preset", "tiny-teacher",
+                     "--target", "v5e:2x4", "--parts", "train", "--set",
+                     "model.attention=splash", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["choices"]["attention"] == "splash" and r["devices"] == 8
+    (row,) = r["rows"]
+    assert row["fits"], row
+
+
 def test_topology_libtpu_rejects_is_exit_2(capsys):
     with pytest.raises(SystemExit) as e:
         aot_main(["--config", "tiny_distill", "--teacher-preset", "tiny-teacher",

@@ -18,6 +18,7 @@ from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_ma
 from hldstudy.chips import traced_target
 from hldstudy.config import ATTENTIONS
 from hldstudy.errors import ConfigError
+from hldstudy.mesh_axes import axes_size, traced_batch_axes
 from hldstudy.numerics import softcap as softcap_fn
 
 IMPLEMENTATIONS = ATTENTIONS  # the values model.attention may take
@@ -390,16 +391,37 @@ def splash_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, segment_ids_BxT=None, *,
     if why:
         raise ConfigError("model.attention", why, "use model.attention=chunked or auto")
     kernel = _splash_kernel(t, n, window, softcap, interpret)
-    q = q_BxTxNxH.transpose(0, 2, 1, 3)  # [B, N, T, H]: heads major, as splash takes them
-    k = k_BxSxKxH.transpose(0, 2, 1, 3)
-    v = v_BxSxKxH.transpose(0, 2, 1, 3)
-    if segment_ids_BxT is None:
-        out = jax.vmap(kernel)(q, k, v)
-    else:
-        seg = segment_ids_BxT.astype(jnp.int32)
-        out = jax.vmap(lambda q, k, v, s: kernel(q, k, v, splash.SegmentIds(q=s, kv=s)))(
-            q, k, v, seg)
-    return out.transpose(0, 2, 1, 3).astype(q_BxTxNxH.dtype)
+
+    def per_shard(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, seg_BxT):
+        q = q_BxTxNxH.transpose(0, 2, 1, 3)  # [B, N, T, H]: heads major, as splash takes them
+        k = k_BxSxKxH.transpose(0, 2, 1, 3)
+        v = v_BxSxKxH.transpose(0, 2, 1, 3)
+        if seg_BxT is None:
+            out = jax.vmap(kernel)(q, k, v)
+        else:
+            out = jax.vmap(lambda q, k, v, s: kernel(q, k, v, splash.SegmentIds(q=s, kv=s)))(
+                q, k, v, seg_BxT)
+        return out.transpose(0, 2, 1, 3).astype(q_BxTxNxH.dtype)
+
+    seg = None if segment_ids_BxT is None else segment_ids_BxT.astype(jnp.int32)
+    mesh, axes = traced_batch_axes()
+    size = axes_size(mesh, axes)
+    if size <= 1:
+        return per_shard(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, seg)
+    if q_BxTxNxH.shape[0] % size:
+        raise ConfigError("model.attention", f"splash runs per batch shard, and "
+                          f"{q_BxTxNxH.shape[0]} sequences do not split over the {size} "
+                          f"devices of mesh axes {axes}",
+                          "use model.attention=chunked, or a batch the devices divide")
+    # Mosaic kernels are not partitioned by XLA: each device runs splash on its own
+    # sequences (attention never mixes sequences: no communication).
+    rows = jax.sharding.PartitionSpec(axes)
+    args = (q_BxTxNxH, k_BxSxKxH, v_BxSxKxH) + (() if seg is None else (seg,))
+    if mesh.explicit_axes:  # explicit sharding types must already match the specs
+        args = tuple(jax.reshard(x, rows) for x in args)
+    return jax.shard_map(lambda *a: per_shard(*a, *((None,) if seg is None else ())),
+                         mesh=mesh, in_specs=(rows,) * len(args), out_specs=rows,
+                         check_vma=False)(*args)
 
 
 # --------------------------------------------------------------------------- #
