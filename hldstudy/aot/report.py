@@ -14,6 +14,7 @@ chip's device memory (hldstudy.chips); compiler and planner are held to the same
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 
 from hldstudy.aot.compile import Choices, CompiledStep
 from hldstudy.aot.targets import Target
@@ -159,7 +160,8 @@ def step_rows(cfg: Config, teacher_model, target: Target, choices: Choices, step
         if s.hlo is not None:
             row["hlo_flops"] = s.hlo.flops
             if s.hlo.uncounted_kernels:
-                row["hlo_uncounted_kernels"] = list(s.hlo.uncounted_kernels)
+                # {kernel: call sites}: a name per site repeated them by the hundred
+                row["hlo_uncounted_kernels"] = dict(Counter(s.hlo.uncounted_kernels))
             if s.hlo.unknown_trip_loops:  # the TPU compiler records no trip counts
                 row["hlo_unknown_trip_loops"] = s.hlo.unknown_trip_loops
         # XLA's cost analysis where the compiler gives one (TPU) and the program has no
