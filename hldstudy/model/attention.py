@@ -392,7 +392,7 @@ def splash_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, segment_ids_BxT=None, *,
         raise ConfigError("model.attention", why, "use model.attention=chunked or auto")
     kernel = _splash_kernel(t, n, window, softcap, interpret)
 
-    def per_shard(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, seg_BxT):
+    def per_shard(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, seg_BxT=None):
         q = q_BxTxNxH.transpose(0, 2, 1, 3)  # [B, N, T, H]: heads major, as splash takes them
         k = k_BxSxKxH.transpose(0, 2, 1, 3)
         v = v_BxSxKxH.transpose(0, 2, 1, 3)
@@ -419,8 +419,7 @@ def splash_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, segment_ids_BxT=None, *,
     args = (q_BxTxNxH, k_BxSxKxH, v_BxSxKxH) + (() if seg is None else (seg,))
     if mesh.explicit_axes:  # explicit sharding types must already match the specs
         args = tuple(jax.reshard(x, rows) for x in args)
-    return jax.shard_map(lambda *a: per_shard(*a, *((None,) if seg is None else ())),
-                         mesh=mesh, in_specs=(rows,) * len(args), out_specs=rows,
+    return jax.shard_map(per_shard, mesh=mesh, in_specs=(rows,) * len(args), out_specs=rows,
                          check_vma=False)(*args)
 
 
