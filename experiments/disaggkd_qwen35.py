@@ -40,7 +40,10 @@ def get_config() -> Config:
         name="disaggkd-qwen3.5-35b-a3b-to-9b",
         # Scanned in groups of its pattern (three DeltaNet layers, one attention layer):
         # compile time and the backward's live buffers bounded by one group.
-        model=preset(STUDENT_PRESET, dtype="bfloat16", remat=True, scan_layers=True),
+        # Attention by the target's fused kernel (splash on TPU, cuDNN on GPU): a dense
+        # layer holds its 4096 x 4096 scores per head.
+        model=preset(STUDENT_PRESET, dtype="bfloat16", remat=True, scan_layers=True,
+                     attention="auto"),
         data=DataConfig(source="tfds", tfds_name="c4/en", seq_len=SEQ_LEN,
                         batch_size=BATCH_SIZE, add_bos=False),
         train=TrainConfig(steps=STEPS, lr=3e-4, warmup_steps=500, schedule="cosine",
@@ -55,7 +58,8 @@ def get_config() -> Config:
         # its shape, until the checkpoint is given, is its preset's.
         # Each replica over every GPU of its host: the 35B weights (~64 GiB in bf16) split
         # over them, and every micro-batch of the step's sequences too.
-        teacher=TeacherConfig(preset=TEACHER_PRESET, dtype="bfloat16", replica_devices=0),
+        teacher=TeacherConfig(preset=TEACHER_PRESET, dtype="bfloat16", attention="auto",
+                              replica_devices=0),
         budget=BudgetConfig(count_teacher=False),
     )
 

@@ -36,7 +36,9 @@ def get_config() -> Config:
         name="disaggkd-qwen3.5-122b-a10b-to-35b-a3b",
         # Scanned in groups of its pattern; the student's experts by capacity where the
         # target's grouped matmul would expand them densely (model.moe_dispatch auto).
-        model=preset(STUDENT_PRESET, dtype="bfloat16", remat=True, scan_layers=True),
+        # The target's fused attention (splash on TPU, cuDNN on GPU) on both sides.
+        model=preset(STUDENT_PRESET, dtype="bfloat16", remat=True, scan_layers=True,
+                     attention="auto"),
         data=DataConfig(source="tfds", tfds_name="c4/en", seq_len=SEQ_LEN,
                         batch_size=BATCH_SIZE, add_bos=False),
         train=TrainConfig(steps=STEPS, lr=3e-4, warmup_steps=500, schedule="cosine",
@@ -48,7 +50,8 @@ def get_config() -> Config:
         distill=DistillConfig(method="kd", alpha=0.5, temperature=1.0, loss_impl="fused",
                               fused_backend="auto"),
         # 122B in bf16 is ~227 GiB: each replica over every GPU of its host.
-        teacher=TeacherConfig(preset=TEACHER_PRESET, dtype="bfloat16", replica_devices=0),
+        teacher=TeacherConfig(preset=TEACHER_PRESET, dtype="bfloat16", attention="auto",
+                              replica_devices=0),
         budget=BudgetConfig(count_teacher=False),
     )
 

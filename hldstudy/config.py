@@ -512,6 +512,9 @@ class TeacherConfig:
     # capacity drops rows past factor x the even share per expert, and says so each step).
     moe_dispatch: str = knob("auto", domain=MOE_DISPATCHES)
     moe_capacity_factor: float = knob(2.0, domain=POSITIVE)
+    # The attention path of the teacher's forward (model.attention's choices; auto = the
+    # target's fused kernel); None = the checkpoint's own config.
+    attention: str | None = knob(None, domain=ATTENTIONS)
     # Prefetch ring depth for a remote teacher.
     ring_size: int = knob(4, operational=True,
                           domain=Domain(">= 0", note="0 = request each step when it is needed"))

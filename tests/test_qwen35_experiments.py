@@ -23,7 +23,11 @@ NO_DATA = "data.path=/nonexistent/tfds"
 
 def test_disaggkd_pair_is_the_real_qwen35_shapes():
     cfg = load_experiment(DISAGG)
-    assert cfg.model == preset("qwen3.5-9b", dtype="bfloat16", remat=True, scan_layers=True)
+    assert cfg.model == preset("qwen3.5-9b", dtype="bfloat16", remat=True, scan_layers=True,
+                               attention="auto")
+    # Both sides run the target's fused attention: a dense layer of either holds its
+    # 4096 x 4096 scores per head.
+    assert cfg.teacher.attention == "auto" and cfg.teacher.dtype == "bfloat16"
     assert cfg.distill.method == "kd" and cfg.data.seq_len == 4096
     assert cfg.model.vocab_size == preset("qwen3.5-35b-a3b").vocab_size == 248320
 

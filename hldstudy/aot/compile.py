@@ -133,8 +133,11 @@ def resolve_for_target(cfg: Config, teacher_model: ModelConfig | None, target: T
         notes.append(note)
     t_attn = "-"
     if teacher_model is not None:
+        teacher_model = dataclasses.replace(
+            teacher_model, attention=cfg.teacher.attention or teacher_model.attention)
         t_attn, t_note = _attention_for(teacher_model, cfg.data.seq_len, target)
         teacher_model = dataclasses.replace(teacher_model, attention=t_attn)
+        cfg = dataclasses.replace(cfg, teacher=dataclasses.replace(cfg.teacher, attention=t_attn))
         if t_note and t_note not in notes:
             notes.append("teacher " + t_note)
     fused = cfg.distill.fused_backend

@@ -68,13 +68,15 @@ class ParamsFeed:
 
 
 def forward_config(model: ModelConfig, teacher: TeacherConfig) -> ModelConfig:
-    """The shape a teacher's forward runs in: the run's `teacher.dtype` and MoE dispatch
-    (`teacher.moe_dispatch`, `teacher.moe_capacity_factor`), no remat and its layers
+    """The shape a teacher's forward runs in: the run's `teacher.dtype`, attention path
+    (`teacher.attention`, where set) and MoE dispatch (`teacher.moe_dispatch`,
+    `teacher.moe_capacity_factor`), no remat and its layers
     unrolled. No backward runs through it, so neither remat nor a scan bounds anything;
     and a scan stacks the parameters it runs inside the program (hldstudy.model.stack), a
     second copy of the teacher's weights (62.7 GiB for Qwen3.5-35B-A3B in bf16, compiled
     for an H100)."""
     return dataclasses.replace(model, dtype=teacher.dtype, remat=False, scan_layers=False,
+                               attention=teacher.attention or model.attention,
                                moe_dispatch=teacher.moe_dispatch,
                                moe_capacity_factor=teacher.moe_capacity_factor)
 
