@@ -22,6 +22,30 @@ def causal_context(seq_len: int, window: int | None) -> float:
     return (w * (w + 1) / 2 + (t - w) * w) / t
 
 
+def scan_groups(kinds, start: int, stop: int) -> tuple[int, int]:
+    """(period p, number of whole groups) for layers [start, stop) of a stack whose layer i
+    is of kind `kinds[i]` (anything comparable: the model's block graphdefs, the planner's
+    `ModelShape.layer_kind`): p the shortest period of the kinds over the range; (0, 0)
+    where fewer than two groups would run (nothing to gain from a scan)."""
+    n = stop - start
+    for p in range(1, n // 2 + 1):
+        if all(kinds[i] == kinds[i + p] for i in range(start, stop - p)):
+            return p, n // p
+    return 0, 0
+
+
+def scanned_layers(kinds, n_run: int, stops=()) -> int:
+    """How many of layers [0, n_run) run inside a scan (`model.scan_layers`): the stack is
+    cut at each of `stops` (the hidden states a method reads), each range scanned in whole
+    groups of its period, the rest unrolled (hldstudy.model.stack.run_stack)."""
+    scanned, start = 0, 0
+    for stop in sorted({s for s in stops if 0 < s < n_run} | {n_run}):
+        period, groups = scan_groups(kinds, start, stop)
+        scanned += period * groups
+        start = stop
+    return scanned
+
+
 @dataclass(frozen=True)
 class ModelShape:
     """A model's shape as the counts read it: the `ModelConfig` (its fields are this
@@ -135,6 +159,10 @@ class ModelShape:
     def head_params(self) -> int:
         """Parameters of the LM head matrix (the embedding itself when tied)."""
         return self.vocab_size * self.d_model
+
+    def layer_kind(self, i: int) -> tuple[str, int | None]:
+        """What makes block i's traced program its own: its mixer and attention window."""
+        return self.layer_types[i], self.window(i)
 
     def is_linear(self, i: int) -> bool:
         """Whether 0-based layer i is a Gated DeltaNet layer."""

@@ -1,6 +1,8 @@
 """Memory / network planner: hand-computed terms, verdicts, CLI, and XLA's memory analysis."""
 
+import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 
@@ -361,6 +363,33 @@ def test_the_replica_forward_follows_its_compilers_row(compiler, dtype, micro, c
     assert (pred <= device) == (compiled <= device)
 
 
+# The DisaggKD replica as compiled with the target's memory-efficient attention (python -m
+# hldstudy.aot --config experiments/disaggkd_qwen35.py --layout disaggregated --parts
+# teacher --target T [--set teacher.replica_batch=M] --json; the aot extra): Qwen3.5-35B-A3B
+# in bf16 over the target's 8 devices, the step's 256 x 4096 tokens in micro-batches of M
+# sequences. (compiler, attention as compiled, M, compiled total GiB per device.)
+MOE_REPLICA_COMPILES = [
+    ("gpu", "chunked", 128, 34.06),
+    ("gpu", "chunked", 64, 25.22),
+    ("gpu", "chunked", 32, 21.35),
+    ("tpu", "splash", 256, 49.27),
+]
+
+
+@pytest.mark.parametrize("compiler,attention,micro,compiled", MOE_REPLICA_COMPILES)
+def test_the_moe_replica_with_fused_attention_follows_its_compilers_row(compiler, attention,
+                                                                         micro, compiled):
+    """Without [T, T] scores a forward keeps less of a block live on XLA GPU
+    (`replica_forward_share_flash`); the planner's replica over its 8 devices within 10%
+    of the compiler's total at each micro-batch."""
+    from hldstudy.teacher.microbatch import replica_forward_memory
+
+    teacher = dataclasses.replace(preset("qwen3.5-35b-a3b"), attention=attention)
+    pred = replica_forward_memory(teacher, 256, micro, 4096, layers=(), head=True,
+                                  dtype="bfloat16", backend=compiler, shards=8)
+    assert pred["total_bytes"] / 2**30 == pytest.approx(compiled, rel=0.10)
+
+
 def test_the_compilers_rows_own_the_replica_forward_share():
     """One owner: `predict_teacher_forward_memory` reads its compiler's row; the CPU row
     keeps the share fitted on XLA CPU (the MoE teacher cases above), the GPU and TPU
@@ -381,3 +410,50 @@ def test_the_compilers_rows_own_the_replica_forward_share():
         assert preds[c]["temp_bytes"] > preds["cpu"]["temp_bytes"]
     with pytest.raises(ConfigError, match="compiler"):
         predict_teacher_forward_memory(big, 8, 2048, compiler="metal")
+
+
+# libtpu's code generation allocates a scanned stack's saved block inputs a second time
+# (`AllocateBuffer` in the optimized program, one [groups, ...] buffer per layer of the
+# period), read from the XLA dumps of `python -m hldstudy.aot ... --target v5p:2x2x2`:
+# (experiment, micro-batches, the buffers' shapes).
+SCAN_STACK_BUFFERS = [
+    ("experiments/disaggkd_qwen35.py", 4, [(8, 8, 4096, 4096)] * 4),  # 32 layers, period 4
+    ("experiments/c4_123m_kd.py", 1, [(3, 32, 2048, 640)] * 6),  # 18 layers, period 6
+]
+
+
+@pytest.mark.parametrize("experiment,micro,buffers", SCAN_STACK_BUFFERS)
+def test_a_scanned_stacks_saved_buffers_are_the_ones_libtpu_allocates(experiment, micro,
+                                                                      buffers):
+    """`scan_stack` is the bytes of the stacked buffers libtpu allocated (bf16), and the
+    TPU row counts it twice at the end of the backward (live through the backward scan, and
+    the code generation's copy), XLA GPU once (inside the activations, beside the
+    gradients); an unrolled stack has none."""
+    import math
+
+    from hldstudy.aot.report import per_device_config
+    from hldstudy.config import load_experiment
+    from hldstudy.plan import predict_step_memory
+
+    cfg = load_experiment(Path(__file__).resolve().parent.parent / experiment)
+    local = per_device_config(cfg, 8)
+    local = dataclasses.replace(local, data=dataclasses.replace(
+        local.data, batch_size=local.data.batch_size // micro))
+    teacher = preset(cfg.teacher.preset, dtype=cfg.teacher.dtype)
+    layout = "disaggregated" if "disaggkd" in experiment else "colocated"
+    kw = dict(method="kd", layout=layout, attention="flash")
+
+    def predict(compiler, scan):
+        c = dataclasses.replace(local, model=dataclasses.replace(local.model, scan_layers=scan))
+        return predict_step_memory(c, teacher, compiler=compiler, **kw)
+
+    scanned = predict("tpu", True)
+    assert scanned["terms"]["scan_stack"] == sum(2 * math.prod(b) for b in buffers)
+    stack, t = scanned["terms"]["scan_stack"], scanned["terms"]
+    unrolled = predict("tpu", False)
+    assert unrolled["terms"]["scan_stack"] == 0
+    end = t["grads"] + t["block_working"]
+    turn = t["activations"] + t["logits"]
+    assert scanned["temp_bytes"] - unrolled["temp_bytes"] == pytest.approx(
+        max(turn, end + stack) - max(turn, end) + stack)
+    assert predict("gpu", True)["temp_bytes"] == predict("gpu", False)["temp_bytes"]

@@ -46,6 +46,28 @@ def test_the_group_is_the_stacks_repeating_pattern():
     assert scan_groups([nnx.graphdef(b) for b in model.blocks], 0, 26) == (6, 4)
 
 
+@pytest.mark.parametrize("name,n_layers,stops", [
+    ("tiny", 7, ()), ("tiny-qwen", 10, ()), ("tiny-qwen", 10, (3,)), ("tiny-qwen", 11, (9,)),
+    ("gemma3-1b", 26, ()), ("gemma3-1b", 26, (13,))])
+def test_the_planner_reads_the_scanned_layers_from_the_shape(name, n_layers, stops):
+    """The planner has no model: it finds the scanned groups from each layer's kind (mixer,
+    window). Both readings of the stack agree: kinds, and the blocks' traced graphdefs that
+    the model scans by."""
+    from hldstudy.shapes import ModelShape, scanned_layers
+
+    cfg = preset(name, n_layers=n_layers)
+    if name == "gemma3-1b":
+        cfg = dataclasses.replace(cfg, d_model=64, d_ff=64, n_heads=1, head_dim=16,
+                                  vocab_size=64)
+    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    graphdefs = [nnx.graphdef(b) for b in model.blocks]
+    shape = ModelShape.from_model_config(cfg)
+    kinds = [shape.layer_kind(i) for i in range(n_layers)]
+    assert scanned_layers(kinds, n_layers, stops) == scanned_layers(graphdefs, n_layers, stops)
+    for start, stop in ((0, n_layers), (1, n_layers), (0, n_layers // 2)):
+        assert scan_groups(kinds, start, stop) == scan_groups(graphdefs, start, stop)
+
+
 def _objective(model, tokens, layers, max_layer):
     out = model(tokens, hidden_layers=layers, max_layer=max_layer)
     total = sum(jnp.mean(h.astype(jnp.float32) ** 2) for h in out.hidden.values())

@@ -266,7 +266,8 @@ def largest_terms(cfg: Config, teacher_model, row: dict, n_devices: int, choices
     terms = predict_step_memory(local, teacher_model, method=row["method"], stage=row["stage"],
                                 attention=attention, compiler=compiler,
                                 layout=row.get("layout", "colocated"))["terms"]
-    terms.pop("block_working", None)  # a part of "activations", not a buffer of its own
+    for part in ("block_working", "scan_stack"):  # parts of "activations", not buffers
+        terms.pop(part, None)
     k = cohort or 1
     scaled = {n: v * (k if n in ("params", "optimizer", "grads", "activations", "logits")
                       else 1) for n, v in terms.items()}

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from hldstudy.config import REMAT_POLICIES
+from hldstudy.shapes import scan_groups
 
 __all__ = ["REMAT_POLICIES", "remat_policy", "run_stack", "scan_groups"]
 
@@ -33,17 +34,6 @@ def remat_policy(name: str):
     if name == "offload_dots":
         return jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", "pinned_host")
     raise ValueError(f"unknown remat policy {name!r}; expected one of {REMAT_POLICIES}")
-
-
-def scan_groups(graphdefs: Sequence, start: int, stop: int) -> tuple[int, int]:
-    """(period p, number of whole groups) for layers [start, stop): p the shortest period
-    of the blocks' graphdefs over the range; (0, 0) where fewer than two groups would run
-    (nothing to gain from a scan)."""
-    n = stop - start
-    for p in range(1, n // 2 + 1):
-        if all(graphdefs[i] == graphdefs[i + p] for i in range(start, stop - p)):
-            return p, n // p
-    return 0, 0
 
 
 def _call_block(block, x, positions, segment_ids, remat: bool, policy):

@@ -33,21 +33,33 @@ class PeakHabits:
     # `predict_teacher_forward_memory`); not the colocated one above, which the train
     # step's backward overlaps.
     replica_forward_share: float
+    # The same with a memory-efficient attention path (chunked, cuDNN, splash: no [T, T]
+    # scores, the planner's "flash"); None: as with dense attention.
+    replica_forward_share_flash: float | None = None
     # Share of a sharded replica's weights (each device's share) copied into its micro-batch
     # loop: XLA GPU holds a "while" value that size beside the arguments (the 35B-A3B over 8
     # H100s: 7.7 of 7.95 GiB; the 122B-A10B over 4 H200s: 55.3 of 58.0 at 8 micro-batches,
     # 37.3 at 64); XLA CPU and libtpu do not (a v5p host's 122B replica: none).
     sharded_loop_weight_copy: float = 0.0
+    # Copies of a scanned stack's saved buffers (`step_memory.scan_stack_bytes`) allocated
+    # at code generation beside the buffer assignment's: libtpu's `AllocateBuffer` calls
+    # in the optimized program, one [groups, ...] buffer per layer of the period (the 9B
+    # student on v5p: 4 x bf16[8, 8, 4096, 4096]; the 123M on v5p: 6 x bf16[3, 32, 2048,
+    # 640]): counted by `memory_analysis()`, in no live range.
+    scan_stack_codegen_copies: int = 0
 
 
 CPU = PeakHabits("cpu", grads_beside_activations=True, vmap_activation_extra=0.25,
                  teacher_forward_share=1.0, teacher_live_copies=TEACHER_LIVE_COPIES,
                  replica_forward_share=0.15)
+# XLA GPU's replica share with chunked attention: Qwen3.5-35B-A3B in bf16 over 8 H100s
+# (capacity dispatch), micro-batches of 4, 8 and 16 sequences per device (implied 0.17-0.19;
+# dense attention's 0.30 was three score buffers of one micro-batch).
 GPU = dataclasses.replace(CPU, name="gpu", replica_forward_share=0.30,
-                          sharded_loop_weight_copy=1.0)
+                          replica_forward_share_flash=0.18, sharded_loop_weight_copy=1.0)
 TPU = PeakHabits("tpu", grads_beside_activations=False, vmap_activation_extra=0.0,
                  teacher_forward_share=0.22, teacher_live_copies=0,
-                 replica_forward_share=0.55)
+                 replica_forward_share=0.55, scan_stack_codegen_copies=1)
 
 COMPILERS = {h.name: h for h in (CPU, GPU, TPU)}
 

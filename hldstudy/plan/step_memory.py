@@ -26,6 +26,7 @@ from hldstudy.plan.terms import (
     train_activation_bytes,
 )
 from hldstudy.shapes import ModelShape as PlanModel
+from hldstudy.shapes import scan_groups, scanned_layers
 
 
 def predict_step_memory(cfg: Config, teacher_model: ModelConfig | None = None, *,
@@ -84,7 +85,9 @@ def predict_step_memory(cfg: Config, teacher_model: ModelConfig | None = None, *
     block = tok * max((layer_activation_bytes_per_token(s, seq, cb, attention, i)
                        for i in range(bd.student_layers)), default=0.0)
     terms = {"params": params, "optimizer": 2 * trainable, "batch": batch, "grads": trainable,
-             "activations": acts, "logits": logits, "block_working": min(block, acts)}
+             "activations": acts, "logits": logits, "block_working": min(block, acts),
+             "scan_stack": scan_stack_bytes(s, tok, seq, cb, m, bd.student_layers,
+                                            [ls for ls, _ in bd.layer_pairs], attention)}
     argument = state + batch
     temp, overlap = _member_peak(terms, habits)
     working = 0.0
@@ -120,6 +123,29 @@ def predict_step_memory(cfg: Config, teacher_model: ModelConfig | None = None, *
 VMAP_ACT_EXTRA = CPU.vmap_activation_extra
 
 
+def scan_stack_bytes(s: PlanModel, tokens: float, seq_len: int, compute_bytes: int,
+                     m: ModelConfig, n_run: int, stops, attention: str) -> float:
+    """What a scanned stack (`model.scan_layers`) saves for its backward as stacked
+    buffers, [groups, ...] per layer of its period: every scanned block's input under
+    remat, its whole training working set without. Unlike an unrolled stack's, these are
+    freed only when the backward's scan ends. 0 unscanned."""
+    if not m.scan_layers:
+        return 0.0
+    kinds = [s.layer_kind(i) for i in range(n_run)]
+    n = scanned_layers(kinds, n_run, stops)
+    if m.remat:
+        return tokens * n * s.d_model * compute_bytes
+    # Without remat a scanned range saves what each of its blocks would.
+    cut, start, per_token = sorted({x for x in stops if 0 < x < n_run} | {n_run}), 0, 0.0
+    for stop in cut:
+        period, groups = scan_groups(kinds, start, stop)
+        per_token += sum(layer_activation_bytes_per_token(s, seq_len, compute_bytes,
+                                                          attention, i)
+                         for i in range(start, start + period * groups))
+        start = stop
+    return tokens * per_token
+
+
 def _member_peak(terms: dict, habits, vmap_extra: float = 0.0) -> tuple[float, float]:
     """(bytes of one student's step at its peak, the part of it that a colocated teacher's
     forward working set overlaps: it runs before the student's backward).
@@ -127,12 +153,16 @@ def _member_peak(terms: dict, habits, vmap_extra: float = 0.0) -> tuple[float, f
     grads_beside_activations (XLA CPU, GPU): gradients + activations (+ `vmap_extra` of
     them) + logits, of which activations + logits overlap the teacher's forward. TPU: the
     larger of the forward/backward turn (activations + logits) and the end of the backward
-    (gradients + one block's working set); the teacher overlaps all of it."""
+    (gradients + one block's working set + a scanned stack's saved buffers, freed only
+    when its backward ends), plus the copy of those buffers libtpu's code generation
+    allocates (`scan_stack_codegen_copies`); the teacher overlaps all of it."""
     acts = terms["activations"] * (1.0 + vmap_extra)
     turn = acts + terms["logits"]
     if habits.grads_beside_activations:
         return terms["grads"] + turn, terms["activations"] + terms["logits"]
-    peak = max(turn, terms["grads"] + terms["block_working"])
+    stack = terms.get("scan_stack", 0.0) * (1.0 + vmap_extra)
+    peak = max(turn, terms["grads"] + terms["block_working"] + stack)
+    peak += habits.scan_stack_codegen_copies * stack
     return peak, peak
 
 
@@ -226,7 +256,8 @@ def predict_teacher_forward_memory(teacher_model: ModelConfig, batch_size: int, 
         the embedding and the blocks run), the batch (tokens, positions, segment ids, int32).
       output_bytes: the streamed `TeacherOutputs`: each requested layer's hidden states,
         the final hidden states and the head weight when the head is needed.
-      temp_bytes: the forward's working set: the compiler's `replica_forward_share` of the
+      temp_bytes: the forward's working set: the compiler's `replica_forward_share` (with
+        a memory-efficient attention path, `replica_forward_share_flash`) of the
         largest block's training activations plus the kept hidden states; and for an MoE,
         where `ragged_dot` runs dense over all experts (grouped_dense; None: as the
         model's `moe_dispatch` runs under `compiler`, `config.experts_run_dense`) the
@@ -244,7 +275,10 @@ def predict_teacher_forward_memory(teacher_model: ModelConfig, batch_size: int, 
     output = n_out * tok * t.d_model * c + (t.head_params * c if head else 0.0)
     block = max(layer_activation_bytes_per_token(t, seq_len, c, attention, i)
                 for i in range(n_run))
-    share = peak_habits(compiler).replica_forward_share
+    habits = peak_habits(compiler)
+    share = habits.replica_forward_share
+    if attention != "dense" and habits.replica_forward_share_flash is not None:
+        share = habits.replica_forward_share_flash
     temp = tok * (share * block + (1 + n_out) * t.d_model * c)
     if grouped_dense is None:
         grouped_dense = experts_run_dense(teacher_model.moe_dispatch, compiler)
