@@ -111,7 +111,12 @@ def test_records_are_reused_only_for_the_same_command():
     cells = _cells()
     cell = next(c for c in cells if c["pair"] == SMALL.name and c["target"] == "h100:8")
     args = cmd.compile_commands(cell)["colocated"]
-    rec = {"command": cmd._key(args), "fits": True, "total_bytes": 50 * 2**30}
+    rec = {"command": cmd._key(args), "config_sha256": cmd.config_digest(args), "fits": True,
+           "total_bytes": 50 * 2**30}
+    # A record of the experiment file as it was before an edit is not this file's compile.
+    edited = dict(rec, config_sha256="0" * 64)
+    missing = cmd.attach(cells, {rec["command"]: edited})
+    assert cell["compiled"] == {} and (cell, "colocated", args) in missing
     stale = dict(rec, command=rec["command"].replace("train.microbatches=", "train.microbatches=9"))
     missing = cmd.attach(cells, {rec["command"]: rec, stale["command"]: stale})
     assert cell["compiled"] == {"colocated": [rec]}
@@ -160,7 +165,7 @@ def test_the_pair_presets_are_the_experiment_files_models():
         cfg = load_experiment(ROOT / pair.config)
         assert cfg.teacher.preset == pair.teacher
         assert cfg.model == preset(pair.student, dtype="bfloat16", remat=True,
-                                   scan_layers=True)
+                                   scan_layers=True, attention="auto")
         assert cfg.data.batch_size * cfg.data.seq_len == pair.tokens_per_step
 
 
@@ -175,8 +180,8 @@ def test_a_failed_compile_is_not_recorded_and_ends_in_one_line(tmp_path, capsys,
         calls.append(args)
         if len(calls) == 1:
             return {"command": cmd._key(args), "exit": 1, "seconds": 0.1, "error": "killed"}
-        return {"command": cmd._key(args), "exit": 0, "seconds": 0.1, "fits": True,
-                "total_bytes": 2**30, "largest": []}
+        return {"command": cmd._key(args), "config_sha256": cmd.config_digest(args), "exit": 0,
+                "seconds": 0.1, "fits": True, "total_bytes": 2**30, "largest": []}
 
     monkeypatch.setattr(cmd, "run_compile", fake_compile)
     monkeypatch.setattr(cmd, "check_installed", lambda target: None)

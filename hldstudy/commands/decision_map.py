@@ -7,12 +7,14 @@ compiled.
 
 The compiled cells (`COMPILED`) run `python -m hldstudy.aot` in a process each (~15 GiB of
 RAM, minutes per program), kept in `--records` (rewritten atomically after each) by their
-command: a planner change that moves a cell's micro-batches asks for a new compile; a
-failed compile is not kept (exit 3). Notes: `docs/planner.md`, `plan/decision_map.py`."""
+command and the digest of the experiment file it compiled: a planner change that moves
+a cell's micro-batches, or an edited experiment file, asks for a new compile; a failed
+compile is not kept (exit 3). Notes: `docs/planner.md`, `plan/decision_map.py`."""
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import re
 import sys
@@ -60,11 +62,25 @@ def _key(args: list[str]) -> str:
     return " ".join(["python -m hldstudy.aot", *args])
 
 
+def config_digest(args: list[str]) -> str:
+    """sha256 of the experiment file a command compiles: a record is the compile of the
+    file as it was (its attention path, mesh, dtypes), so an edited file asks again."""
+    path = Path(args[args.index("--config") + 1])
+    try:
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+    except OSError as e:
+        raise InputError(f"cannot read {path} ({e.strerror}): the decision map compiles "
+                         "the experiment files of its pairs; run it from the repository "
+                         "root") from None
+
+
 def run_compile(args: list[str]) -> dict:
     """One aot compile in a process of its own (`run_aot`): its row's memory and FLOPs, or
-    its error, under its command (`_key`)."""
+    its error, under its command (`_key`) and its experiment file's digest."""
+    digest = config_digest(args)
     run = run_aot(args)
-    rec = {"command": _key(args), "exit": run["exit"], "seconds": run["seconds"]}
+    rec = {"command": _key(args), "config_sha256": digest, "exit": run["exit"],
+           "seconds": run["seconds"]}
     try:
         (row,) = run["report"]["rows"]
     except (KeyError, TypeError, ValueError):
@@ -98,12 +114,18 @@ def attach(cells: list[dict], records: dict[str, dict]) -> list[tuple[dict, str,
     is out of memory only when that one is too); the (cell, program, args) still
     missing."""
     missing = []
+
+    def current(args):  # the record of this command for the file as it is now
+        rec = records.get(_key(args))
+        return rec if rec is not None and rec.get("config_sha256") == config_digest(args) \
+            else None
+
     for cell in cells:
         if (cell["pair"].split(" -> ")[0], cell["target"]) not in COMPILED:
             continue
         cell["compiled"] = {}
         for program, args in compile_commands(cell).items():
-            rec = records.get(_key(args))
+            rec = current(args)
             if rec is None:
                 missing.append((cell, program, args))
                 continue
@@ -122,7 +144,7 @@ def attach(cells: list[dict], records: dict[str, dict]) -> list[tuple[dict, str,
                     continue
                 more = [a if not a.startswith("train.microbatches=") else
                         f"train.microbatches={most}" for a in args]
-            again = records.get(_key(more))
+            again = current(more)
             if again is None:
                 missing.append((cell, program, more))
             else:
