@@ -16,6 +16,7 @@ from hldstudy.plan import (
     logits_bytes_fused,
     logits_bytes_materialized,
     network_bytes_per_step,
+    peak_habits,
     plan,
     plan_model,
     predict_step_memory,
@@ -452,8 +453,54 @@ def test_a_scanned_stacks_saved_buffers_are_the_ones_libtpu_allocates(experiment
     stack, t = scanned["terms"]["scan_stack"], scanned["terms"]
     unrolled = predict("tpu", False)
     assert unrolled["terms"]["scan_stack"] == 0
-    end = t["grads"] + t["block_working"]
+    end = t["grads"] + (1 + peak_habits("tpu").block_backward_extra) * t["block_working"]
     turn = t["activations"] + t["logits"]
     assert scanned["temp_bytes"] - unrolled["temp_bytes"] == pytest.approx(
         max(turn, end + stack) - max(turn, end) + stack)
     assert predict("gpu", True)["temp_bytes"] == predict("gpu", False)["temp_bytes"]
+
+
+# Train steps as libtpu compiled them (`python -m hldstudy.aot --config C --target T
+# --parts train [--set ...] --json`, libtpu 0.0.42; tests/test_aot_compile.py compiles the
+# 123M ones again in the aot tier): (config, overrides, target, micro-batches, cohort,
+# compiled total GiB per device; a refused step's is what libtpu said it needed).
+# Not here, because the planner misses them by more than 15% (docs/planner.md, libtpu):
+# the 9B DisaggKD student on v5p:2x2x2 (4 micro-batches: 81.94 compiled, planner 0.74)
+# and the 735M KD step on v5e:2x4 (4 micro-batches: 14.82, planner 0.81).
+_C4 = "experiments/c4_123m_kd.py"
+_SMALL = ["data.path=/x", "distill.fused_backend=xla", "model.scan_layers=false",
+          "data.batch_size=16", "teacher.dtype=bfloat16"]
+TPU_TRAIN_COMPILES = [
+    (_C4, ["data.path=/x", "distill.fused_backend=xla", "model.scan_layers=false",
+           "teacher.dtype=float32"], "v5e:2x4", 1, None, 22.76),
+    (_C4, _SMALL, "v5e:2x4", 1, None, 9.33),
+    (_C4, _SMALL, "v5e:2x4", 1, 4, 14.85),
+    (_C4, [s for s in _SMALL if s != "model.scan_layers=false"], "v5e:2x4", 1, 4, 17.00),
+    (_C4, ["data.path=/x"], "v5e:2x4", 2, None, 14.38),
+    (_C4, ["data.path=/x"], "v5p:2x2x2", 1, None, 21.41),
+    ("experiments/c4_123m_hldf.py", ["data.path=/x"], "v5e:2x4", 1, None, 14.18),
+]
+
+
+@pytest.mark.parametrize("config,overrides,target,micro,cohort,compiled", TPU_TRAIN_COMPILES)
+def test_the_tpu_row_follows_libtpus_train_steps(config, overrides, target, micro, cohort,
+                                                 compiled):
+    """The planner's train step as `hldstudy.aot` prints it beside the compile (the TPU
+    row of hldstudy.plan.compilers), unrolled and scanned, solo and a cohort of 4, within
+    15% of what libtpu compiled."""
+    from hldstudy.aot.check import load_run
+    from hldstudy.aot.compile import resolve_for_target, stage_names
+    from hldstudy.aot.report import predicted_train_memory
+    from hldstudy.aot.targets import parse_target
+
+    root = Path(__file__).resolve().parent.parent
+    cfg, method, teacher = load_run(str(root / config), overrides, None, None)
+    tgt = parse_target(target)
+    cfg, teacher, choices = resolve_for_target(cfg, teacher, tgt)
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, microbatches=micro))
+    fsdp = cfg.train.mesh_fsdp if cfg.train.mesh_fsdp > 0 else \
+        tgt.n_devices // cfg.train.mesh_data
+    stage = stage_names(cfg, method, teacher)[0]
+    pred = predicted_train_memory(cfg, teacher, method, stage, tgt.n_devices, fsdp, choices,
+                                  cohort, "tpu", "colocated")
+    assert pred["total_bytes"] / 2**30 == pytest.approx(compiled, rel=0.15)

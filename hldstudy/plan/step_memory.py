@@ -153,7 +153,8 @@ def _member_peak(terms: dict, habits, vmap_extra: float = 0.0) -> tuple[float, f
     grads_beside_activations (XLA CPU, GPU): gradients + activations (+ `vmap_extra` of
     them) + logits, of which activations + logits overlap the teacher's forward. TPU: the
     larger of the forward/backward turn (activations + logits) and the end of the backward
-    (gradients + one block's working set + a scanned stack's saved buffers, freed only
+    (gradients + one block's working set, and `block_backward_extra` of it for the
+    block's backward, + a scanned stack's saved buffers, freed only
     when its backward ends), plus the copy of those buffers libtpu's code generation
     allocates (`scan_stack_codegen_copies`); the teacher overlaps all of it."""
     acts = terms["activations"] * (1.0 + vmap_extra)
@@ -161,7 +162,8 @@ def _member_peak(terms: dict, habits, vmap_extra: float = 0.0) -> tuple[float, f
     if habits.grads_beside_activations:
         return terms["grads"] + turn, terms["activations"] + terms["logits"]
     stack = terms.get("scan_stack", 0.0) * (1.0 + vmap_extra)
-    peak = max(turn, terms["grads"] + terms["block_working"] + stack)
+    block = (1.0 + habits.block_backward_extra) * terms["block_working"]
+    peak = max(turn, terms["grads"] + block + stack)
     peak += habits.scan_stack_codegen_copies * stack
     return peak, peak
 
