@@ -21,8 +21,8 @@ from hldstudy.mesh_axes import axes_size, traced_batch_axes
 from hldstudy.model.layers import _init_normal
 from hldstudy.sharding import expert_dim_metadata
 
-__all__ = ["MoE", "capacity_swiglu", "expert_capacity", "grouped_swiglu", "load_balancing_loss",
-           "resolve_dispatch", "route"]
+__all__ = ["MoE", "capacity_swiglu", "expert_capacity", "expert_parallel_swiglu",
+           "grouped_swiglu", "load_balancing_loss", "resolve_dispatch", "route"]
 
 
 def route(logits_MxE: jax.Array, k: int) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -68,15 +68,12 @@ def expert_capacity(rows: int, n_experts: int, factor: float) -> int:
     return min(rows, max(8, -(-math.ceil(factor * rows / n_experts) // 8) * 8))
 
 
-def capacity_swiglu(x_MxD, experts_MxK, gate_ExDxF, up_ExDxF, down_ExFxD, capacity: int):
-    """Each (token, slot) row through its expert's SwiGLU with a fixed buffer of `capacity`
-    rows per expert: rows laid out [E, C, D] in token order within their expert, three
-    batched matmuls, and back. A row past its expert's capacity is dropped (its slot
-    contributes 0). Returns ([M, k, D], [M] share of each token's k slots dropped). With
-    capacity >= every expert's rows it computes what `grouped_swiglu` does."""
+def _capacity_layout(x_MxD, experts_MxK, n_experts: int, capacity: int):
+    """The (token, slot) rows laid out [E, C, D] in token order within their expert, and
+    what `_capacity_return` needs to bring each expert's output back: (rows, (order, slot,
+    kept)). A row past its expert's capacity is left out (kept False)."""
     m, d = x_MxD.shape
     k = experts_MxK.shape[1]
-    n_experts = gate_ExDxF.shape[0]
     flat = experts_MxK.reshape(-1)
     order = jnp.argsort(flat, stable=True)
     expert_of_row = flat[order]
@@ -87,15 +84,81 @@ def capacity_swiglu(x_MxD, experts_MxK, gate_ExDxF, up_ExDxF, down_ExFxD, capaci
     slot = jnp.where(kept, expert_of_row * capacity + place, n_experts * capacity)  # past end
     rows = jnp.zeros((n_experts * capacity, d), x_MxD.dtype).at[slot].set(
         jnp.take(x_MxD, order // k, axis=0), mode="drop", unique_indices=True)
-    rows_ExCxD = rows.reshape(n_experts, capacity, d)
+    return rows.reshape(n_experts, capacity, d), (order, slot, kept)
+
+
+def _capacity_return(out_ExCxD, layout, k: int):
+    """Each expert's output rows back to their (token, slot): ([M, k, D], [M] share of each
+    token's k slots dropped)."""
+    order, slot, kept = layout
+    n_experts, capacity, d = out_ExCxD.shape
+    out_rows = out_ExCxD.reshape(n_experts * capacity, d)
+    out_sorted = jnp.where(kept[:, None], jnp.take(out_rows, slot, axis=0, mode="clip"), 0)
+    out = jnp.zeros_like(out_sorted).at[order].set(out_sorted, unique_indices=True)
+    dropped_MxK = jnp.zeros(order.shape, jnp.float32).at[order].set(
+        1.0 - kept.astype(jnp.float32), unique_indices=True).reshape(-1, k)
+    return out.reshape(-1, k, d), jnp.mean(dropped_MxK, axis=1)
+
+
+def _expert_swiglu(rows_ExCxD, gate_ExDxF, up_ExDxF, down_ExFxD):
+    """Every expert's SwiGLU over its buffer: three batched matmuls, [E, C, D]."""
     h = (jax.nn.silu(jnp.einsum("ecd,edf->ecf", rows_ExCxD, gate_ExDxF))
          * jnp.einsum("ecd,edf->ecf", rows_ExCxD, up_ExDxF))
-    out_ExCxD = jnp.einsum("ecf,efd->ecd", h, down_ExFxD).reshape(n_experts * capacity, d)
-    out_sorted = jnp.where(kept[:, None], jnp.take(out_ExCxD, slot, axis=0, mode="clip"), 0)
-    out = jnp.zeros_like(out_sorted).at[order].set(out_sorted, unique_indices=True)
-    dropped_MxK = jnp.zeros((m * k,), jnp.float32).at[order].set(
-        1.0 - kept.astype(jnp.float32), unique_indices=True).reshape(m, k)
-    return out.reshape(m, k, d), jnp.mean(dropped_MxK, axis=1)
+    return jnp.einsum("ecf,efd->ecd", h, down_ExFxD)
+
+
+def capacity_swiglu(x_MxD, experts_MxK, gate_ExDxF, up_ExDxF, down_ExFxD, capacity: int):
+    """Each (token, slot) row through its expert's SwiGLU with a fixed buffer of `capacity`
+    rows per expert: rows laid out [E, C, D] in token order within their expert, three
+    batched matmuls, and back. A row past its expert's capacity is dropped (its slot
+    contributes 0). Returns ([M, k, D], [M] share of each token's k slots dropped). With
+    capacity >= every expert's rows it computes what `grouped_swiglu` does."""
+    rows_ExCxD, layout = _capacity_layout(x_MxD, experts_MxK, gate_ExDxF.shape[0], capacity)
+    out_ExCxD = _expert_swiglu(rows_ExCxD, gate_ExDxF, up_ExDxF, down_ExFxD)
+    return _capacity_return(out_ExCxD, layout, experts_MxK.shape[1])
+
+
+def expert_parallel_swiglu(x_BxTxD, experts_BxTxK, gate_ExDxF, up_ExDxF, down_ExFxD,
+                           capacity: int, mesh, batch_axes: tuple[str, ...]):
+    """`capacity_swiglu` per sequence with the experts split over the mesh's "expert" axis
+    (expert parallelism): each device lays out its own sequences' rows [E, C, D] per
+    sequence, an all-to-all over the expert axis sends each expert's buffers to the device
+    that holds the expert, that device runs its E / n experts over the n devices' buffers,
+    and a second all-to-all brings the outputs back. The same rows and drops as
+    `capacity_swiglu` (each sequence's buffers are its own); no device holds another's
+    experts. The batch is split over `batch_axes` (which include "expert")."""
+    n_experts, k = gate_ExDxF.shape[0], experts_BxTxK.shape[-1]
+
+    def per_device(x_BxTxD, experts_BxTxK, gate, up, down):
+        layout_rows = jax.vmap(_capacity_layout, in_axes=(0, 0, None, None))
+        rows_BxExCxD, layout = layout_rows(x_BxTxD, experts_BxTxK, n_experts, capacity)
+        # [E, B, C, D] -> each device's E / n experts over every device's sequences.
+        mine = jax.lax.all_to_all(rows_BxExCxD.transpose(1, 0, 2, 3), "expert",
+                                  split_axis=0, concat_axis=1, tiled=True)
+        h = (jax.nn.silu(jnp.einsum("ebcd,edf->ebcf", mine, gate))
+             * jnp.einsum("ebcd,edf->ebcf", mine, up))
+        out = jnp.einsum("ebcf,efd->ebcd", h, down)
+        back = jax.lax.all_to_all(out, "expert", split_axis=1, concat_axis=0, tiled=True)
+        return jax.vmap(_capacity_return, in_axes=(0, 0, None))(
+            back.transpose(1, 0, 2, 3), layout, k)
+
+    rows, experts = P(batch_axes), P("expert")
+    args = (x_BxTxD, experts_BxTxK, gate_ExDxF, up_ExDxF, down_ExFxD)
+    specs = (rows, rows, experts, experts, experts)
+    if mesh.explicit_axes:  # explicit sharding types must already match the specs
+        args = tuple(jax.reshard(a, s) for a, s in zip(args, specs, strict=True))
+    return jax.shard_map(per_device, mesh=mesh, in_specs=specs, out_specs=(rows, rows),
+                         check_vma=False)(*args)
+
+
+def _expert_axis(n_experts: int, batch: int):
+    """(mesh, batch axes) where the traced mesh splits the experts over an "expert" axis of
+    more than one device that divides them and the batch; (None, ()) otherwise."""
+    mesh, axes = traced_batch_axes()
+    if "expert" not in axes or n_experts % mesh.shape["expert"] \
+            or batch % axes_size(mesh, axes):
+        return None, ()
+    return mesh, axes
 
 
 def _on_batch_shards(x):
@@ -155,11 +218,18 @@ class MoE(nnx.Module):
             # routing stays where the sequence is when the batch is split over devices,
             # no sort or buffer spans the global batch.
             capacity = expert_capacity(t * self.k, self.gate.shape[0], self.capacity_factor)
-            per_row = jax.vmap(capacity_swiglu, in_axes=(0, 0, None, None, None, None))
-            routed, dropped_BxT = per_row(_on_batch_shards(x_MxD.reshape(b, t, d)),
-                                          _on_batch_shards(experts.reshape(b, t, -1)),
-                                          *weights_in, capacity)
-            routed = _on_batch_shards(routed).reshape(b * t, self.k, d)
+            mesh, axes = _expert_axis(self.gate.shape[0], b)
+            if mesh is not None:  # experts split over devices: all-to-all to their holders
+                routed, dropped_BxT = expert_parallel_swiglu(
+                    x_MxD.reshape(b, t, d), experts.reshape(b, t, -1), *weights_in,
+                    capacity, mesh, axes)
+            else:
+                per_row = jax.vmap(capacity_swiglu, in_axes=(0, 0, None, None, None, None))
+                routed, dropped_BxT = per_row(_on_batch_shards(x_MxD.reshape(b, t, d)),
+                                              _on_batch_shards(experts.reshape(b, t, -1)),
+                                              *weights_in, capacity)
+                routed = _on_batch_shards(routed)
+            routed = routed.reshape(b * t, self.k, d)
             dropped_B = jnp.mean(dropped_BxT, axis=1)
         else:
             routed = grouped_swiglu(x_MxD, experts, *weights_in)
