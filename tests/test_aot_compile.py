@@ -224,3 +224,28 @@ def test_the_moe_teachers_forward_costs_its_active_experts(capsys, target):
                if any(op in g["op"] for op in ("ecd,edf", "ecf,efd", "ragged_dot"))]
     assert all(g["bytes"] < micro * 2**30 for g in experts), row["peak"]
     assert abs(row["planner_over_compiled"] - 1.0) <= 0.15, row
+
+
+@pytest.mark.parametrize("target", ["h100:8", "v5p:2x2x2"])
+def test_the_disaggkd_replica_fits_its_own_devices_and_the_planner_agrees(capsys, target):
+    """`--parts teacher` as committed: the 35B-A3B replica over the target's 8 devices (its
+    weights split over them), the target's attention path, the micro-batches auto picks:
+    it fits, its FLOPs within 1.3x of the active experts, and the planner beside it within
+    15% (docs/planner.md)."""
+    assert aot_main(["--config", DISAGG, "--layout", "disaggregated", "--target", target,
+                     "--parts", "teacher", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    (row,) = report["rows"]
+    assert report["choices"]["teacher_attention"] != "dense", report["choices"]
+    assert row["fits"] and row["tokens_per_step"] == 1_048_576, row
+    assert row["xla_over_model"] <= 1.3, row
+    assert _within(row, 0.15), row
+
+
+def test_the_study_step_on_v5p_and_the_planner_agree(capsys):
+    """The 123M KD step as committed (scanned) on v5p:2x2x2: the planner's TPU row with a
+    scanned stack's terms within 15% of libtpu (it was 0.77 without them)."""
+    assert aot_main(["--config", C4_KD, "--target", "v5p:2x2x2", "--parts", "train",
+                     "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"]
+    assert row["fits"] and _within(row, 0.15), row
