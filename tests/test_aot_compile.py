@@ -213,9 +213,12 @@ def test_the_moe_teachers_forward_costs_its_active_experts(capsys, target):
     times its trips) within 1.3x of the active-expert model, no expert buffer at the peak of
     1 GiB per sequence of the micro-batch (ragged on GPU expanded 32 GiB:
     benchmarks/results/aot_moe.md)."""
+    # Attention held dense: the experiment's own (auto) is chunked on this host for a GPU,
+    # whose causal inner loops have trip counts no HLO records (hlo_unknown_trip_loops),
+    # and splash on a TPU, Mosaic kernels without a cost; this counts the experts.
     assert aot_main(["--config", DISAGG, "--layout", "disaggregated", "--target", target,
                      "--parts", "teacher", "--set", "teacher.replica_devices=1",
-                     "--json"]) == 0
+                     "--set", "teacher.attention=dense", "--json"]) == 0
     (row,) = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"]
     assert row["fits"] and 0.7 <= row["xla_over_model"] <= 1.3, row
     assert row["xla_flops_from"] == "hlo" and "hlo_unknown_trip_loops" not in row, row
@@ -238,7 +241,9 @@ def test_the_disaggkd_replica_fits_its_own_devices_and_the_planner_agrees(capsys
     (row,) = report["rows"]
     assert report["choices"]["teacher_attention"] != "dense", report["choices"]
     assert row["fits"] and row["tokens_per_step"] == 1_048_576, row
-    assert row["xla_over_model"] <= 1.3, row
+    # The count leaves out the attention's inner loops (chunked) or kernels (splash): at
+    # most the model's attention share, 0.51 of 6.40 GFLOPs per token (8%).
+    assert row["xla_over_model"] + 0.08 <= 1.3, row
     assert _within(row, 0.15), row
 
 
