@@ -141,22 +141,62 @@ def _constant(defs: dict, name: str) -> int | None:
 _FLIP = {"LT": "GT", "LE": "GE", "GT": "LT", "GE": "LE"}
 
 
-def _trip_count(defs: dict, caller: str, init: str, condition: str) -> int | None:
+_PASS_THROUGH = ("copy", "bitcast", "convert")
+
+
+def _unwrapped(defs: dict, instr, op: str):
+    """`instr` (op, operands, attrs), or where XLA CPU wraps one `op` in a fusion of its own
+    (`wrapped_compare`, `wrapped_add`), that op with the fusion's operands in place of its
+    parameters."""
+    if instr is None or instr[0] != "fusion":
+        return instr
+    fused = re.search(r"calls=%?([\w.\-]+)", instr[2])
+    inner = defs.get(fused.group(1), {}) if fused else {}
+    if inner.get("ROOT", ("",))[0] != op:
+        return None
+    outer = _names(instr[1])
+    params = {n: int(v[1]) for n, v in inner.items() if n != "ROOT" and v[0] == "parameter"}
+    args = [outer[params[a]] if a in params else a for a in _names(inner["ROOT"][1])]
+    return op, ", ".join(args), inner["ROOT"][2]
+
+
+def _counter_step(defs: dict, body: str, index: int) -> int | None:
+    """How much a loop's counter (tuple element `index`) grows per trip: the body's root
+    tuple's element there, through copies, as counter + constant. libtpu's widened loops
+    (`wide.*`, e.g. windowed matmuls) run two windows a trip and step by 2. None where the
+    update is not of that form."""
+    body_defs = defs.get(body, {})
+    root = body_defs.get("ROOT")
+    if root is None or root[0] != "tuple":
+        return None
+    elements = _names(root[1])
+    if index >= len(elements):
+        return None
+    name = elements[index]
+    while body_defs.get(name, ("",))[0] in _PASS_THROUGH:
+        name = _names(body_defs[name][1])[0]
+    op, operands, _ = _unwrapped(defs, body_defs.get(name), "add") or (None, "", "")
+    if op != "add":
+        return None
+    args = _names(operands)
+    for counter, other in (args, args[::-1]):
+        c_op, _, c_attrs = body_defs.get(counter, (None, "", ""))
+        at = re.search(r"index=(\d+)", c_attrs)
+        step = _constant(body_defs, other)
+        if c_op == "get-tuple-element" and at and int(at.group(1)) == index and step:
+            return step
+    return None
+
+
+def _trip_count(defs: dict, caller: str, init: str, condition: str,
+                body: str = "") -> int | None:
     """A counted loop's trips from its condition where the compiler records none (libtpu):
-    the condition's root compares a tuple element (the counter, +1 per trip) with a
-    constant bound; the counter starts at that element of the loop's initial tuple (a
-    constant; 0 where it is not one, as XLA's counted loops start)."""
+    the condition's root compares a tuple element (the counter) with a constant bound; the
+    counter starts at that element of the loop's initial tuple (a constant; 0 where it is
+    not one, as XLA's counted loops start) and grows by the body's step (`_counter_step`;
+    1 where the body does not say, as XLA's counted loops do)."""
     cond_defs = defs.get(condition, {})
-    root = cond_defs.get("ROOT")
-    if root is not None and root[0] == "fusion":  # XLA CPU wraps the compare in a fusion
-        fused = re.search(r"calls=%?([\w.\-]+)", root[2])
-        inner = defs.get(fused.group(1), {}) if fused else {}
-        outer = _names(root[1])
-        if inner.get("ROOT", ("",))[0] != "compare":
-            return None
-        params = {n: int(v[1]) for n, v in inner.items() if n != "ROOT" and v[0] == "parameter"}
-        args = [outer[params[a]] if a in params else a for a in _names(inner["ROOT"][1])]
-        root = ("compare", ", ".join(args), inner["ROOT"][2])
+    root = _unwrapped(defs, cond_defs.get("ROOT"), "compare")
     if root is None or root[0] != "compare":
         return None
     direction = re.search(r"direction=(\w+)", root[2])
@@ -177,7 +217,9 @@ def _trip_count(defs: dict, caller: str, init: str, condition: str) -> int | Non
         elements = _names(tup[1])
         if int(index.group(1)) < len(elements):
             start = _constant(defs[caller], elements[int(index.group(1))]) or 0
-    trips = bound - start + (1 if d == "LE" else 0)
+    step = _counter_step(defs, body, int(index.group(1))) or 1
+    span = bound - start + (1 if d == "LE" else 0)
+    trips = -(-span // step)
     return trips if trips > 0 else None
 
 
@@ -287,7 +329,8 @@ def hlo_flops(hlo_text: str) -> HloCount:
                 called = dict(re.findall(r"\b(body|condition)=%?([\w.\-]+)", attrs))
                 trips = _TRIPS.search(attrs)
                 n = int(trips.group(1)) if trips else _trip_count(
-                    defs, name, _names(operands)[0], called.get("condition", ""))
+                    defs, name, _names(operands)[0], called.get("condition", ""),
+                    called.get("body", ""))
                 count.loops += 1
                 if n is None:
                     count.unknown_trip_loops += 1
