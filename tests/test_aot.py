@@ -323,3 +323,23 @@ def test_a_step_that_does_not_fit_is_told_only_the_knobs_not_on_already():
     assert "model.scan_layers" in hint
     assert "serve in bfloat16" not in next_knobs(cfg, {"kind": "teacher"}, 8)
     assert "serve in bfloat16" in next_knobs(f32, {"kind": "teacher"}, 8)
+
+
+def test_a_replicas_flop_model_leaves_out_the_head_it_never_runs():
+    """A replica serves the final hidden states and the head's weight; the student rebuilds
+    the logits. Its forward's matmuls counted from the compiled HLO are the FLOP model's
+    teacher forward without the de-embedding (elementwise, which the HLO count leaves out,
+    is the few percent between them); with the head the model read 0.93."""
+    import jax
+
+    from hldstudy.aot.compile import compile_teacher_forward
+    from hldstudy.aot.report import flop_model
+    from hldstudy.flops import step_flops
+
+    cfg, teacher = _tiny()
+    step = compile_teacher_forward(cfg, teacher, "kd", jax.devices()[:1])
+    model = flop_model(cfg, teacher, step, 1, backend="cpu")
+    hw = step_flops(cfg, "kd", None, teacher, grouped_dense=True).hardware
+    assert model == hw["teacher"] - hw["teacher_head"] > 0
+    assert 0.95 <= step.hlo.flops / model <= 1.0
+    assert step.hlo.flops / hw["teacher"] < 0.94

@@ -86,14 +86,16 @@ def flop_model(cfg: Config, teacher_model: ModelConfig | None, step: CompiledSte
     which the model does not count), as the target's backend runs it (an MoE's experts:
     the active ones, top-k and shared, except on a CPU, which runs them densely). A cohort
     runs the teacher once, K students; a teacher replica's forward is the whole batch,
-    split over its devices."""
+    split over its devices, without the de-embedding: a replica serves the final hidden
+    states and the head's weight, and the student rebuilds the logits (its head is in
+    the train step's count, `teacher_head`)."""
     if step.kind == "eval":
         return None
     bd = step_flops(cfg, step.method, step.stage if step.kind == "train" else None,
                     teacher_model, grouped_dense=backend == "cpu")
     teacher = bd.hardware.get("teacher", 0.0)
     if step.kind == "teacher":  # a replica runs the whole global batch over its devices
-        return teacher / step.replica_devices
+        return (teacher - bd.hardware.get("teacher_head", 0.0)) / step.replica_devices
     total = bd.hardware_flops(step.layout)
     if cohort:
         total = cohort * (total - teacher) + teacher
