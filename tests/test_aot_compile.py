@@ -241,17 +241,15 @@ def test_the_moe_teachers_forward_costs_its_active_experts(capsys, target):
 def test_the_disaggkd_replica_fits_its_own_devices_and_the_planner_agrees(capsys, target):
     """`--parts teacher` as committed: the 35B-A3B replica over the target's 8 devices (its
     weights split over them), the target's attention path, the micro-batches auto picks:
-    it fits, its FLOPs within 1.3x of the active experts, and the planner beside it within
-    15% (docs/planner.md)."""
+    it fits and the planner beside it is within 15% (docs/planner.md). Its FLOPs are
+    test_the_moe_teachers_forward_costs_its_active_experts's (attention held dense there,
+    so that everything is counted)."""
     assert aot_main(["--config", DISAGG, "--layout", "disaggregated", "--target", target,
                      "--parts", "teacher", "--json"]) == 0
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     (row,) = report["rows"]
     assert report["choices"]["teacher_attention"] != "dense", report["choices"]
     assert row["fits"] and row["tokens_per_step"] == 1_048_576, row
-    # The count leaves out the attention's inner loops (chunked) or kernels (splash): at
-    # most the model's attention share, 0.51 of 6.40 GFLOPs per token (8%).
-    assert row["xla_over_model"] + 0.08 <= 1.3, row
     assert _within(row, 0.15), row
 
 
