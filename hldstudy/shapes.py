@@ -34,16 +34,23 @@ def scan_groups(kinds, start: int, stop: int) -> tuple[int, int]:
     return 0, 0
 
 
-def scanned_layers(kinds, n_run: int, stops=()) -> int:
-    """How many of layers [0, n_run) run inside a scan (`model.scan_layers`): the stack is
-    cut at each of `stops` (the hidden states a method reads), each range scanned in whole
-    groups of its period, the rest unrolled (hldstudy.model.stack.run_stack)."""
-    scanned, start = 0, 0
+def scan_ranges(kinds, n_run: int, stops=()) -> list[tuple[int, int, int, int]]:
+    """How a stack runs layers [0, n_run) (`model.scan_layers`): cut at each of `stops`
+    (the hidden states a method reads) into ranges (start, stop, period, groups), each
+    scanned from its start in `groups` whole groups of `period` layers (`scan_groups`), the
+    rest of it unrolled. kinds None: nothing scanned (period and groups 0)."""
+    ranges, start = [], 0
     for stop in sorted({s for s in stops if 0 < s < n_run} | {n_run}):
-        period, groups = scan_groups(kinds, start, stop)
-        scanned += period * groups
+        period, groups = scan_groups(kinds, start, stop) if kinds is not None else (0, 0)
+        ranges.append((start, stop, period, groups))
         start = stop
-    return scanned
+    return ranges
+
+
+def scanned_layers(kinds, n_run: int, stops=()) -> tuple[int, ...]:
+    """The layers of [0, n_run) that run inside a scan (`scan_ranges`)."""
+    return tuple(i for start, _, period, groups in scan_ranges(kinds, n_run, stops)
+                 for i in range(start, start + period * groups))
 
 
 @dataclass(frozen=True)

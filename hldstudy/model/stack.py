@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from hldstudy.config import REMAT_POLICIES
-from hldstudy.shapes import scan_groups
+from hldstudy.shapes import scan_groups, scan_ranges
 
 __all__ = ["REMAT_POLICIES", "remat_policy", "run_stack", "scan_groups"]
 
@@ -60,18 +60,14 @@ def run_stack(blocks: Sequence[nnx.Module], x_BxTxD: jax.Array, positions_BxT, s
             aux = jax.tree.map(lambda a, x: a + x / max(n_run, 1), aux, layer_aux)
         return out, aux
 
-    bounds = sorted({s for s in stops if 0 < s < n_run} | {n_run})
     graphdefs = [nnx.graphdef(b) for b in blocks[:n_run]] if scan else None
-    start = 0
-    for stop in bounds:
-        period, n_groups = scan_groups(graphdefs, start, stop) if scan else (0, 0)
+    for start, stop, period, n_groups in scan_ranges(graphdefs, n_run, stops):
         if n_groups:
             x_BxTxD, aux = _scan_groups(blocks, start, period, n_groups, x_BxTxD, aux, one)
             start += period * n_groups
         for i in range(start, stop):
             x_BxTxD, aux = one(blocks[i], x_BxTxD, aux)
         hidden[stop] = x_BxTxD
-        start = stop
     return x_BxTxD, aux, {s: hidden[s] for s in stops if 0 < s <= n_run}
 
 

@@ -26,7 +26,7 @@ from hldstudy.plan.terms import (
     train_activation_bytes,
 )
 from hldstudy.shapes import ModelShape as PlanModel
-from hldstudy.shapes import scan_groups, scanned_layers
+from hldstudy.shapes import scanned_layers
 
 
 def predict_step_memory(cfg: Config, teacher_model: ModelConfig | None = None, *,
@@ -131,19 +131,12 @@ def scan_stack_bytes(s: PlanModel, tokens: float, seq_len: int, compute_bytes: i
     freed only when the backward's scan ends. 0 unscanned."""
     if not m.scan_layers:
         return 0.0
-    kinds = [s.layer_kind(i) for i in range(n_run)]
-    n = scanned_layers(kinds, n_run, stops)
+    layers = scanned_layers([s.layer_kind(i) for i in range(n_run)], n_run, stops)
     if m.remat:
-        return tokens * n * s.d_model * compute_bytes
-    # Without remat a scanned range saves what each of its blocks would.
-    cut, start, per_token = sorted({x for x in stops if 0 < x < n_run} | {n_run}), 0, 0.0
-    for stop in cut:
-        period, groups = scan_groups(kinds, start, stop)
-        per_token += sum(layer_activation_bytes_per_token(s, seq_len, compute_bytes,
-                                                          attention, i)
-                         for i in range(start, start + period * groups))
-        start = stop
-    return tokens * per_token
+        return tokens * len(layers) * s.d_model * compute_bytes
+    # Without remat a scanned block saves what it would unrolled.
+    return tokens * sum(layer_activation_bytes_per_token(s, seq_len, compute_bytes,
+                                                         attention, i) for i in layers)
 
 
 def _member_peak(terms: dict, habits, vmap_extra: float = 0.0) -> tuple[float, float]:
