@@ -135,9 +135,8 @@ def expert_parallel_swiglu(x_BxTxD, experts_BxTxK, gate_ExDxF, up_ExDxF, down_Ex
         # [E, B, C, D] -> each device's E / n experts over every device's sequences.
         mine = jax.lax.all_to_all(rows_BxExCxD.transpose(1, 0, 2, 3), "expert",
                                   split_axis=0, concat_axis=1, tiled=True)
-        h = (jax.nn.silu(jnp.einsum("ebcd,edf->ebcf", mine, gate))
-             * jnp.einsum("ebcd,edf->ebcf", mine, up))
-        out = jnp.einsum("ebcf,efd->ebcd", h, down)
+        e, nb, c, d = mine.shape  # every device's buffers of an expert as one buffer
+        out = _expert_swiglu(mine.reshape(e, nb * c, d), gate, up, down).reshape(e, nb, c, d)
         back = jax.lax.all_to_all(out, "expert", split_axis=1, concat_axis=0, tiled=True)
         return jax.vmap(_capacity_return, in_axes=(0, 0, None))(
             back.transpose(1, 0, 2, 3), layout, k)
