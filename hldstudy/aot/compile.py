@@ -133,9 +133,9 @@ def resolve_for_target(cfg: Config, teacher_model: ModelConfig | None, target: T
         notes.append(note)
     t_attn = "-"
     if teacher_model is not None:
-        teacher_model = dataclasses.replace(
-            teacher_model, attention=cfg.teacher.attention or teacher_model.attention)
-        t_attn, t_note = _attention_for(teacher_model, cfg.data.seq_len, target)
+        # Resolved as its forward runs (teacher.attention, teacher.dtype: cuDNN takes bf16).
+        t_attn, t_note = _attention_for(forward_config(teacher_model, cfg.teacher),
+                                        cfg.data.seq_len, target)
         teacher_model = dataclasses.replace(teacher_model, attention=t_attn)
         cfg = dataclasses.replace(cfg, teacher=dataclasses.replace(cfg.teacher, attention=t_attn))
         if t_note and t_note not in notes:
