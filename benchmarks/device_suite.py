@@ -35,7 +35,13 @@ Sections, side by side in one run (the numbers of one device and one moment):
    run (time, peak memory), beside `python -m hldstudy.aot --target <this chip>:1`'s
    compile-only figure (a CPU process: JAX_PLATFORMS=cpu, the CUDA plugin with the
    shipped target config) and the planner's prediction, in one table.
-6. **fp8**: `hldstudy.compress.fp8.fp8_dot` (real FP8 x FP8, per-tensor
+6. **grouped_matmul**: the Hopper grouped matmul (`hldstudy.model.grouped_matmul`:
+   JAX's Mosaic GPU kernels with our VJP) at one 35B-A3B expert layer's shapes (256
+   experts, a 4,096-token sequence's 32,768 routed rows, 2,048 x 512), the product and
+   both gradients against `jax.lax.ragged_dot` in float32 (relative error) and timed
+   beside it (XLA's dense pass over the experts on GPU); skipped with a line off Hopper.
+   The dry run interprets the product kernel on the CPU.
+7. **fp8**: `hldstudy.compress.fp8.fp8_dot` (real FP8 x FP8, per-tensor
    activation scale, per-channel weight scale) against a bf16 matmul of the
    same shape, where the device has FP8 matrix units; skipped with a line
    otherwise.
@@ -75,6 +81,7 @@ FULL = {
     "step": {"student": "paper-123m", "teacher": "paper-teacher-3.4b", "batch": 8, "seq": 2048,
              "steps": 5},
     "fp8_n": 8192, "fp8_reps": 10,
+    "grouped": {"groups": 256, "rows": 32768, "d_in": 2048, "d_out": 512, "reps": 5},
     "aot": {"config": "experiments/c4_123m_kd.py", "teacher": "paper-teacher-3.4b",
             "set": ["data.path=/nonexistent", "data.batch_size=8", "teacher.dtype=bfloat16"],
             "steps": 3},
@@ -85,6 +92,7 @@ DRY = {
     "attention_T": (256, 512), "attention_window": 96, "attention_reps": 2,
     "step": {"student": "tiny", "teacher": "tiny-teacher", "batch": 2, "seq": 64, "steps": 2},
     "fp8_n": 128, "fp8_reps": 2,
+    "grouped": {"groups": 4, "rows": 256, "d_in": 64, "d_out": 128, "reps": 1},
     "aot": {"config": "experiments/tiny_distill.py", "teacher": "tiny-teacher",
             "set": ["distill.fused_backend=xla"], "steps": 2},
 }
@@ -345,6 +353,65 @@ def jax_fp8(p: dict, dry: bool) -> dict:
             "speedup_vs_bf16": tb / t8, "rel_error_vs_f32": rel}
 
 
+def jax_grouped_matmul(p: dict, dry: bool) -> dict:
+    import contextlib
+
+    import jax
+    import jax.numpy as jnp
+
+    from hldstudy.model import grouped_matmul as gm
+
+    g = p["grouped"]
+    if not dry and not gm.hopper_kernels_run():
+        return {"skipped": f"{jax.devices()[0].device_kind} is not a Hopper GPU"}
+    n_groups, m, k, n = g["groups"], g["rows"], g["d_in"], g["d_out"]
+    keys = jax.random.split(jax.random.PRNGKey(0), 4)
+    # Rows over the groups as a router spreads them: uneven, some groups empty.
+    share = jax.random.dirichlet(keys[0], jnp.full((n_groups,), 0.5))
+    sizes = jnp.floor(share * m).astype(jnp.int32)
+    sizes = sizes.at[0].add(m - jnp.sum(sizes))
+    x = jax.random.normal(keys[1], (m, k), jnp.float32).astype(jnp.bfloat16)
+    w = (jax.random.normal(keys[2], (n_groups, k, n), jnp.float32) * k ** -0.5
+         ).astype(jnp.bfloat16)
+    d_out = jax.random.normal(keys[3], (m, n), jnp.float32).astype(jnp.bfloat16)
+    f32 = jnp.float32
+
+    def rel(a, b):
+        return float(jnp.linalg.norm(a.astype(f32) - b) / jnp.linalg.norm(b))
+
+    want, vjp = jax.vjp(lambda a, b: jax.lax.ragged_dot(a, b, sizes), x.astype(f32),
+                        w.astype(f32))
+    want_dx, want_dw = vjp(d_out.astype(f32))
+    row = {"groups": n_groups, "rows": m, "d_in": k, "d_out": n,
+           "empty_groups": int(jnp.sum(sizes == 0))}
+    if dry:  # the product kernel in Mosaic GPU interpret mode (its gradients need a GPU)
+        from jax._src.pallas.mosaic_gpu.interpret.params import force_gpu_interpret_mode
+
+        with force_gpu_interpret_mode():
+            row["rel_err_product"] = rel(gm.hopper_ragged_dot(x, w, sizes), want)
+        return row
+    fwd = jax.jit(gm.hopper_ragged_dot)
+    train = jax.jit(lambda a, b, s, d: jax.vjp(lambda a, b: gm.hopper_ragged_dot(a, b, s),
+                                               a, b)[1](d))
+    ref_fwd = jax.jit(jax.lax.ragged_dot)
+    ref_train = jax.jit(lambda a, b, s, d: jax.vjp(lambda a, b: jax.lax.ragged_dot(a, b, s),
+                                                   a, b)[1](d))
+    dx, dw = train(x, w, sizes, d_out)
+    row.update(rel_err_product=rel(fwd(x, w, sizes), want), rel_err_d_rows=rel(dx, want_dx),
+               rel_err_d_weights=rel(dw, want_dw))
+    reps = g["reps"]
+    with contextlib.suppress(Exception):  # ragged_dot's dense pass may not fit: say so
+        row["ragged_dot_fwd_s"], _ = _median_time(lambda: ref_fwd(x, w, sizes), reps,
+                                                  jax.block_until_ready)
+        row["ragged_dot_train_s"], _ = _median_time(lambda: ref_train(x, w, sizes, d_out),
+                                                    reps, jax.block_until_ready)
+    row["kernel_fwd_s"], _ = _median_time(lambda: fwd(x, w, sizes), reps, jax.block_until_ready)
+    row["kernel_train_s"], _ = _median_time(lambda: train(x, w, sizes, d_out), reps,
+                                            jax.block_until_ready)
+    row["kernel_fwd_flops_per_s"] = 2 * m * k * n / row["kernel_fwd_s"]
+    return row
+
+
 def _aot_cli(case: dict, target: str) -> subprocess.Popen:
     """`python -m hldstudy.aot --json` for the case, compile-only in a CPU process (started
     first: it runs while this process compiles and runs the same step on the GPU)."""
@@ -431,6 +498,7 @@ def run_jax(p: dict, dry: bool, sections: list[str], out: dict, save) -> None:
     steps = [("peak", lambda: jax_peak(p)), ("aot", lambda: jax_aot(p, dry)),
              ("loss", lambda: jax_loss(p, dry)),
              ("kd_step", lambda: jax_kd_step(p)), ("attention", lambda: jax_attention(p, dry)),
+             ("grouped_matmul", lambda: jax_grouped_matmul(p, dry)),
              ("fp8", lambda: jax_fp8(p, dry))]
     for name, fn in steps:
         if name not in sections:
@@ -646,6 +714,27 @@ def write_report(out: dict, out_dir: Path, stem: str) -> str:
                       + (f" Compile-only: {ao['aot_error']}." if "aot_error" in ao else ""), ""]
         else:
             lines += [f"{ao.get('error') or ao.get('skipped')}", ""]
+    gr = out.get("grouped_matmul")
+    if gr:
+        lines += ["## Grouped matmul (hldstudy.model.grouped_matmul: Mosaic GPU kernels)", ""]
+        if "rel_err_product" in gr:
+            lines.append(f"{gr['groups']} groups ({gr['empty_groups']} empty), {gr['rows']} rows, "
+                         f"{gr['d_in']} x {gr['d_out']}, bf16; relative error vs float32 "
+                         f"ragged_dot: product {gr['rel_err_product']:.2e}"
+                         + (f", rows' gradient {gr['rel_err_d_rows']:.2e}, weights' gradient "
+                            f"{gr['rel_err_d_weights']:.2e}" if "rel_err_d_rows" in gr else
+                            " (interpret mode)") + ".")
+            if "kernel_fwd_s" in gr:
+                lines += ["", "| path | forward ms | forward + gradients ms |",
+                          "|---|---:|---:|",
+                          f"| kernels | {1e3 * gr['kernel_fwd_s']:.2f} | "
+                          f"{1e3 * gr['kernel_train_s']:.2f} |"]
+                if "ragged_dot_fwd_s" in gr:
+                    lines.append(f"| jax.lax.ragged_dot (XLA) | {1e3 * gr['ragged_dot_fwd_s']:.2f}"
+                                 f" | {1e3 * gr.get('ragged_dot_train_s', float('nan')):.2f} |")
+            lines.append("")
+        else:
+            lines += [f"{gr.get('error') or gr.get('skipped')}", ""]
     fp = out.get("fp8")
     if fp:
         lines += ["## FP8 matmul (hldstudy.compress.fp8.fp8_dot)", ""]
@@ -667,7 +756,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dry-run", action="store_true",
                     default=os.environ.get("HLDSTUDY_DEVICE_DRY") == "1",
                     help="every section at tiny shapes on CPU (Pallas in interpret mode)")
-    ap.add_argument("--sections", default="peak,aot,loss,peers,attention,kd_step,fp8")
+    ap.add_argument("--sections",
+                    default="peak,aot,loss,peers,attention,kd_step,grouped_matmul,fp8")
     ap.add_argument("--out-dir", type=Path, default=RESULTS)
     ap.add_argument("--budget-s", type=float, default=270.0,
                     help="wall-clock seconds for the whole run; cases that would start later "

@@ -16,6 +16,12 @@ MiB = 1024 * KiB
 GiB = 1024 * MiB
 
 
+# The name scope under which a kernel whose compiler keeps no cost of it (Mosaic GPU drops
+# `pl.CostEstimate`) declares its FLOPs, f"{KERNEL_FLOPS_SCOPE}{flops}":
+# hldstudy.model.grouped_matmul writes it, hldstudy.flops.hlo_count reads it off the op_name.
+KERNEL_FLOPS_SCOPE = "declared_flops_"
+
+
 @dataclasses.dataclass(frozen=True)
 class Chip:
     name: str                  # our name: v5e, h100, ...
@@ -29,6 +35,9 @@ class Chip:
     devices_per_node: int = 0  # devices of one host / node (what "two nodes" doubles)
     scale_up_gbps: float = 0.0   # inbound per device inside a slice / node: ICI, NVLink
     scale_out_gbps: float = 0.0  # inbound per device between nodes: DCN, InfiniBand NIC
+    # An sm_90 GPU (warpgroup MMA): JAX's Mosaic GPU grouped matmuls run there
+    # (hldstudy.model.grouped_matmul).
+    hopper: bool = False
 
 
 CHIPS: dict[str, Chip] = {c.name: c for c in (
@@ -39,9 +48,9 @@ CHIPS: dict[str, Chip] = {c.name: c for c in (
     Chip("v6e", "tpu", int(31.25 * GiB), 128 * MiB, 32 * MiB, False),
     Chip("a100", "cuda", 40960 * MiB, 163 * KiB, 0, False),
     Chip("h100", "cuda", 81559 * MiB, 227 * KiB, 0, True, bf16_tflops=989.0,
-         devices_per_node=8, scale_up_gbps=3600.0, scale_out_gbps=400.0),
+         devices_per_node=8, scale_up_gbps=3600.0, scale_out_gbps=400.0, hopper=True),
     Chip("h200", "cuda", 143771 * MiB, 227 * KiB, 0, True, bf16_tflops=989.0,
-         devices_per_node=8, scale_up_gbps=3600.0, scale_out_gbps=400.0),
+         devices_per_node=8, scale_up_gbps=3600.0, scale_out_gbps=400.0, hopper=True),
 )}
 
 

@@ -268,19 +268,25 @@ UNIT = Domain("[0, 1]")
 _MESH = Domain(">= 1", also=(-1,), note="-1 on one axis takes the remaining devices")
 
 
-def moe_dispatch_for(dispatch: str, backend: str) -> str:
+def moe_dispatch_for(dispatch: str, backend: str, hopper: bool = True) -> str:
     """`model.moe_dispatch` / `teacher.moe_dispatch` as it runs on `backend` ("cpu", "gpu",
-    "tpu"): auto is capacity on NVIDIA GPUs, whose compiler runs `ragged_dot` as a dense
-    pass over every expert (benchmarks/results/aot_moe.md), and ragged elsewhere."""
+    "tpu"; `hopper`: the GPU is an sm_90 one, H100 / H200): auto is ragged (dropless) where
+    a grouped matmul runs it -- TPU (XLA's own), Hopper (JAX's Mosaic GPU kernels,
+    `hldstudy.model.grouped_matmul`), CPU (the reference) -- and capacity on other NVIDIA
+    GPUs, whose compiler runs `ragged_dot` as a dense pass over every expert
+    (benchmarks/results/aot_moe.md). The planner's GPU row is the Hopper one (its
+    calibration compiles are H100 / H200), hence the default."""
     if dispatch != "auto":
         return dispatch
-    return "capacity" if backend == "gpu" else "ragged"
+    return "capacity" if backend == "gpu" and not hopper else "ragged"
 
 
-def experts_run_dense(dispatch: str, backend: str) -> bool:
+def experts_run_dense(dispatch: str, backend: str, hopper: bool = True) -> bool:
     """Whether an MoE's routed experts run as a dense pass of every row over every expert:
-    ragged dispatch (`jax.lax.ragged_dot`) on XLA's CPU and GPU compilers."""
-    return moe_dispatch_for(dispatch, backend) == "ragged" and backend in ("cpu", "gpu")
+    ragged dispatch (`jax.lax.ragged_dot`) on XLA's CPU compiler and on a GPU without the
+    Hopper kernels."""
+    return moe_dispatch_for(dispatch, backend, hopper) == "ragged" and (
+        backend == "cpu" or (backend == "gpu" and not hopper))
 
 
 def layer_window(sliding_window: int | None, global_every: int, i: int) -> int | None:

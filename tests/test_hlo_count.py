@@ -141,3 +141,29 @@ def test_the_scanned_train_step_counts_as_the_unrolled_one(name):
         counts[scan] = hlo_flops(compiled.as_text())
     assert counts[True].loops >= 2 and counts[True].unknown_trip_loops == 0  # the scans
     assert counts[True].flops == pytest.approx(counts[False].flops, rel=1e-3)
+
+
+def test_a_kernel_counts_the_flops_its_name_scope_declares():
+    """A Mosaic GPU kernel keeps no cost in the HLO: hldstudy.model.grouped_matmul calls it
+    under a `declared_flops_<n>` name scope (chips.KERNEL_FLOPS_SCOPE), and the innermost
+    such scope on the custom call's op_name is its count (an outer one is the caller's);
+    a kernel with none is listed as uncounted."""
+    from hldstudy.chips import KERNEL_FLOPS_SCOPE
+
+    def call(name, op_name):
+        return (f'  %{name} = bf16[64,32]{{1,0}} custom-call(s32[4]{{0}} %s, bf16[64,16]{{1,0}} '
+                f'%x, bf16[4,16,32]{{2,1,0}} %w), custom_call_target="mosaic_gpu_v2", '
+                f'metadata={{op_name="{op_name}"}}')
+
+    text = "\n".join([
+        "ENTRY %main (s: s32[4], x: bf16[64,16], w: bf16[4,16,32]) -> bf16[64,32] {",
+        "  %s = s32[4]{0} parameter(0)",
+        "  %x = bf16[64,16]{1,0} parameter(1)",
+        "  %w = bf16[4,16,32]{2,1,0} parameter(2)",
+        call("a", f"jit(f)/{KERNEL_FLOPS_SCOPE}999/moe/{KERNEL_FLOPS_SCOPE}65536/body/mpmd_map"),
+        call("b", "jit(f)/body/mpmd_map"),
+        "  ROOT %c = bf16[64,32]{1,0} add(bf16[64,32]{1,0} %a, bf16[64,32]{1,0} %b)",
+        "}"])
+    count = hlo_flops(text)
+    assert count.flops == 65536 == 2 * 64 * 16 * 32
+    assert count.uncounted_kernels == ["mosaic_gpu_v2"]

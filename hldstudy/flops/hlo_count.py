@@ -14,6 +14,8 @@ import math
 import re
 from dataclasses import dataclass, field
 
+from hldstudy.chips import KERNEL_FLOPS_SCOPE
+
 __all__ = ["HloCount", "hlo_flops"]
 
 _HEADER = re.compile(r"^(?:ENTRY\s+)?%?(?P<name>[\w.\-]+)\s+\(.*\)\s+->\s+.*\{\s*$")
@@ -298,6 +300,12 @@ def _custom_flops(type_text, operands, attrs, shapes) -> float | None:
     declared = _DECLARED.search(attrs)
     if declared:
         return float(declared.group(1))
+    # A kernel declaring its cost by name scope (chips.KERNEL_FLOPS_SCOPE): the innermost.
+    scoped = re.search(r'op_name="([^"]*)"', attrs)
+    if scoped:
+        costs = re.findall(KERNEL_FLOPS_SCOPE + r"(\d+)", scoped.group(1))
+        if costs:
+            return float(costs[-1])
     return None
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 
+from hldstudy.chips import for_device_kind
 from hldstudy.config import experts_run_dense
 from hldstudy.shapes import ModelShape, causal_context
 
@@ -85,7 +86,8 @@ def grouped_matmuls_run_dense() -> bool:
     figure follows what runs)."""
     import jax
 
-    return experts_run_dense("auto", jax.default_backend())
+    row = for_device_kind(jax.devices()[0].device_kind)
+    return experts_run_dense("auto", jax.default_backend(), row is not None and row.hopper)
 
 
 def qwen_flops_per_token(m: ModelShape, seq_len: int, *, attention: str = "causal",

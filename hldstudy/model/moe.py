@@ -18,6 +18,7 @@ from jax.sharding import PartitionSpec as P
 from hldstudy.chips import traced_target
 from hldstudy.config import ModelConfig, moe_dispatch_for
 from hldstudy.mesh_axes import axes_size, traced_batch_axes
+from hldstudy.model.grouped_matmul import grouped_matmul, hopper_kernels_run, hopper_unfit
 from hldstudy.model.layers import _init_normal
 from hldstudy.sharding import expert_dim_metadata
 
@@ -41,10 +42,10 @@ def load_balancing_loss(probs_MxE: jax.Array, experts_MxK: jax.Array) -> jax.Arr
 
 
 def _ragged_dot(rows_MxI, w_ExIxO, sizes_E) -> jax.Array:
-    """`jax.lax.ragged_dot`, or the weight's own grouped matmul where it brings one (an
-    FP8-compressed model's experts: hldstudy.compress.fp8_forward.FP8Experts)."""
+    """The target's grouped matmul (`grouped_matmul`), or the weight's own where it brings
+    one (an FP8-compressed model's experts: hldstudy.compress.fp8_forward.FP8Experts)."""
     own = getattr(w_ExIxO, "grouped_matmul", None)
-    return jax.lax.ragged_dot(rows_MxI, w_ExIxO, sizes_E) if own is None else own(rows_MxI, sizes_E)
+    return grouped_matmul(rows_MxI, w_ExIxO, sizes_E) if own is None else own(rows_MxI, sizes_E)
 
 
 def grouped_swiglu(x_MxD, experts_MxK, gate_ExDxF, up_ExDxF, down_ExFxD):
@@ -173,10 +174,35 @@ def _on_batch_shards(x):
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(axes)))
 
 
-def resolve_dispatch(dispatch: str) -> str:
-    """`model.moe_dispatch` for the backend being traced for (`chips.traced_target`;
-    `config.moe_dispatch_for` says what auto means there)."""
-    return moe_dispatch_for(dispatch, traced_target()[0])
+def resolve_dispatch(dispatch: str, d_model: int = 0, d_expert: int = 0,
+                     dtype="bfloat16") -> str:
+    """`model.moe_dispatch` for the chip being traced for (`chips.traced_target`;
+    `config.moe_dispatch_for` says what auto means there). Auto on a Hopper GPU whose
+    kernels cannot take these experts (`grouped_matmul.hopper_unfit`) is capacity."""
+    backend = traced_target()[0]
+    hopper = hopper_kernels_run()
+    resolved = moe_dispatch_for(dispatch, backend, hopper)
+    if dispatch == "auto" and hopper and resolved == "ragged" and (
+            hopper_unfit(d_model, d_expert, dtype) or hopper_unfit(d_expert, d_model, dtype)):
+        return "capacity"
+    return resolved
+
+
+def _per_batch_shard(fn, x_BxTxD, experts_BxTxK, weights):
+    """`fn(x, experts, *weights)` on each device's own sequences where the traced mesh
+    splits the batch (XLA does not partition a Mosaic kernel; routing then stays on the
+    shard), the experts' weights gathered whole; as is elsewhere."""
+    mesh, axes = traced_batch_axes()
+    size = axes_size(mesh, axes)
+    if size <= 1 or x_BxTxD.shape[0] % size:
+        return fn(x_BxTxD, experts_BxTxK, *weights)
+    rows, whole = P(axes), P()
+    args = (x_BxTxD, experts_BxTxK) + tuple(weights)
+    specs = (rows, rows) + (whole,) * len(weights)
+    if mesh.explicit_axes:  # explicit sharding types must already match the specs
+        args = tuple(jax.reshard(a, s) for a, s in zip(args, specs, strict=True))
+    return jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=rows,
+                         check_vma=False)(*args)
 
 
 class MoE(nnx.Module):
@@ -212,7 +238,8 @@ class MoE(nnx.Module):
         weights_in = (self.gate[...].astype(dt), self.up[...].astype(dt),
                       self.down[...].astype(dt))
         own_matmul = hasattr(weights_in[0], "grouped_matmul")  # FP8 experts: ragged only
-        if resolve_dispatch(self.dispatch) == "capacity" and not own_matmul:
+        dispatch = resolve_dispatch(self.dispatch, d, self.gate.shape[2], dt)
+        if dispatch == "capacity" and not own_matmul:
             # Each sequence dispatched on its own (its buffers sized for its T x k rows):
             # routing stays where the sequence is when the batch is split over devices,
             # no sort or buffer spans the global batch.
@@ -230,6 +257,16 @@ class MoE(nnx.Module):
                 routed = _on_batch_shards(routed)
             routed = routed.reshape(b * t, self.k, d)
             dropped_B = jnp.mean(dropped_BxT, axis=1)
+        elif hopper_kernels_run() and not own_matmul:
+            def per_shard(x_BxTxD, experts_BxTxK, *weights):
+                n = x_BxTxD.shape[0] * t
+                return grouped_swiglu(x_BxTxD.reshape(n, d), experts_BxTxK.reshape(n, -1),
+                                      *weights).reshape(-1, t, self.k, d)
+
+            routed = _per_batch_shard(per_shard, x_MxD.reshape(b, t, d),
+                                      experts.reshape(b, t, -1), weights_in)
+            routed = routed.reshape(b * t, self.k, d)
+            dropped_B = jnp.zeros((b,), jnp.float32)
         else:
             routed = grouped_swiglu(x_MxD, experts, *weights_in)
             dropped_B = jnp.zeros((b,), jnp.float32)

@@ -257,7 +257,10 @@ def predict_teacher_forward_memory(teacher_model: ModelConfig, batch_size: int, 
         where `ragged_dot` runs dense over all experts (grouped_dense; None: as the
         model's `moe_dispatch` runs under `compiler`, `config.experts_run_dense`) the
         expanded experts (`grouped_dense_bytes`), where it runs by capacity one layer's
-        buffers (`capacity_bytes`).
+        buffers (`capacity_bytes`), and where the Hopper kernels run it (ragged on a GPU)
+        one layer's routed rows exactly: the capacity buffers at factor 1 (the compiled
+        35B-A3B replica holds the sorted rows, the kernel's output and the scattered
+        result, each [tokens x k, d], with the gate and up products).
     """
     t = PlanModel.from_model_config(teacher_model, "teacher")
     c = dtype_bytes(dtype)
@@ -281,5 +284,7 @@ def predict_teacher_forward_memory(teacher_model: ModelConfig, batch_size: int, 
         temp += grouped_dense_bytes(t, tok, c, n_run)
     elif moe_dispatch_for(teacher_model.moe_dispatch, compiler) == "capacity":
         temp += capacity_bytes(t, tok, c, teacher_model.moe_capacity_factor)
+    elif compiler == "gpu":
+        temp += capacity_bytes(t, tok, c, 1.0)
     return {"argument_bytes": float(argument), "output_bytes": float(output),
             "alias_bytes": 0.0, "temp_bytes": temp, "total_bytes": argument + output + temp}
