@@ -268,24 +268,31 @@ UNIT = Domain("[0, 1]")
 _MESH = Domain(">= 1", also=(-1,), note="-1 on one axis takes the remaining devices")
 
 
-def moe_dispatch_for(dispatch: str, backend: str, hopper: bool = True) -> str:
+def moe_dispatch_for(dispatch: str, backend: str, hopper: bool = True,
+                     forward_only: bool = True) -> str:
     """`model.moe_dispatch` / `teacher.moe_dispatch` as it runs on `backend` ("cpu", "gpu",
-    "tpu"; `hopper`: the GPU is an sm_90 one, H100 / H200): auto is ragged (dropless) where
-    a grouped matmul runs it -- TPU (XLA's own), Hopper (JAX's Mosaic GPU kernels,
-    `hldstudy.model.grouped_matmul`), CPU (the reference) -- and capacity on other NVIDIA
-    GPUs, whose compiler runs `ragged_dot` as a dense pass over every expert
-    (benchmarks/results/aot_moe.md). The planner's GPU row is the Hopper one (its
-    calibration compiles are H100 / H200), hence the default."""
+    "tpu"; `hopper`: an sm_90 GPU, H100 / H200; `forward_only`: a teacher's forward). Auto
+    is ragged (dropless) where a grouped matmul runs it: TPU (XLA's own), CPU (the
+    reference) and, for a forward, Hopper (JAX's Mosaic GPU kernels,
+    `hldstudy.model.grouped_matmul`); capacity elsewhere on NVIDIA GPUs: XLA GPU runs
+    `ragged_dot` as a dense pass over every expert (benchmarks/results/aot_moe.md), and the
+    kernels' weight gradient compiles only in a process that has the GPU, so a trained
+    MoE's step through them has no compiled evidence from a CPU host (ragged, set
+    explicitly, trains through them on a GPU host). The planner's GPU row is the Hopper one
+    (its calibration compiles are H100 / H200) and it sizes replicas, hence the defaults."""
     if dispatch != "auto":
         return dispatch
-    return "capacity" if backend == "gpu" and not hopper else "ragged"
+    if backend == "gpu":
+        return "ragged" if hopper and forward_only else "capacity"
+    return "ragged"
 
 
-def experts_run_dense(dispatch: str, backend: str, hopper: bool = True) -> bool:
+def experts_run_dense(dispatch: str, backend: str, hopper: bool = True,
+                      forward_only: bool = True) -> bool:
     """Whether an MoE's routed experts run as a dense pass of every row over every expert:
     ragged dispatch (`jax.lax.ragged_dot`) on XLA's CPU compiler and on a GPU without the
     Hopper kernels."""
-    return moe_dispatch_for(dispatch, backend, hopper) == "ragged" and (
+    return moe_dispatch_for(dispatch, backend, hopper, forward_only) == "ragged" and (
         backend == "cpu" or (backend == "gpu" and not hopper))
 
 
@@ -365,13 +372,16 @@ class ModelConfig:
     d_shared_expert: int = knob(0, domain=NONNEG)
     # Weight of the router's load-balancing loss in a student's objective (0 = off).
     router_aux_weight: float = knob(0.0, domain=NONNEG)
-    # How routed rows reach their experts (hldstudy.model.moe): ragged (dropless
-    # jax.lax.ragged_dot: a grouped matmul on TPU, a dense pass over every expert on CPU and
-    # GPU), capacity (per sequence, a buffer of moe_capacity_factor x the even share of its
-    # rows per expert, batched matmuls; rows past it dropped and logged: expert_drop_rate),
-    # auto (capacity on GPU, ragged elsewhere).
+    # How routed rows reach their experts (hldstudy.model.moe): ragged (dropless grouped
+    # matmul: libtpu's on TPU, JAX's Mosaic GPU kernels on Hopper, a dense pass over every
+    # expert on CPU and other GPUs), capacity (per sequence, a buffer of
+    # moe_capacity_factor x the even share of its rows per expert, batched matmuls; rows
+    # past it dropped and logged: expert_drop_rate), auto (config.moe_dispatch_for).
     moe_dispatch: str = knob("auto", analysis="ignore", domain=MOE_DISPATCHES)
     moe_capacity_factor: float = knob(2.0, analysis="ignore", domain=POSITIVE)
+    # Only ever run forward (a teacher: hldstudy.teacher.colocated.forward_config), so an
+    # auto choice may take a path whose backward could not be compiled here.
+    forward_only: bool = knob(False, analysis="ignore")
 
     def is_global_layer(self, i: int) -> bool:
         """0-based layer index i: True where attention sees the whole causal context."""

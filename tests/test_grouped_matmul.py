@@ -134,14 +134,14 @@ def _h100_mesh(n: int):
     return Mesh(np.array(devices(parse_target(f"h100:{n}"))), ("data",))
 
 
-def _moe(dtype="bfloat16", dispatch="auto"):
+def _moe(dtype="bfloat16", dispatch="auto", forward_only=True):
     from flax import nnx
 
     from hldstudy.model.moe import MoE
     from hldstudy.model.presets import preset
 
     cfg = preset("tiny-qwen-moe", dtype=dtype, param_dtype=dtype, d_model=128, d_expert=64,
-                 moe_dispatch=dispatch)
+                 moe_dispatch=dispatch, forward_only=forward_only)
     return cfg, MoE(cfg, nnx.Rngs(0))
 
 
@@ -169,8 +169,8 @@ def _compiled_forward(layer, mesh, batch: int, seq: int, d: int, grad: bool = Fa
 @needs_plugin
 @cpu_host
 def test_an_moe_layer_compiled_for_h100s_runs_three_kernels_per_shard_at_their_cost():
-    """Auto dispatch on an H100 is ragged through the Mosaic GPU kernel: three grouped
-    matmuls (gate, up, down), each on its own device's rows (the batch split over 2 GPUs:
+    """Auto dispatch of a forward (a teacher's) on an H100 is ragged through the Mosaic GPU
+    kernel: three grouped matmuls (gate, up, down), each on its own device's rows (the batch split over 2 GPUs:
     routing stays on the shard), no dense pass over the experts, and the HLO count carries
     their declared FLOPs (2 x rows x d_in x d_out each)."""
     cfg, layer = _moe()
@@ -195,14 +195,42 @@ def test_an_moe_layer_compiled_for_h100s_runs_three_kernels_per_shard_at_their_c
 @cpu_host
 def test_training_through_the_kernels_from_a_host_without_a_gpu_says_what_to_do():
     """The weights' gradient kernel sizes its grid from the process's GPU: tracing an MoE's
-    backward for an H100 on this CPU host is one ConfigError naming the knob; capacity
-    dispatch compiles; auto on an untileable float32 layer is capacity."""
-    cfg, layer = _moe(dispatch="ragged")
+    backward through it (ragged, set explicitly) for an H100 on this CPU host is one
+    ConfigError naming the knob; auto for a trained MoE is capacity there and compiles;
+    auto on an untileable float32 layer is capacity even for a forward."""
+    cfg, layer = _moe(dispatch="ragged", forward_only=False)
     with pytest.raises(ConfigError, match=r"model\.moe_dispatch.*moe_dispatch=capacity"):
         _compiled_forward(layer, _h100_mesh(1), 2, 128, cfg.d_model, grad=True)
-    cfg, layer = _moe(dispatch="capacity")
+    cfg, layer = _moe(forward_only=False)
     text = _compiled_forward(layer, _h100_mesh(1), 2, 128, cfg.d_model, grad=True)
-    assert "mosaic_gpu_v2" not in text
+    assert "mosaic_gpu_v2" not in text and " dot(" in text
     cfg, layer = _moe(dtype="float32")
     text = _compiled_forward(layer, _h100_mesh(1), 2, 128, cfg.d_model)
     assert "mosaic_gpu_v2" not in text
+
+
+@pytest.mark.parametrize("backend,hopper,forward_only,auto,dense", [
+    ("gpu", True, True, "ragged", False),     # a teacher's forward on H100 / H200: kernels
+    ("gpu", True, False, "capacity", False),  # trained: the weight gradient needs the GPU
+    ("gpu", False, True, "capacity", False),  # A100: XLA would expand ragged densely
+    ("tpu", False, False, "ragged", False),   # libtpu's grouped matmul
+    ("cpu", False, False, "ragged", True)])   # the reference, dense on XLA CPU
+def test_auto_dispatch_is_ragged_where_a_grouped_matmul_runs_it(backend, hopper, forward_only,
+                                                               auto, dense):
+    from hldstudy.config import experts_run_dense, moe_dispatch_for
+
+    assert moe_dispatch_for("auto", backend, hopper, forward_only) == auto
+    assert experts_run_dense("auto", backend, hopper, forward_only) is dense
+    for explicit in ("ragged", "capacity"):
+        assert moe_dispatch_for(explicit, backend, hopper, forward_only) == explicit
+    assert experts_run_dense("ragged", "gpu", hopper=False) and \
+        not experts_run_dense("ragged", "gpu", hopper=True)
+
+
+def test_a_teachers_forward_config_is_forward_only():
+    from hldstudy.config import TeacherConfig
+    from hldstudy.model.presets import preset
+    from hldstudy.teacher.colocated import forward_config
+
+    assert not preset("tiny-qwen-moe").forward_only
+    assert forward_config(preset("tiny-qwen-moe"), TeacherConfig()).forward_only

@@ -87,7 +87,8 @@ def grouped_matmuls_run_dense() -> bool:
     import jax
 
     row = for_device_kind(jax.devices()[0].device_kind)
-    return experts_run_dense("auto", jax.default_backend(), row is not None and row.hopper)
+    return experts_run_dense("auto", jax.default_backend(), row is not None and row.hopper,
+                             forward_only=False)
 
 
 def qwen_flops_per_token(m: ModelShape, seq_len: int, *, attention: str = "causal",

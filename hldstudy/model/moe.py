@@ -175,13 +175,13 @@ def _on_batch_shards(x):
 
 
 def resolve_dispatch(dispatch: str, d_model: int = 0, d_expert: int = 0,
-                     dtype="bfloat16") -> str:
+                     dtype="bfloat16", forward_only: bool = False) -> str:
     """`model.moe_dispatch` for the chip being traced for (`chips.traced_target`;
     `config.moe_dispatch_for` says what auto means there). Auto on a Hopper GPU whose
     kernels cannot take these experts (`grouped_matmul.hopper_unfit`) is capacity."""
     backend = traced_target()[0]
     hopper = hopper_kernels_run()
-    resolved = moe_dispatch_for(dispatch, backend, hopper)
+    resolved = moe_dispatch_for(dispatch, backend, hopper, forward_only)
     if dispatch == "auto" and hopper and resolved == "ragged" and (
             hopper_unfit(d_model, d_expert, dtype) or hopper_unfit(d_expert, d_model, dtype)):
         return "capacity"
@@ -227,6 +227,7 @@ class MoE(nnx.Module):
         self.k = cfg.experts_per_token
         self.compute_dtype = jnp.dtype(cfg.dtype)
         self.dispatch, self.capacity_factor = cfg.moe_dispatch, cfg.moe_capacity_factor
+        self.forward_only = cfg.forward_only
 
     def __call__(self, x_BxTxD) -> tuple[jax.Array, jax.Array, jax.Array]:
         """(output [B, T, D], this layer's load-balancing loss, [B] share of each row's
@@ -238,7 +239,7 @@ class MoE(nnx.Module):
         weights_in = (self.gate[...].astype(dt), self.up[...].astype(dt),
                       self.down[...].astype(dt))
         own_matmul = hasattr(weights_in[0], "grouped_matmul")  # FP8 experts: ragged only
-        dispatch = resolve_dispatch(self.dispatch, d, self.gate.shape[2], dt)
+        dispatch = resolve_dispatch(self.dispatch, d, self.gate.shape[2], dt, self.forward_only)
         if dispatch == "capacity" and not own_matmul:
             # Each sequence dispatched on its own (its buffers sized for its T x k rows):
             # routing stays where the sequence is when the batch is split over devices,
@@ -257,7 +258,7 @@ class MoE(nnx.Module):
                 routed = _on_batch_shards(routed)
             routed = routed.reshape(b * t, self.k, d)
             dropped_B = jnp.mean(dropped_BxT, axis=1)
-        elif hopper_kernels_run() and not own_matmul:
+        elif hopper_kernels_run() and not own_matmul:  # ragged through the Mosaic kernels
             def per_shard(x_BxTxD, experts_BxTxK, *weights):
                 n = x_BxTxD.shape[0] * t
                 return grouped_swiglu(x_BxTxD.reshape(n, d), experts_BxTxK.reshape(n, -1),

@@ -70,7 +70,8 @@ class ParamsFeed:
 def forward_config(model: ModelConfig, teacher: TeacherConfig) -> ModelConfig:
     """The shape a teacher's forward runs in: the run's `teacher.dtype`, attention path
     (`teacher.attention`, where set) and MoE dispatch (`teacher.moe_dispatch`,
-    `teacher.moe_capacity_factor`), no remat and its layers
+    `teacher.moe_capacity_factor`; auto may take a path without a compiled backward:
+    `forward_only`), no remat and its layers
     unrolled. No backward runs through it, so neither remat nor a scan bounds anything;
     and a scan stacks the parameters it runs inside the program (hldstudy.model.stack), a
     second copy of the teacher's weights (62.7 GiB for Qwen3.5-35B-A3B in bf16, compiled
@@ -78,7 +79,8 @@ def forward_config(model: ModelConfig, teacher: TeacherConfig) -> ModelConfig:
     return dataclasses.replace(model, dtype=teacher.dtype, remat=False, scan_layers=False,
                                attention=teacher.attention or model.attention,
                                moe_dispatch=teacher.moe_dispatch,
-                               moe_capacity_factor=teacher.moe_capacity_factor)
+                               moe_capacity_factor=teacher.moe_capacity_factor,
+                               forward_only=True)
 
 
 class ColocatedTeacher:
