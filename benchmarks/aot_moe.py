@@ -1,9 +1,14 @@
 """The MoE teacher's forward compiled for each target with each expert dispatch: what the
-target's compiler makes of `ragged_dot` (dropless) and of capacity buffers, in FLOPs
-(counted from the optimized HLO, loop bodies times their trips, against the FLOP model's
-active-expert count) and memory per device. The evidence `model.moe_dispatch=auto` reads.
+target makes of ragged dispatch (dropless: libtpu's grouped matmul on TPU, JAX's Mosaic
+GPU kernels on Hopper, `hldstudy.model.grouped_matmul`) and of capacity buffers, in FLOPs
+(counted from the optimized HLO, loop bodies times their trips, kernels by their declared
+cost, against the FLOP model's active-expert count) and memory per device. The evidence
+`model.moe_dispatch=auto` reads.
 
     JAX_PLATFORMS=cpu python benchmarks/aot_moe.py [--runs h100:8=ragged,h100:8=capacity,...]
+
+`--runs` with a subset recompiles those rows and keeps the others of the last results
+(each row says when it was compiled and the load then).
 
 Each run is `python -m hldstudy.aot --config experiments/disaggkd_qwen35.py --layout
 disaggregated --parts teacher --set teacher.moe_dispatch=D --set teacher.replica_devices=1
@@ -19,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import time
 from pathlib import Path
 
 from hldstudy.aot.process import run_aot
@@ -37,7 +43,8 @@ def compile_one(target: str, dispatch: str) -> dict:
                    "--target", target, "--set", f"teacher.moe_dispatch={dispatch}",
                    "--set", "teacher.replica_devices=1", "--set", "teacher.attention=dense"])
     rec = {"target": target, "dispatch": dispatch, "exit": run["exit"],
-           "seconds": run["seconds"]}
+           "seconds": run["seconds"], "load_at_start": round(os.getloadavg()[0], 2),
+           "compiled_on": time.strftime("%Y-%m-%d")}
     if "error" in run:
         return {**rec, "error": run["error"]}
     report = run["report"]
@@ -50,21 +57,24 @@ def compile_one(target: str, dispatch: str) -> dict:
     return rec
 
 
-def markdown(records: list[dict], load: float) -> str:
+def markdown(records: list[dict]) -> str:
     lines = ["# The MoE teacher's forward per target and expert dispatch", "",
              f"`{CONFIG}`, `--parts teacher` (Qwen3.5-35B-A3B in bf16, dense attention, "
              "256 x 4096 tokens on one device), per run `--set teacher.moe_dispatch=D --target T` "
-             f"(`benchmarks/aot_moe.py`; load average at start {load}). FLOPs per call: the "
+             "(`benchmarks/aot_moe.py`). Ragged is dropless: libtpu's grouped matmul on the "
+             "TPU, JAX's Mosaic GPU kernels on the Hopper GPUs (`hldstudy.model."
+             "grouped_matmul`). FLOPs per call: the "
              "XLA count (counted from the optimized HLO, the replica's micro-batch loop "
-             "times its trips: `xla_flops_from: hlo` on every target) against "
+             "times its trips, the kernels by their declared cost: `xla_flops_from: hlo` on "
+             "every target) against "
              "the FLOP model's active experts (top-k + shared). GiB per device.", "",
              "| target | dispatch | XLA FLOPs | model FLOPs | XLA / model | temporaries | "
-             "total | device | fits | largest at the peak |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---|---|"]
+             "total | device | fits | largest at the peak | compiled (load) |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---|---|---|"]
     for r in records:
         if "error" in r:
             lines.append(f"| {r['target']} | {r['dispatch']} | (failed: {r['error']}) "
-                         "| | | | | | | |")
+                         "| | | | | | | | |")
             continue
         c = r["compiled"]
         peak = ", ".join(f"{g['op'][:40]} {g['bytes'] / GiB:.2f}" for g in r["peak"])
@@ -74,7 +84,7 @@ def markdown(records: list[dict], load: float) -> str:
             f"| {'' if ratio is None else f'**{ratio:.2f}**'} | "
             f"{c.get('temp_bytes', 0) / GiB:.2f} | {c.get('total_bytes', 0) / GiB:.2f} | "
             f"{r['device_memory_bytes'] / GiB:.2f} | {'yes' if r['fits'] else '**no**'} | "
-            f"{peak} |")
+            f"{peak} | {r.get('compiled_on', '')} ({r.get('load_at_start', '')}) |")
     return "\n".join(lines) + "\n"
 
 
@@ -82,17 +92,24 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--runs", default=",".join(RUNS), help="TARGET=DISPATCH,...")
     args = ap.parse_args()
-    load = round(os.getloadavg()[0], 2)
-    records = []
-    for run in args.runs.split(","):
-        target, dispatch = run.split("=")
-        records.append(compile_one(target, dispatch))
-        print(json.dumps({k: records[-1].get(k) for k in
+    previous = OUT / "aot_moe.json"
+    kept = {}
+    if previous.exists():  # rows not rerun stay (a subset of --runs updates its rows)
+        old = json.loads(previous.read_text())
+        for r in old.get("records", []):
+            r.setdefault("load_at_start", old.get("load_at_start"))
+            kept[(r["target"], r["dispatch"])] = r
+    runs = [tuple(run.split("=")) for run in args.runs.split(",")]
+    order = list(dict.fromkeys([tuple(r.split("=")) for r in RUNS] + list(kept) + runs))
+    for target, dispatch in runs:
+        kept[(target, dispatch)] = compile_one(target, dispatch)
+        print(json.dumps({k: kept[(target, dispatch)].get(k) for k in
                           ("target", "dispatch", "exit", "xla_over_model", "fits")}), flush=True)
+        records = [kept[k] for k in order if k in kept]
         OUT.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(OUT / "aot_moe.json", {"load_at_start": load, "records": records})
-        write_text_atomic(OUT / "aot_moe.md", markdown(records, load))
-    print(markdown(records, load))
+        write_json_atomic(OUT / "aot_moe.json", {"records": records})
+        write_text_atomic(OUT / "aot_moe.md", markdown(records))
+    print(markdown([kept[k] for k in order if k in kept]))
 
 
 if __name__ == "__main__":
