@@ -145,7 +145,8 @@ def _moe(dtype="bfloat16", dispatch="auto", forward_only=True):
     return cfg, MoE(cfg, nnx.Rngs(0))
 
 
-def _compiled_forward(layer, mesh, batch: int, seq: int, d: int, grad: bool = False):
+def _compiled_forward(layer, mesh, batch: int, seq: int, d: int, grad: bool = False,
+                      split: bool = True):
     from flax import nnx
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
@@ -161,7 +162,7 @@ def _compiled_forward(layer, mesh, batch: int, seq: int, d: int, grad: bool = Fa
     whole = NamedSharding(mesh, P())
     state_in = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=whole),
                             state)
-    x = jax.ShapeDtypeStruct((batch, seq, d), jnp.bfloat16, sharding=rows)
+    x = jax.ShapeDtypeStruct((batch, seq, d), jnp.bfloat16, sharding=rows if split else whole)
     with jax.set_mesh(mesh):
         return jax.jit(fn).lower(state_in, x).compile().as_text()
 
@@ -207,6 +208,10 @@ def test_training_through_the_kernels_from_a_host_without_a_gpu_says_what_to_do(
     cfg, layer = _moe(dtype="float32")
     text = _compiled_forward(layer, _h100_mesh(1), 2, 128, cfg.d_model)
     assert "mosaic_gpu_v2" not in text
+    # The kernels run per batch shard: a batch the devices do not divide is refused.
+    cfg, layer = _moe()
+    with pytest.raises(ConfigError, match=r"3 sequences do not split over the 2 devices"):
+        _compiled_forward(layer, _h100_mesh(2), 3, 128, cfg.d_model, split=False)
 
 
 @pytest.mark.parametrize("backend,hopper,forward_only,auto,dense", [

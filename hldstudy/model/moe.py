@@ -17,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 from hldstudy.chips import traced_target
 from hldstudy.config import ModelConfig, moe_dispatch_for
+from hldstudy.errors import ConfigError
 from hldstudy.mesh_axes import axes_size, traced_batch_axes
 from hldstudy.model.grouped_matmul import grouped_matmul, hopper_kernels_run, hopper_unfit
 from hldstudy.model.layers import _init_normal
@@ -194,8 +195,13 @@ def _per_batch_shard(fn, x_BxTxD, experts_BxTxK, weights):
     shard), the experts' weights gathered whole; as is elsewhere."""
     mesh, axes = traced_batch_axes()
     size = axes_size(mesh, axes)
-    if size <= 1 or x_BxTxD.shape[0] % size:
+    if size <= 1:
         return fn(x_BxTxD, experts_BxTxK, *weights)
+    if x_BxTxD.shape[0] % size:
+        raise ConfigError("model.moe_dispatch", f"ragged on a Hopper GPU runs per batch shard, "
+                          f"and {x_BxTxD.shape[0]} sequences do not split over the {size} "
+                          f"devices of mesh axes {axes}",
+                          "use moe_dispatch=capacity, or a batch the devices divide")
     rows, whole = P(axes), P()
     args = (x_BxTxD, experts_BxTxK) + tuple(weights)
     specs = (rows, rows) + (whole,) * len(weights)
