@@ -27,3 +27,14 @@ def traced_batch_axes():
 def axes_size(mesh, axes) -> int:
     """Devices the batch is split over along `axes` of `mesh` (1 for none)."""
     return math.prod(mesh.shape[a] for a in axes) if axes else 1
+
+
+def shard_mapped(fn, mesh, in_specs, out_specs, *args):
+    """`jax.shard_map(fn)` over `mesh` applied to `args`, each first resharded to its spec
+    where the mesh has explicit axes (explicit sharding types must already match the
+    specs). check_vma off: the callers write their collectives out (and a scan's carry may
+    turn per-shard in its body)."""
+    if mesh.explicit_axes:
+        args = tuple(jax.reshard(x, s) for x, s in zip(args, in_specs, strict=True))
+    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                         check_vma=False)(*args)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 
-from hldstudy.chips import for_device_kind
+from hldstudy.chips import traced_target
 from hldstudy.config import experts_run_dense
 from hldstudy.shapes import ModelShape, causal_context
 
@@ -84,10 +84,8 @@ def grouped_matmuls_run_dense() -> bool:
     """Whether the running backend executes an MoE's routed experts (auto dispatch) as a
     dense pass over all experts (`config.experts_run_dense`: on XLA CPU; the hardware
     figure follows what runs)."""
-    import jax
-
-    row = for_device_kind(jax.devices()[0].device_kind)
-    return experts_run_dense("auto", jax.default_backend(), row is not None and row.hopper,
+    backend, chip = traced_target()
+    return experts_run_dense("auto", backend, chip is not None and chip.hopper,
                              forward_only=False)
 
 

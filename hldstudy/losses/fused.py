@@ -31,7 +31,7 @@ from hldstudy.losses.kd_chunks import (
     temperature_is_one,
     update_stats,
 )
-from hldstudy.mesh_axes import axes_size, traced_batch_axes
+from hldstudy.mesh_axes import axes_size, shard_mapped, traced_batch_axes
 from hldstudy.numerics import softcap
 
 log = logging.getLogger("hldstudy.losses")
@@ -444,12 +444,8 @@ def _sharded_rows_loss(cfg, mesh, axes, h_s, w_s, h_t, w_t, labels, mask, hp):
         return tuple(lax.psum(x * share, axes) for x in out)
 
     rows, whole = P(axes), P()
-    in_specs = (rows, whole, rows, whole, rows, rows, whole)
-    args = (h_s, w_s, h_t, w_t, labels, mask, hp)
-    if mesh.explicit_axes:  # explicit sharding types must already match the specs
-        args = tuple(jax.reshard(x, spec) for x, spec in zip(args, in_specs, strict=True))
-    # check_vma=False: the window scans carry a replicated-typed zero dW that turns
-    # per-shard (varying) in the body; the psums above are written out explicitly and
+    # check_vma off (shard_mapped): the window scans carry a replicated-typed zero dW that
+    # turns per-shard (varying) in the body; the psums above are written out explicitly and
     # tests/test_fused_sharded.py checks value and gradients against one device.
-    return jax.shard_map(per_shard, mesh=mesh, in_specs=in_specs,
-                         out_specs=(whole, whole, whole), check_vma=False)(*args)
+    return shard_mapped(per_shard, mesh, (rows, whole, rows, whole, rows, rows, whole),
+                        (whole, whole, whole), h_s, w_s, h_t, w_t, labels, mask, hp)

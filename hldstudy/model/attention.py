@@ -18,7 +18,7 @@ from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_ma
 from hldstudy.chips import traced_target
 from hldstudy.config import ATTENTIONS
 from hldstudy.errors import ConfigError
-from hldstudy.mesh_axes import axes_size, traced_batch_axes
+from hldstudy.mesh_axes import axes_size, shard_mapped, traced_batch_axes
 from hldstudy.numerics import softcap as softcap_fn
 
 IMPLEMENTATIONS = ATTENTIONS  # the values model.attention may take
@@ -417,10 +417,7 @@ def splash_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, segment_ids_BxT=None, *,
     # sequences (attention never mixes sequences: no communication).
     rows = jax.sharding.PartitionSpec(axes)
     args = (q_BxTxNxH, k_BxSxKxH, v_BxSxKxH) + (() if seg is None else (seg,))
-    if mesh.explicit_axes:  # explicit sharding types must already match the specs
-        args = tuple(jax.reshard(x, rows) for x in args)
-    return jax.shard_map(per_shard, mesh=mesh, in_specs=(rows,) * len(args), out_specs=rows,
-                         check_vma=False)(*args)
+    return shard_mapped(per_shard, mesh, (rows,) * len(args), rows, *args)
 
 
 # --------------------------------------------------------------------------- #

@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 from hldstudy.chips import traced_target
 from hldstudy.config import ModelConfig, moe_dispatch_for
 from hldstudy.errors import ConfigError
-from hldstudy.mesh_axes import axes_size, traced_batch_axes
+from hldstudy.mesh_axes import axes_size, shard_mapped, traced_batch_axes
 from hldstudy.model.grouped_matmul import grouped_matmul, hopper_kernels_run, hopper_unfit
 from hldstudy.model.layers import _init_normal
 from hldstudy.sharding import expert_dim_metadata
@@ -144,12 +144,9 @@ def expert_parallel_swiglu(x_BxTxD, experts_BxTxK, gate_ExDxF, up_ExDxF, down_Ex
             back.transpose(1, 0, 2, 3), layout, k)
 
     rows, experts = P(batch_axes), P("expert")
-    args = (x_BxTxD, experts_BxTxK, gate_ExDxF, up_ExDxF, down_ExFxD)
-    specs = (rows, rows, experts, experts, experts)
-    if mesh.explicit_axes:  # explicit sharding types must already match the specs
-        args = tuple(jax.reshard(a, s) for a, s in zip(args, specs, strict=True))
-    return jax.shard_map(per_device, mesh=mesh, in_specs=specs, out_specs=(rows, rows),
-                         check_vma=False)(*args)
+    return shard_mapped(per_device, mesh, (rows, rows, experts, experts, experts),
+                        (rows, rows), x_BxTxD, experts_BxTxK, gate_ExDxF, up_ExDxF,
+                        down_ExFxD)
 
 
 def _expert_axis(n_experts: int, batch: int):
@@ -183,8 +180,8 @@ def resolve_dispatch(dispatch: str, d_model: int = 0, d_expert: int = 0,
     backend = traced_target()[0]
     hopper = hopper_kernels_run()
     resolved = moe_dispatch_for(dispatch, backend, hopper, forward_only)
-    if dispatch == "auto" and hopper and resolved == "ragged" and (
-            hopper_unfit(d_model, d_expert, dtype) or hopper_unfit(d_expert, d_model, dtype)):
+    if dispatch == "auto" and hopper and resolved == "ragged" and \
+            hopper_unfit(d_model, d_expert, dtype):
         return "capacity"
     return resolved
 
@@ -202,13 +199,9 @@ def _per_batch_shard(fn, x_BxTxD, experts_BxTxK, weights):
                           f"and {x_BxTxD.shape[0]} sequences do not split over the {size} "
                           f"devices of mesh axes {axes}",
                           "use moe_dispatch=capacity, or a batch the devices divide")
-    rows, whole = P(axes), P()
-    args = (x_BxTxD, experts_BxTxK) + tuple(weights)
-    specs = (rows, rows) + (whole,) * len(weights)
-    if mesh.explicit_axes:  # explicit sharding types must already match the specs
-        args = tuple(jax.reshard(a, s) for a, s in zip(args, specs, strict=True))
-    return jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=rows,
-                         check_vma=False)(*args)
+    rows = P(axes)
+    return shard_mapped(fn, mesh, (rows, rows) + (P(),) * len(weights), rows,
+                        x_BxTxD, experts_BxTxK, *weights)
 
 
 class MoE(nnx.Module):
