@@ -13,7 +13,7 @@ import re
 import pytest
 
 from hldstudy.aot.__main__ import main as aot_main
-from hldstudy.aot.compile import lower_train, resolve_for_target
+from hldstudy.aot.compile import Choices, lower_train, resolve_for_target
 from hldstudy.aot.targets import GPU_TARGET_FILES, GPU_TARGETS_DIR, gpu_target_config, parse_target
 from hldstudy.chips import CHIPS
 from hldstudy.config import load_experiment
@@ -343,3 +343,35 @@ def test_a_replicas_flop_model_leaves_out_the_head_it_never_runs():
     assert model == hw["teacher"] - hw["teacher_head"] > 0
     assert 0.95 <= step.hlo.flops / model <= 1.0
     assert step.hlo.flops / hw["teacher"] < 0.94
+
+
+def test_the_planner_is_held_to_the_compilers_peak_and_fits_reads_the_reservation():
+    """Each compiler reports its own peak (`memory_analysis().peak_memory_in_bytes`: its
+    buffer assignment's worst point) beside what it reserves (arguments + outputs -
+    aliased + temporaries). On XLA GPU they are within 2%; libtpu reserves its code
+    generation's allocations beyond it (the 9B DisaggKD student on v5p:2x2x2: peak 60.85
+    GiB, reserved 81.94). The planner predicts the peak and is compared with libtpu's;
+    `fits` reads the reservation, which is what the device must hold."""
+    import jax
+
+    from hldstudy.aot.compile import compile_train, mesh_for
+    from hldstudy.aot.report import compiled_peak, step_rows
+
+    cfg, teacher = _tiny()
+    step = compile_train(cfg, teacher, "kd", "main", mesh_for(cfg, jax.devices()))
+    mem = step.memory
+    # XLA CPU's own "peak" is its arguments (the planner is held to the total there)
+    assert mem["peak_memory_bytes"] < mem["total_bytes"] == compiled_peak(mem, "cpu")
+    choices = Choices("dense", "dense", "xla", "vmap", ())
+    (row,) = step_rows(cfg, teacher, parse_target("h100:1"), choices, [step], 1, 1)
+    assert row["planner_over_compiled"] == row["planner"]["total_bytes"] / mem["total_bytes"]
+    # libtpu's report of the same step: a peak below its reservation (the v5p 9B's
+    # proportions), the reservation over the device while the peak is not
+    limit = parse_target("v5e:1x1").chip.device_memory_bytes
+    reserved = dict(mem, temp_bytes=mem["temp_bytes"] + 1.1 * limit,
+                    total_bytes=mem["total_bytes"] + 1.1 * limit,
+                    peak_memory_bytes=mem["total_bytes"])
+    tpu = dataclasses.replace(step, memory=reserved)
+    (row,) = step_rows(cfg, teacher, parse_target("v5e:1x1"), choices, [tpu], 1, 1)
+    assert row["planner_over_compiled"] == row["planner"]["total_bytes"] / mem["total_bytes"]
+    assert not row["fits"] and row["planner_fits"]

@@ -148,8 +148,8 @@ def _member_peak(terms: dict, habits, vmap_extra: float = 0.0) -> tuple[float, f
     larger of the forward/backward turn (activations + logits) and the end of the backward
     (gradients + one block's working set, and `block_backward_extra` of it for the
     block's backward, + a scanned stack's saved buffers, freed only
-    when its backward ends), plus the copy of those buffers libtpu's code generation
-    allocates (`scan_stack_codegen_copies`); the teacher overlaps all of it."""
+    when its backward ends), plus the stack again where libtpu's peak holds it twice
+    (`scan_stack_extra_copies`); the teacher overlaps all of it."""
     acts = terms["activations"] * (1.0 + vmap_extra)
     turn = acts + terms["logits"]
     if habits.grads_beside_activations:
@@ -157,7 +157,7 @@ def _member_peak(terms: dict, habits, vmap_extra: float = 0.0) -> tuple[float, f
     stack = terms.get("scan_stack", 0.0) * (1.0 + vmap_extra)
     block = (1.0 + habits.block_backward_extra) * terms["block_working"]
     peak = max(turn, terms["grads"] + block + stack)
-    peak += habits.scan_stack_codegen_copies * stack
+    peak += habits.scan_stack_extra_copies * stack
     return peak, peak
 
 
@@ -225,7 +225,7 @@ def largest_cohort(fits, k_max: int) -> int:
 
 
 def xla_memory(compiled) -> dict[str, float]:
-    """The same keys from XLA's `compiled.memory_analysis()`."""
+    """The same keys from XLA's `compiled.memory_analysis()`, and `peak_memory_bytes`."""
     ma = compiled.memory_analysis()
     if isinstance(ma, (list, tuple)):
         ma = ma[0]
@@ -233,6 +233,11 @@ def xla_memory(compiled) -> dict[str, float]:
            "alias_bytes": ma.alias_size_in_bytes, "temp_bytes": ma.temp_size_in_bytes}
     out["total_bytes"] = (out["argument_bytes"] + out["output_bytes"] - out["alias_bytes"]
                           + out["temp_bytes"])
+    # The compiler's own peak where it reports one; what it counts differs by compiler
+    # (hldstudy.aot.report.compiled_peak).
+    peak = getattr(ma, "peak_memory_in_bytes", 0)
+    if peak > 0:
+        out["peak_memory_bytes"] = peak
     return {k: float(v) for k, v in out.items()}
 
 
