@@ -195,3 +195,21 @@ def test_a_failed_compile_is_not_recorded_and_ends_in_one_line(tmp_path, capsys,
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("hldstudy plan --decision-map: error: 1 compile(s) failed")
     assert (tmp_path / "map.md").exists()
+
+
+def test_the_planners_ratio_reads_libtpus_peak_and_the_gpus_total():
+    """The map's planner-over-compiler spans hold the planner to what aot holds it to
+    (`hldstudy.aot.report.compiled_peak`): libtpu's own peak on a TPU (it reserves its code
+    generation's allocations beyond it), the total on a GPU."""
+    cells = _cells()
+    records = {}
+    for target in ("v5p:2x2x2", "h100:8"):
+        cell = next(c for c in cells if c["pair"] == SMALL.name and c["target"] == target)
+        args = cmd.compile_commands(cell)["colocated"]
+        planned = cell["colocated"]["peak_bytes"]
+        records[cmd._key(args)] = {"command": cmd._key(args), "fits": True,
+                                   "config_sha256": cmd.config_digest(args),
+                                   "total_bytes": 2 * planned, "peak_memory_bytes": planned}
+    cmd.attach(cells, records)
+    spans = cmd.format_map(cells).split("where both sized the same program")[1]
+    assert "colocated 0.50-1.00 (2)" in spans

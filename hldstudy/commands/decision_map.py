@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 from hldstudy.aot.process import run_aot
+from hldstudy.aot.report import compiled_peak
 from hldstudy.aot.targets import check_installed, parse_target
 from hldstudy.cli_common import check_output_file
 from hldstudy.errors import InputError, RuntimeFault, user_errors
@@ -89,6 +90,8 @@ def run_compile(args: list[str]) -> dict:
     rec.update({k: row[k] for k in ("fits", "device_memory_bytes", "refused", "microbatches",
                                     "xla_over_model", "planner_over_compiled") if k in row})
     rec["total_bytes"] = row.get("compiled", {}).get("total_bytes")
+    if row.get("compiled", {}).get("peak_memory_bytes"):
+        rec["peak_memory_bytes"] = row["compiled"]["peak_memory_bytes"]
     rec["largest"] = [[g["op"], g["bytes"]] for g in row.get("peak", {}).get("largest", [])[:3]]
     return rec
 
@@ -268,7 +271,8 @@ def _reading(cells: list[dict]) -> str:
         for program, recs in c.get("compiled", {}).items():
             if recs and recs[0].get("total_bytes"):
                 layout, key = _PLANNED[program]
-                ratios[program].append(c[layout][key] / recs[0]["total_bytes"])
+                held_to = compiled_peak(recs[0], parse_target(c["target"]).backend)
+                ratios[program].append(c[layout][key] / held_to)
     spans = "; ".join(f"{p} {min(r):.2f}-{max(r):.2f} ({len(r)})"
                       for p, r in ratios.items() if r)
     if spans:
