@@ -343,6 +343,13 @@ def test_a_replicas_flop_model_leaves_out_the_head_it_never_runs():
     assert model == hw["teacher"] - hw["teacher_head"] > 0
     assert 0.95 <= step.hlo.flops / model <= 1.0
     assert step.hlo.flops / hw["teacher"] < 0.94
+    # HLDF's replica serves both stages' needs (stage 1: a partial stack): the deepest
+    step = compile_teacher_forward(cfg, teacher, "hldf", jax.devices()[:1])
+    per_stage = [step_flops(cfg, "hldf", s, teacher, grouped_dense=True).hardware
+                 for s in ("stage1", "stage2")]
+    model = flop_model(cfg, teacher, step, 1, backend="cpu")
+    assert model == max(h.get("teacher", 0.0) - h.get("teacher_head", 0.0) for h in per_stage)
+    assert 0.95 <= step.hlo.flops / model <= 1.0
 
 
 def test_the_planner_is_held_to_the_compilers_peak_and_fits_reads_the_reservation():

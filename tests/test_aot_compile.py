@@ -158,7 +158,9 @@ def test_a_step_that_cannot_fit_is_exit_3_naming_memory_and_buffers(capsys):
     with pytest.raises(SystemExit) as e:
         aot_main(["--config", "tiny_distill", "--teacher-preset", "tiny-teacher",
                   "--target", "v5e:2x4", "--parts", "train", "--set", XLA_LOSS,
-                  "--set", "data.batch_size=16384", "--set", "data.seq_len=512"])
+                  "--set", "data.batch_size=16384", "--set", "data.seq_len=512",
+                  # one micro-batch: auto would split the batch until it fits
+                  "--set", "train.microbatches=1"])
     assert e.value.code == 3
     out = capsys.readouterr()
     assert "| train kd |" in out.out  # the table first

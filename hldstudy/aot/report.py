@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter
 
-from hldstudy.aot.compile import Choices, CompiledStep
+from hldstudy.aot.compile import Choices, CompiledStep, stage_names
 from hldstudy.aot.targets import Target
 from hldstudy.config import Config, ModelConfig
 from hldstudy.flops import step_flops
@@ -93,11 +93,16 @@ def flop_model(cfg: Config, teacher_model: ModelConfig | None, step: CompiledSte
     the train step's count, `teacher_head`)."""
     if step.kind == "eval":
         return None
-    bd = step_flops(cfg, step.method, step.stage if step.kind == "train" else None,
-                    teacher_model, grouped_dense=backend == "cpu")
-    teacher = bd.hardware.get("teacher", 0.0)
+    dense = backend == "cpu"
     if step.kind == "teacher":  # a replica runs the whole global batch over its devices
-        return (teacher - bd.hardware.get("teacher_head", 0.0)) / step.replica_devices
+        # and serves every stage's needs (HLDF: the partial stack of stage 1): the
+        # deepest of them, as `compile_teacher_forward` compiles it
+        hw = [step_flops(cfg, step.method, stage, teacher_model, grouped_dense=dense).hardware
+              for stage in stage_names(cfg, step.method, teacher_model)]
+        return max(h.get("teacher", 0.0) - h.get("teacher_head", 0.0)
+                   for h in hw) / step.replica_devices
+    bd = step_flops(cfg, step.method, step.stage, teacher_model, grouped_dense=dense)
+    teacher = bd.hardware.get("teacher", 0.0)
     total = bd.hardware_flops(step.layout)
     if cohort:
         total = cohort * (total - teacher) + teacher
