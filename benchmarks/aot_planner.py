@@ -100,16 +100,18 @@ def main() -> None:
         ap.error(f"--runs: {', '.join(bad)} not among {', '.join(RUNS)}")
     path = OUT / "aot_planner.json"
     kept = {}
-    if path.exists():
-        kept = {f"{r['program']}@{r['target']}": r for r in json.loads(path.read_text())}
+    if path.exists():  # rows not rerun stay (a subset of --runs updates its rows)
+        kept = {f"{r['program']}@{r['target']}": r
+                for r in json.loads(path.read_text())["records"]}
     for run in asked:
         program, target = run.split("@")
         print(f"compiling {run} ...", flush=True)
         kept[run] = compile_one(program, target)
-    records = [kept[r] for r in RUNS if r in kept]
-    write_json_atomic(path, records)
-    write_text_atomic(OUT / "aot_planner.md", markdown(records))
-    print(markdown(records))
+        records = [kept[r] for r in RUNS if r in kept]  # written after each: none lost
+        OUT.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(path, {"records": records})
+        write_text_atomic(OUT / "aot_planner.md", markdown(records))
+    print(markdown([kept[r] for r in RUNS if r in kept]))
 
 
 if __name__ == "__main__":
