@@ -205,7 +205,7 @@ def test_the_disaggkd_student_step_fits_8_h100_as_committed(capsys):
     assert row["fits"] and row["tokens_per_step"] == row["tokens"] == 1_048_576
     assert row["compiled"]["total_bytes"] <= 0.9 * row["device_memory_bytes"], row
     assert row["xla_flops_from"] == "hlo" and row["xla_flops"] > 0
-    assert _within(row, 0.15), row  # 0.87
+    assert _within(row, 0.15), row  # 0.86
 
 
 def test_the_disaggkd_student_step_on_v5p_and_the_planner_agree(capsys):

@@ -8,9 +8,7 @@ params) are divided by the FSDP axis, as `hldstudy.sharding` places them. A teac
 replica's prediction comes with its compile (`CompiledStep.planner`: the micro-batch
 compiled, the target compiler's row of `hldstudy.plan.compilers`). A step
 "fits" when its total (arguments + outputs - aliased + temporaries) is at most the
-chip's device memory (hldstudy.chips); compiler and planner are held to the same line.
-The planner predicts the program's peak and is compared with the compiler's own
-(`compiled_peak`).
+chip's device memory (hldstudy.chips); the planner is compared with `compiled_peak`.
 """
 
 from __future__ import annotations
