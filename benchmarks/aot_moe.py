@@ -39,11 +39,12 @@ GiB = 2 ** 30
 
 
 def compile_one(target: str, dispatch: str) -> dict:
+    load = round(os.getloadavg()[0], 2)  # before the compile, which loads the machine itself
     run = run_aot(["--config", CONFIG, "--layout", "disaggregated", "--parts", "teacher",
                    "--target", target, "--set", f"teacher.moe_dispatch={dispatch}",
                    "--set", "teacher.replica_devices=1", "--set", "teacher.attention=dense"])
     rec = {"target": target, "dispatch": dispatch, "exit": run["exit"],
-           "seconds": run["seconds"], "load_at_start": round(os.getloadavg()[0], 2),
+           "seconds": run["seconds"], "load_at_start": load,
            "compiled_on": time.strftime("%Y-%m-%d")}
     if "error" in run:
         return {**rec, "error": run["error"]}
