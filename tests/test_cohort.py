@@ -174,6 +174,34 @@ def test_seed_only_members_match_their_solo_run(tmp_path, teacher_dir):
                                [solo[s] for s in sorted(solo)], rtol=1e-6)
 
 
+def _lrs(workdir):
+    return {r["step"]: r["lr"] for r in map(json.loads, (Path(workdir) / "metrics.jsonl")
+                                             .read_text().splitlines()) if "lr" in r}
+
+
+def test_members_at_other_learning_rates_follow_their_solo_schedule_across_continue(
+        tmp_path, teacher_dir):
+    """train.stage_boundary=continue: one schedule over the run's steps, its count carried.
+    Members at other peaks each follow their solo run's (the cohort once rebuilt them over
+    the stage's steps), and log the lr their optimizer applies."""
+    cfgs = [_member("hldf", teacher_dir, f"lr{lr:g}", 6, lr=lr, seed=i)
+            for i, lr in enumerate((1e-2, 3e-3))]
+    cfgs = [dataclasses.replace(c, train=dataclasses.replace(c.train, stage_boundary="continue"))
+            for c in cfgs]
+    for c in cfgs:
+        Trainer(c, tmp_path / "solo" / c.name, devices=DEV).run()
+    CohortTrainer(cfgs, [tmp_path / "co" / c.name for c in cfgs], devices=DEV).run()
+    for c in cfgs:
+        solo, member = tmp_path / "solo" / c.name, tmp_path / "co" / c.name
+        _assert_close(_losses(solo), _losses(member))
+        expected = lr_schedule(c.train, 6)  # one schedule over both stages
+        lrs = _lrs(member)
+        assert sorted(lrs) == list(range(1, 7))
+        for step, lr in lrs.items():
+            assert lr == pytest.approx(float(expected(step - 1)), rel=1e-6)
+        assert _lrs(solo) == lrs
+
+
 # --------------------------------------------------------------------------- #
 # Resume and divergence
 

@@ -58,8 +58,9 @@ class CohortSteps:
         lead = members[0]
         trainable = lead.strategy.trainable_student_layers(plan.stage)
 
-        def make_opt(lr):
-            return make_optimizer(lead.cfg.train, plan.steps, trainable_layers=trainable, lr=lr)
+        def make_opt(lr):  # the schedule each member's solo run follows, at its own peak
+            return make_optimizer(lead.cfg.train, lead.schedule_steps(plan),
+                                  trainable_layers=trainable, lr=lr)
 
         hps = {n: jnp.asarray([_value(m.cfg, n) for m in members], jnp.float32)
                for n in self.varying}

@@ -99,6 +99,11 @@ def check_resume_compatible(cfg: Config, workdir: Path) -> None:
                               "use a new --workdir, or restore the original value")
 
 
+
+def scalars(metrics: dict) -> dict:
+    """The metrics a log line holds: the per-batch lists stay in results.json."""
+    return {k: v for k, v in metrics.items() if not isinstance(v, list)}
+
 class Trainer:
     """One run: its config, run directory, mesh, data, strategy, teacher, stage plans and
     checkpoints, and what the loop asks of it (resume point, restore, save, evaluate,
@@ -166,6 +171,11 @@ class Trainer:
     def _continues(self) -> bool:
         return self.cfg.train.stage_boundary == "continue" and len(self.plans) > 1
 
+    def schedule_steps(self, plan: StagePlan) -> int:
+        """The steps the optimizer's schedule of `plan`'s stage spans: the run's total with
+        train.stage_boundary=continue (one schedule, its count carried), else the stage's."""
+        return self.total_steps if self._continues() else plan.steps
+
     def lr_at(self, plan: StagePlan, step: int) -> float:
         """The learning rate of the update that brought the run to global `step`."""
         if self._continues():  # one schedule over the run, its count carried across stages
@@ -178,8 +188,7 @@ class Trainer:
         previous stage's optimizer state) carried into it."""
         cfg, stage = self.cfg, plan.stage
         seed = cfg.train.seed
-        optimizer = make_optimizer(cfg.train,
-                                   self.total_steps if self._continues() else plan.steps,
+        optimizer = make_optimizer(cfg.train, self.schedule_steps(plan),
                                    trainable_layers=self.strategy.trainable_student_layers(stage))
         if self.wrap_optimizer is not None:
             optimizer = self.wrap_optimizer(optimizer)
@@ -219,25 +228,32 @@ class Trainer:
         return self.teacher.stage_feed(self.strategy, plan.stage, self.mesh)
 
     def evaluate(self, graphdefs: GraphDefs, params, n_batches: int) -> dict:
+        """Validation NLL over the first `n_batches` batches (0: the whole split), and each
+        batch's mean NLL and tokens (`valid_batch_nll`, `valid_batch_tokens`): what the
+        analysis reads the evaluation's own standard error from."""
         # One compiled eval step per student graph (not one per call).
         eval_step = self._eval_steps.get(graphdefs.student)
         if eval_step is None:
             eval_step = self._eval_steps[graphdefs.student] = jax.jit(make_eval_step(graphdefs))
-        total, count = 0.0, 0.0
-        for batch in self.data.valid_batches(n_batches):
+        sums, counts = [], []
+        for batch in self.data.valid_batches(n_batches or None):
             # Traced under the mesh as the train step is (and as hldstudy.aot compiles
             # it): what `auto` decides while tracing sees the mesh's chip.
             with jax.set_mesh(self.mesh):
                 s, c = eval_step(params, mesh_lib.put_batch(batch, self.mesh))
-            total += float(s)
-            count += float(c)
+            sums.append(float(s))
+            counts.append(float(c))
+        total, count = sum(sums), sum(counts)
         if count == 0:
             raise InputError("the validation data gave no tokens to evaluate on "
                              "(give more validation data: data.synthetic_valid_docs, or a "
                              "larger validation split)")
         nll = total / count
         return {"valid_nll": nll, "valid_ppl": float(math.exp(min(nll, 700.0))),
-                "valid_tokens": int(count)}
+                "valid_tokens": int(count),
+                "valid_batch_nll": [a / b if b else math.nan for a, b in zip(sums, counts,
+                                                                              strict=True)],
+                "valid_batch_tokens": [int(b) for b in counts]}
 
     def run(self, stop_at_step: int | None = None) -> dict:
         """Trains to the end, or to `stop_at_step` (behaves exactly as a SIGTERM there):
@@ -341,8 +357,8 @@ class Trainer:
                   "stages": {p.stage.name: {"steps": p.steps, "flops_per_step": p.flops_per_step}
                              for p in self.plans},
                   **metrics}
-        logger.log({"step": int(state["step"]), **metrics})
-        logger.summary(metrics)
+        logger.log({"step": int(state["step"]), **scalars(metrics)})
+        logger.summary(scalars(metrics))
         if mesh_lib.is_primary():
             write_json_atomic(self.workdir / "results.json", result)
         return result
@@ -587,8 +603,8 @@ def _run_stage(members, group, plan, graphdefs, optimizer, states, shardings, lo
                 bar.update(1)
             if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < end:
                 for j, i in lanes.live():
-                    loggers[i].log({"step": step, **members[i].evaluate(
-                        graphdefs, lane(packed["params"], j), cfg.train.eval_batches)})
+                    loggers[i].log({"step": step, **scalars(members[i].evaluate(
+                        graphdefs, lane(packed["params"], j), cfg.train.eval_batches))})
             boundary = cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0
             if stop.stop_at_step is not None and step >= stop.stop_at_step:
                 stop.signum = signal.SIGTERM
