@@ -19,7 +19,7 @@ def get_config() -> Config:
         data=DataConfig(source="synthetic", seq_len=128, batch_size=8, tokenizer_vocab_size=512,
                         synthetic_docs=4000, synthetic_valid_docs=200),
         train=TrainConfig(steps=100, lr=3e-3, warmup_steps=10, log_every=10,
-                          checkpoint_every=50, eval_batches=4),
+                          checkpoint_every=50, eval_batches=0),  # 0: the whole validation split
         # logit KD, the reference method (--method picks another)
         distill=DistillConfig(method=methods.REFERENCE, alpha=0.5, temperature=1.0,
                               hidden_weight=1.0),

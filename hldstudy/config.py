@@ -464,7 +464,8 @@ class TrainConfig:
     log_every: int = knob(10, operational=True, domain=COUNT)
     eval_every: int = knob(0, operational=True,
                            domain=Domain(">= 0", note="0 = evaluate at the end only"))
-    eval_batches: int = knob(8, resume=True, analysis="ignore", domain=COUNT)
+    eval_batches: int = knob(8, resume=True, analysis="ignore",
+                             domain=Domain(">= 0", note="0 = the whole validation split"))
     checkpoint_every: int = knob(50, operational=True,
                                  domain=Domain(">= 0", note="0 = at the end only"))
     # At least 2: the latest checkpoint and one to fall back on when it is damaged.

@@ -39,6 +39,24 @@ def test_members_differ_only_in_member_fields():
         group(runs, 0)
 
 
+def test_a_seed_sets_the_data_order_and_cohorts_group_the_runs_of_one_seed():
+    """A new run varies its initialisation and its data order: the seed axis sets both, so
+    the runs of one seed (every configuration) share a cohort's batches and teacher
+    forward; `seeds_vary_data_order=False` keeps one data order for every seed."""
+    from hldstudy.sweep.grid_exec import data_streams
+
+    runs = expand(_sweep(seeds=(0, 1)))
+    kd = [r for r in runs if r.method == "kd"]
+    assert {(r.params["train.seed"], r.config.data.seed) for r in kd} == {(0, 0), (1, 1)}
+    for c in group(kd, 100):
+        assert len({r.config.data.seed for r in c}) == 1 and len(c) == 4  # lr x T, one seed
+    assert [len(s) for s in data_streams(runs)] == [len(runs) // 2] * 2
+    old = expand(_sweep(seeds=(0, 1), seeds_vary_data_order=False))
+    assert {r.config.data.seed for r in old} == {0}
+    assert [len(c) for c in group([r for r in old if r.method == "kd"], 100)] == [8]
+    assert len(data_streams(old)) == 1
+
+
 def test_cohort_pays_one_teacher_forward_per_step():
     runs = expand(_sweep())
     per = {r.run_id: run_flops(r, TEACHER) for r in runs}

@@ -67,10 +67,45 @@ class _Raise:
             signal.signal(sig, old)
 
 
-def run_grid(runs: list[Run], sweep, workdir: Path, *, k: int, options: ReplicaOptions,
-             executor: str = "local", parallel: int = 1, progress: bool = True,
-             cluster: str | None = None, params: dict | None = None,
-             teacher_params: dict | None = None) -> Outcome:
+def data_streams(runs: list[Run]) -> list[list[Run]]:
+    """The runs grouped by the data they read (one replica set streams one `batch_at(step)`
+    sequence): one group per data order when the sweep's seeds set it
+    (`Sweep.seeds_vary_data_order`), in grid order."""
+    out: dict[str, list[Run]] = {}
+    for r in runs:
+        out.setdefault(repr(r.config.data), []).append(r)
+    return list(out.values())
+
+
+def _absorb(total: Outcome, part: Outcome) -> None:
+    for name in ("done", "skipped", "interrupted", "no_eval", "killed_earlier"):
+        getattr(total, name).extend(getattr(part, name))
+    total.failed.update(part.failed)
+    total.exit_codes.update(part.exit_codes)
+    total.teacher_loads += part.teacher_loads
+    total.signum = part.signum
+
+
+def run_grid(runs: list[Run], sweep, workdir: Path, **kwargs) -> Outcome:
+    """One replica set per data order, in turn (a sweep whose seeds set the data order has
+    one per seed; the replicas' economy holds within each: every configuration of that
+    seed streams from it); a stop signal ends the sweep before the next one starts."""
+    streams = data_streams(runs)
+    if len(streams) == 1:
+        return _serve_grid(runs, sweep, workdir, **kwargs)
+    total = Outcome()
+    for i, part in enumerate(streams, 1):
+        print(f"{PROG}: data order {i} of {len(streams)} ({len(part)} runs)", file=sys.stderr)
+        _absorb(total, _serve_grid(part, sweep, workdir, **kwargs))
+        if total.signum is not None:
+            break
+    return total
+
+
+def _serve_grid(runs: list[Run], sweep, workdir: Path, *, k: int, options: ReplicaOptions,
+                executor: str = "local", parallel: int = 1, progress: bool = True,
+                cluster: str | None = None, params: dict | None = None,
+                teacher_params: dict | None = None) -> Outcome:
     workdir = Path(workdir)
     check_grid(runs, options)
     cohorts = group(runs, k)

@@ -40,6 +40,7 @@ from hldstudy.teacher_source import is_remote
 AXES = axis_names()
 GRID_AXES = grid_axes()
 SEED_AXIS = replicate_axis()
+DATA_ORDER = "data.seed"  # the field a seed also sets (Sweep.seeds_vary_data_order)
 
 # Config leaves that may differ between a run directory and the grid without it being
 # a different run (display, logging, checkpoint cadence, transport knobs, the mesh):
@@ -71,6 +72,11 @@ class _SweepSpec:
         its results.json.
     shared_tokenizer: give every run (the baseline too) the teacher's tokenizer when
         the teacher is an hldstudy run directory and data.tokenizer is unset.
+    seeds_vary_data_order: a seed sets the data order (`data.seed`) as well as the
+        initialisation (`train.seed`), as a new run would vary both; False: the
+        initialisation only (every seed reads one data order: the sweeps before 2026-12).
+        `data.seed` is part of a run's data identity, so cohorts (one teacher forward
+        per batch) then group the runs of one seed, not the seeds of one configuration.
     launch: the command that launches this sweep (documentation; shown by --dry-run).
     """
 
@@ -89,6 +95,7 @@ class _SweepSpec:
     eval_batch_size: int = 8
     eval_offline_data: str | None = None
     shared_tokenizer: bool = True
+    seeds_vary_data_order: bool = True
     launch: str = ""
 
     def axes(self) -> list[tuple[str, tuple]]:
@@ -286,6 +293,8 @@ def expand(sweep: Sweep, overrides: tuple[str, ...] | list[str] = (), *,
         for combo in itertools.product(*[v for _, v in mine]):
             params = {k: val for (k, _), val in zip(mine, combo, strict=True)}
             ovr = [f"distill.method={method}"] + [f"{k}={_literal(v)}" for k, v in params.items()]
+            if sweep.seeds_vary_data_order and SEED_AXIS in params:
+                ovr.append(f"{DATA_ORDER}={_literal(params[SEED_AXIS])}")
             cfg = apply_overrides(base, ovr)
             run_id = run_id_for(method, params)
             if run_id in runs:
