@@ -57,7 +57,7 @@ def main(argv=None) -> int:
         if args.ablation:
             from hldstudy.analysis.ablation import write_report
 
-            summary = write_report(args.runs_dir, args.out, args.n_resamples, args.seed)
+            summary = write_report(args.runs_dir, args.out)
             print(f"wrote {args.out}/report.md ({summary['runs']} HLDF runs paired with KD); "
                   + "; ".join(f"{c['claim']}: {c['verdict']}" for c in summary["claims"]))
             return 0

@@ -547,6 +547,10 @@ def _row(run_id: str, d: Path, root: Path, flat: dict, res: dict | None,
     if not math.isfinite(nll) and math.isfinite(ppl) and ppl > 0:
         nll = math.log(ppl)
     row["valid_ppl"], row["valid_nll"] = ppl, nll
+    # Each validation batch's mean NLL and tokens (runs since 2026-12): the evaluation's
+    # own noise, which a paired gap reads batch by batch (`ablation.eval_se_pct`).
+    row["valid_batch_nll"] = res.get("valid_batch_nll")
+    row["valid_batch_tokens"] = res.get("valid_batch_tokens")
     if status == "done" and not math.isfinite(ppl):
         warnings.append(f"{run_id}: finished but has no finite valid_ppl / valid_nll")
     row.update(_flatten_eval(res.get("eval")))
@@ -568,8 +572,25 @@ def _teacher_dirs(root: Path, dirs: list[Path], flats: list[dict]) -> set[Path]:
     return {d.resolve() for d in dirs if d.resolve() in refs}
 
 
+SEEDS_SPAN_DATA, SEEDS_SPAN_INIT = "initialisation and data order", "initialisation only"
+
+
+def seeds_span(df: pd.DataFrame) -> str:
+    """What a seed varies in these runs: SEEDS_SPAN_DATA when each seed has its own data
+    order (`Sweep.seeds_vary_data_order`), SEEDS_SPAN_INIT when every seed read one order
+    (sweeps before 2026-12: the seed spread then understates a new run's)."""
+    sub = df[df["status"] == "done"] if "status" in df else df
+    if "data_seed" not in sub or sub["seed"].nunique() < 2:
+        return SEEDS_SPAN_INIT
+    per_seed = sub.groupby(sub["seed"].astype(str))["data_seed"].nunique()
+    distinct = sub.groupby(sub["seed"].astype(str))["data_seed"].first().nunique()
+    return SEEDS_SPAN_DATA if per_seed.max() == 1 and distinct == len(per_seed) \
+        else SEEDS_SPAN_INIT
+
+
 def _fold_data_seed(df: pd.DataFrame, flats: list[dict], done: pd.Series) -> None:
     ds = pd.Series([_cfg_get(f, "data.seed") if f else None for f in flats], index=df.index)
+    df["data_seed"] = ds
     ts = df["seed"]
     sub = pd.DataFrame({"t": ts[done].astype(str), "d": ds[done].astype(str)})
     if sub["d"].nunique() <= 1:
