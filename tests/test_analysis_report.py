@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
+from scipy import stats as scipy_stats
 
 from hldstudy.analysis import runs as runs_mod
 from hldstudy.analysis.__main__ import main
@@ -453,45 +454,47 @@ def paper_budget(tmp_path_factory):
 def test_paper_claim1_hldf_gain_read_with_its_statistics(paper_budget):
     _, _, _, summary, best = paper_budget
     r = paper.read_ppl_gain(summary, best)
-    # mean of -1, -2, -3, -4 = -2.5%, better at all 4 points, sign p = 2/2^4
-    # every resample mean is < 0 (the CI excludes 0), but 4 points cannot give p < 0.05,
-    # and one seed a point: the CI's spread says the smallest detectable mean Δ is
-    # 2.80 x 2.0 / 3.92 = 1.43%, far above the paper's 0.26%: it cannot tell
-    assert r.verdict == paper.CANNOT_TELL
-    assert "smallest detectable mean Δ 1.43% (spread across points" in r.shows[0]
-    assert "95% CI [-3.50, -1.50]" in r.shows[0]  # 2.5% and 97.5% quantiles of 2000 means
+    # mean of -1, -2, -3, -4 = -2.5%, sd 1.291: t(3) interval -2.5 -+ 3.182 x 0.6455 =
+    # [-4.55, -0.446]: below 0, so it agrees (the rule is symmetric: power is no gate)
+    assert r.verdict == paper.AGREES
+    assert "95% t interval [-4.55, -0.446]; below 0)" in r.shows[0]
     assert "mean Δppl -2.50%" in r.shows[0]
-    assert "better at 4, worse at 0, tied at 0; sign-test p 0.125" in r.shows[0]
-    # best vs best: HLDF's best (9.9 at lr 1e-3, T 1) vs KD's best (10): -1%
-    assert "Best vs best: -1.0" in r.shows[0] and "% (1 seed(s))" in r.shows[0]
-    # resample means lie in [-4, -1]: the paper's -0.26% is outside, and n=4 caps the p
-    assert any("the size differs" in c for c in r.caveats)
-    assert any("cannot go below p = 0.125" in c for c in r.caveats)
+    assert "better at 4, worse at 0, tied at 0; p vs 0 0.0305" in r.shows[0]
+    # power 0.8 at sd 1.291 over 4 points; the paper's 0.26% would need many more
+    assert "smallest detectable mean Δ 2.75% (power 0.8)" in r.shows[0]
+    assert "would need 196 units at this spread" in r.shows[0]
+    # best vs best: HLDF's best (9.9 at lr 1e-3, T 1) vs KD's best (10): -1%, exploratory
+    assert "Best vs best (exploratory: each arm's best picked on these runs): -1.0" \
+        in r.shows[0] and "% (1 seed(s))" in r.shows[0]
     assert not any("not systematic" in c for c in r.caveats)
 
 
-def test_paper_claim1_opposite_and_silent():
-    # 8 points, 1 better / 7 worse: sign p = 2 * 9/256 = 0.0703 -> not resolved
-    summary = pd.DataFrame([{"arm": "hldf", "metric": paper.PPL_METRIC, "n_points": 8,
-                             "mean_delta": 1.5, "ci_lo": 0.5, "ci_hi": 2.5, "n_better": 1,
-                             "n_worse": 7, "n_tie": 0, "sign_p": 0.0703, "seed_std": 2.0}])
-    r = paper.read_ppl_gain(summary, pd.DataFrame())
-    assert r.verdict == paper.CANNOT_TELL  # 2.80 x 2.0 / sqrt(8) = 1.98% >> 0.26%
-    assert "smallest detectable mean Δ 1.98% (seed variance" in r.shows[0]
+def _claim1_row(**kw):
+    row = {"arm": "hldf", "metric": paper.PPL_METRIC, "n_points": 8, "n_pairs": 8,
+           "unit": "grid point", "n_units": 8, "mean_delta": 1.5, "ci_lo": 0.5, "ci_hi": 2.5,
+           "delta_sd": 1.196, "n_better": 1, "n_worse": 7, "n_tie": 0, "sign_p": 0.0703,
+           "seed_std": 2.0}
+    return pd.DataFrame([{**row, **kw}])
+
+
+def test_paper_claim1_one_rule_both_directions_and_silent():
+    # interval [0.5, 2.5]: above 0 -> disagrees, however few the points
+    r = paper.read_ppl_gain(_claim1_row(), pd.DataFrame())
+    assert r.verdict == paper.DISAGREES and "above 0" in r.shows[0]
     assert any("not systematic" in c for c in r.caveats)
     assert any("below the seed noise" in c for c in r.caveats)  # |1.5| < 2.0
-    # 0 better / 8 worse: sign p = 2/256 and the CI excludes 0 -> resolved
-    resolved = summary.assign(n_better=0, n_worse=8, sign_p=2 / 256)
-    assert paper.read_ppl_gain(resolved, pd.DataFrame()).verdict == paper.OPPOSITE
-    gain = resolved.assign(mean_delta=-0.3, ci_lo=-0.4, ci_hi=-0.2, n_better=8, n_worse=0,
-                           seed_std=0.1)
-    r = paper.read_ppl_gain(gain, pd.DataFrame())
-    assert r.verdict == paper.AGREES and not r.caveats  # -0.26 in [-0.4, -0.2]
-    # low seed noise: 2.80 x 0.1 / sqrt(8) = 0.099% could see 0.26%: the unresolved
-    # opposite direction is a reading, not a shrug
-    quiet = summary.assign(seed_std=0.1)
-    assert paper.read_ppl_gain(quiet, pd.DataFrame()).verdict == paper.OPPOSITE_UNRESOLVED
-    only_hldc = summary.assign(arm="hldc")
+    gain = _claim1_row(mean_delta=-0.3, ci_lo=-0.4, ci_hi=-0.2, delta_sd=0.12, n_better=8,
+                       n_worse=0, seed_std=0.1)
+    assert paper.read_ppl_gain(gain, pd.DataFrame()).verdict == paper.AGREES
+    level = _claim1_row(mean_delta=0.0, ci_lo=-0.1, ci_hi=0.1, delta_sd=0.12)
+    r = paper.read_ppl_gain(level, pd.DataFrame())  # contains 0, excludes -0.26
+    assert r.verdict == paper.DISAGREES and "excludes -0.26" in r.shows[0]
+    wide = _claim1_row(mean_delta=0.0, ci_lo=-1.0, ci_hi=1.0, delta_sd=1.2)
+    assert paper.read_ppl_gain(wide, pd.DataFrame()).verdict == paper.CANNOT_TELL
+    one = _claim1_row(n_units=1, ci_lo=float("nan"), ci_hi=float("nan"),
+                      delta_sd=float("nan"))
+    assert paper.read_ppl_gain(one, pd.DataFrame()).verdict == paper.CANNOT_TELL
+    only_hldc = _claim1_row(arm="hldc")
     assert paper.read_ppl_gain(only_hldc, pd.DataFrame()).verdict == paper.SILENT
 
 
@@ -556,7 +559,7 @@ def test_paper_setting_and_section_in_report(tmp_path):
     assert "### Against the paper" in md
     assert md.index("### Against the paper") < md.index("### Best vs best")
     verdicts = [c["verdict"] for c in summary["budgets"][0]["against_paper"]]
-    assert verdicts == [paper.CANNOT_TELL] * 3
+    assert verdicts == [paper.AGREES] + [paper.CANNOT_TELL] * 2
     assert "Holm-adjusted once over all the tests of the three claims" in md
     cfg = Config()
     kd_tokens = int(1e15 // FLOPS_PER_STEP["kd"]) * cfg.data.batch_size * cfg.data.seq_len
@@ -591,32 +594,34 @@ def test_paper_section_without_a_reference_or_hld_arm_cannot_speak(tmp_path):
 
 
 def test_too_few_seeds_read_cannot_tell_and_enough_read_a_verdict():
-    """The same mean gain, its seed noise measured: 3 seeds at 4 points with a seed std of
-    1% cannot see the paper's 0.26% (smallest detectable 1.4%); 40 points with 0.2% can,
-    and the resolved gain agrees."""
-    row = {"arm": "hldf", "metric": paper.PPL_METRIC, "n_points": 4, "mean_delta": -0.3,
-           "ci_lo": -0.9, "ci_hi": 0.3, "n_better": 3, "n_worse": 1, "n_tie": 0,
-           "sign_p": 0.625, "seed_std": 1.0}
-    few = paper.read_ppl_gain(pd.DataFrame([row]), pd.DataFrame())
+    """The same mean gain: 4 points with a spread of 1% cannot tell (the interval holds 0
+    and -0.26); 40 points with 0.2% resolve it, and the gain agrees."""
+    few = paper.read_ppl_gain(_claim1_row(n_points=4, n_units=4, mean_delta=-0.3,
+                                          ci_lo=-1.89, ci_hi=1.29, delta_sd=1.0),
+                              pd.DataFrame())
     assert few.verdict == paper.CANNOT_TELL
-    assert "smallest detectable mean Δ 1.4% (seed variance" in few.shows[0]
-    many = dict(row, n_points=40, ci_lo=-0.35, ci_hi=-0.25, n_better=40, n_worse=0,
-                sign_p=2 / 2 ** 40, seed_std=0.2)
-    assert paper.read_ppl_gain(pd.DataFrame([many]), pd.DataFrame()).verdict == paper.AGREES
+    assert "smallest detectable mean Δ 2.13% (power 0.8)" in few.shows[0]
+    many = _claim1_row(n_points=40, n_units=40, mean_delta=-0.3, ci_lo=-0.364, ci_hi=-0.236,
+                       delta_sd=0.2, n_better=40, n_worse=0)
+    assert paper.read_ppl_gain(many, pd.DataFrame()).verdict == paper.AGREES
 
 
 def test_one_correction_spans_every_claim(paper_budget):
-    """Claim 1's and claim 2's sign tests and claim 3's rank test are Holm-adjusted
+    """Claim 1's t tests, claim 2's sign tests and claim 3's rank test are Holm-adjusted
     together: each p at least its raw value, the smallest one times the whole family."""
     _, _, pairs, summary, _ = paper_budget
     adjusted = paper.adjusted_p_values(summary, pairs)
-    assert {k[0] for k in adjusted} == {"ppl", "down", "kd_weak"}
+    assert {k[0] for k in adjusted} == {"ppl", "ppl_paper", "down", "kd_weak"}
     raw = {("kd_weak", "hldf"): 2 / 24}  # the exact p of rho = -1 over 4 points
     for _, r in summary.iterrows():
-        kind = ("ppl", r["arm"]) if r["metric"] == paper.PPL_METRIC else \
-            ("down", r["arm"], r["metric"])
-        if kind in adjusted:
-            raw[kind] = float(r["sign_p"])
+        if r["metric"] == paper.PPL_METRIC:  # claim 1: the t interval's two p-values
+            if ("ppl", r["arm"]) in adjusted:
+                se = r["delta_sd"] / np.sqrt(r["n_units"])
+                for key, null in (("ppl", 0.0), ("ppl_paper", paper.PAPER_HLDF_PPL_DELTA_PCT)):
+                    raw[(key, r["arm"])] = float(2 * scipy_stats.t.sf(
+                        abs(r["mean_delta"] - null) / se, r["n_units"] - 1))
+        elif ("down", r["arm"], r["metric"]) in adjusted:
+            raw[("down", r["arm"], r["metric"])] = float(r["sign_p"])
     assert set(raw) == set(adjusted)  # hldc's claim 1 and claim 3 (no correlation) excluded
     assert all(adjusted[k] >= raw[k] - 1e-12 for k in raw)
     assert min(adjusted.values()) == pytest.approx(min(1.0, min(raw.values()) * len(raw)))

@@ -14,7 +14,9 @@ import numpy as np
 import pandas as pd
 
 from hldstudy.analysis import stats
+from hldstudy.analysis.intervals import Interval, detectable, seeds_needed
 from hldstudy.analysis.tables import PPL_DELTA, fmt_num, fmt_p, fmt_signed
+from hldstudy.analysis.verdict import DISAGREES, EXPLORATORY, read_gap
 from hldstudy.config import Config, config_from_dict
 from hldstudy.distill import methods
 from hldstudy.shapes import count_params
@@ -27,7 +29,8 @@ HLDF = "hldf"  # the method claim 1 is about (a name in hldstudy.distill.methods
 PPL_METRIC = "valid_ppl (%)"  # tables.grid_summary's name for the perplexity row
 ALPHA = 0.05
 
-# Verdicts (the last word of each reading).
+# Verdicts (the last word of each reading). Claim 1 reads `analysis.verdict`'s rule
+# (agrees / disagrees / cannot tell); claims 2 and 3 keep their own words.
 AGREES = "agrees"
 SAME_DIRECTION = "same direction, not resolved"
 OPPOSITE = "opposite, resolved"
@@ -39,8 +42,6 @@ CANNOT_TELL = "cannot tell"
 NO_WINNER_UNRESOLVED = CANNOT_TELL  # claim 2 when not every arm's tests could separate
 MIXED = "mixed across the HLD arms"  # the arms' verdicts differ
 SILENT = "cannot speak to it"
-# Power of the minimum-detectable-effect figure: two-sided alpha 0.05, power 0.8.
-Z_ALPHA, Z_POWER = 1.959964, 0.841621
 CORRECTION = "Holm"  # one multiple-comparison correction over every test of the reading
 
 # The paper's setting, as DESIGN.md states it; None: not stated there.
@@ -104,24 +105,16 @@ def _min_sign_p(n: int) -> float:
     return min(1.0, 2.0 / 2 ** n) if n > 0 else 1.0
 
 
-def detectable_effect(n: int, seed_std: float, ci_lo: float, ci_hi: float) -> tuple[float, str]:
-    """(the smallest mean delta, in %, that n paired points could detect at alpha 0.05
-    with power 0.8, where it comes from): from the seed noise of one point's delta
-    (std / sqrt(n)) when seeds were repeated, else from the bootstrap CI's width."""
-    if n >= 1 and np.isfinite(seed_std) and seed_std > 0:
-        return (Z_ALPHA + Z_POWER) * seed_std / math.sqrt(n), "seed variance"
-    if n >= 2 and np.isfinite(ci_lo) and np.isfinite(ci_hi):
-        return (Z_ALPHA + Z_POWER) * (ci_hi - ci_lo) / (2 * Z_ALPHA), "spread across points"
-    return math.inf, "one point, one seed"
-
-
 def read_ppl_gain(summary: pd.DataFrame, best: pd.DataFrame, method: str = HLDF,
                   reference: str = methods.REFERENCE,
                   adjusted: dict | None = None) -> ClaimReading:
-    """Claim 1 for each arm of `method`: the grid mean of the relative perplexity delta vs
-    the reference (per-seed deltas averaged per point first), its bootstrap CI, the sign
-    test (`adjusted`: its p after the reading's one correction), the seed noise of one
-    comparison, the smallest effect it could detect, and the best-vs-best delta."""
+    """Claim 1 for each arm of `method`: the mean relative perplexity delta vs the reference
+    over its paired units (grid points, or seeds at a single shared point), its t
+    interval, read by the one verdict rule (`analysis.verdict.read_gap`: below 0 agrees,
+    above 0 or away from the paper's figure disagrees, else cannot tell), both p-values
+    (`adjusted`: after the reading's one correction), the smallest gap it detects and
+    the seeds the paper's figure would need, and the best-vs-best delta (exploratory:
+    each arm's best is picked on the same runs)."""
     claim = (f"{method.upper()} gives a small but systematic validation-perplexity gain over "
              f"{reference.upper()} across the shared configurations: "
              f"{PAPER_HLDF_PPL_DELTA_PCT:+.2f}% on average, at both student sizes.")
@@ -133,49 +126,45 @@ def read_ppl_gain(summary: pd.DataFrame, best: pd.DataFrame, method: str = HLDF,
     shows, caveats, verdicts = [], [], []
     for arm in arms:
         r = rows[rows["arm"] == arm].iloc[0]
-        n, mean, lo, hi = int(r["n_points"]), float(r["mean_delta"]), r["ci_lo"], r["ci_hi"]
-        ci = (f"95% CI [{fmt_signed(lo)}, {fmt_signed(hi)}]" if np.isfinite(lo)
-              else "CI undefined (one point)")
-        line = (f"`{arm}` vs `{reference}` over {n} shared point(s): mean Δppl "
-                f"{fmt_signed(mean)}% ({ci}); better at {int(r['n_better'])}, worse at "
-                f"{int(r['n_worse'])}, tied at {int(r['n_tie'])}; sign-test p "
-                f"{fmt_p(r['sign_p'])}")
+        iv = Interval("t", float(r["mean_delta"]), float(r["ci_lo"]), float(r["ci_hi"]),
+                      int(r["n_units"]), float(r["n_units"]) - 1, float(r["delta_sd"]))
+        v = read_gap(iv, PAPER_HLDF_PPL_DELTA_PCT)
+        unit = "seed(s) at one shared point" if r["unit"] == "seed" else "shared point(s)"
+        ci = (f"95% t interval [{fmt_signed(iv.lo)}, {fmt_signed(iv.hi)}]" if iv.defined
+              else "no interval (one value)")
+        line = (f"`{arm}` vs `{reference}` over {iv.n} {unit}: mean Δppl "
+                f"{fmt_signed(iv.mean)}% ({ci}; {v.why}); better at {int(r['n_better'])}, "
+                f"worse at {int(r['n_worse'])}, tied at {int(r['n_tie'])}; p vs 0 "
+                f"{fmt_p(v.p_zero)}, vs the paper's {PAPER_HLDF_PPL_DELTA_PCT:+.2f}% "
+                f"{fmt_p(v.p_paper)}")
         seed_std = float(r["seed_std"]) if pd.notna(r["seed_std"]) else math.nan
         if np.isfinite(seed_std):
             line += f"; seed std of one point's Δ {fmt_num(seed_std, 3)}%"
-        p = (adjusted or {}).get(("ppl", arm), r["sign_p"])
         if adjusted:
-            line += f" ({CORRECTION}-adjusted over the reading's tests: {fmt_p(p)})"
-        mde, source = detectable_effect(n, seed_std, lo, hi)
-        line += (f"; smallest detectable mean Δ {fmt_num(mde, 3)}% ({source}; the paper's "
-                 f"effect is {PAPER_HLDF_PPL_DELTA_PCT:+.2f}%)")
+            pz = adjusted.get(("ppl", arm), v.p_zero)
+            pp = adjusted.get(("ppl_paper", arm), v.p_paper)
+            line += f" ({CORRECTION}-adjusted over the reading's tests: {fmt_p(pz)}, {fmt_p(pp)})"
+            deciding = {"zero": pz, "paper": pp}.get(v.decides)
+            if deciding is not None and not deciding < ALPHA:
+                caveats.append(f"`{arm}`: its verdict does not survive the {CORRECTION} "
+                               "adjustment over the reading's tests.")
+        mde = detectable(iv.sd, iv.n)
+        need = seeds_needed(PAPER_HLDF_PPL_DELTA_PCT, iv.sd)
+        line += (f"; smallest detectable mean Δ {fmt_num(mde, 3)}% (power 0.8); the paper's "
+                 f"{PAPER_HLDF_PPL_DELTA_PCT:+.2f}% would need {need if need else 'many'} "
+                 f"{'seeds' if r['unit'] == 'seed' else 'units'} at this spread")
         b = best[best["arm"] == arm] if len(best) and PPL_DELTA in best else best.iloc[0:0]
         if len(b):
-            line += (f". Best vs best: {fmt_signed(float(b.iloc[0][PPL_DELTA]))}% "
+            line += (f". Best vs best ({EXPLORATORY}: each arm's best picked on these runs): "
+                     f"{fmt_signed(float(b.iloc[0][PPL_DELTA]))}% "
                      f"({int(b.iloc[0]['n_seeds'])} seed(s))")
         shows.append(line + ".")
-        resolved = bool(np.isfinite(lo) and np.isfinite(hi) and (lo > 0 or hi < 0)
-                        and p < ALPHA)
-        if mean < 0 and np.isfinite(lo) and not lo <= PAPER_HLDF_PPL_DELTA_PCT <= hi:
-            caveats.append(f"`{arm}`: the size differs: the CI excludes the paper's "
-                           f"{PAPER_HLDF_PPL_DELTA_PCT:+.2f}%.")
-        if not resolved and mde > abs(PAPER_HLDF_PPL_DELTA_PCT):
-            verdicts.append(CANNOT_TELL)
-            caveats.append(f"`{arm}`: it could not have seen the paper's "
-                           f"{PAPER_HLDF_PPL_DELTA_PCT:+.2f}% (smallest detectable "
-                           f"{fmt_num(mde, 3)}%): more seeds or points are needed.")
-        elif mean < 0:
-            verdicts.append(AGREES if resolved else SAME_DIRECTION)
-        else:
-            verdicts.append(OPPOSITE if resolved else OPPOSITE_UNRESOLVED)
+        verdicts.append(v.word)
         if r["n_worse"] and r["n_better"]:
-            caveats.append(f"`{arm}`: not systematic: the sign of Δ changes across points.")
-        if np.isfinite(seed_std) and abs(mean) < seed_std:
+            caveats.append(f"`{arm}`: not systematic: the sign of Δ changes across units.")
+        if np.isfinite(seed_std) and abs(iv.mean) < seed_std:
             caveats.append(f"`{arm}`: |mean Δ| is below the seed noise of a single paired "
                            "comparison.")
-        if _min_sign_p(n) > ALPHA:
-            caveats.append(f"`{arm}`: with {n} point(s) the sign test cannot go below p = "
-                           f"{fmt_p(_min_sign_p(n))}.")
     return ClaimReading(claim, shows, _combine(verdicts), caveats)
 
 
@@ -337,7 +326,11 @@ def adjusted_p_values(summary: pd.DataFrame, pairs: pd.DataFrame, method: str = 
         for _, r in summary.iterrows():
             if r["metric"] == PPL_METRIC:
                 if r["arm"] in _arms_of(summary[summary["metric"] == PPL_METRIC], method):
-                    raw[("ppl", r["arm"])] = float(r["sign_p"])
+                    iv = Interval("t", float(r["mean_delta"]), float(r["ci_lo"]),
+                                  float(r["ci_hi"]), int(r["n_units"]),
+                                  float(r["n_units"]) - 1, float(r["delta_sd"]))
+                    raw[("ppl", r["arm"])] = iv.p_value(0.0)
+                    raw[("ppl_paper", r["arm"])] = iv.p_value(PAPER_HLDF_PPL_DELTA_PCT)
             else:
                 raw[("down", r["arm"], r["metric"])] = float(r["sign_p"])
     if len(pairs):
@@ -478,16 +471,18 @@ def against_paper_md(readings: list[ClaimReading], setting: RunSetting | None) -
     """The "Against the paper" section of one budget (markdown lines)."""
     L = ["### Against the paper\n",
          f"The claims of {PAPER}, as DESIGN.md states them, what this run shows about each, "
-         f"and a verdict: `{AGREES}` / `{SAME_DIRECTION}` / `{OPPOSITE_UNRESOLVED}` / "
-         f"`{OPPOSITE}`; `{CANNOT_TELL}` where the comparison could not have seen the "
-         f"effect (claim 1: its smallest detectable effect, from the seed variance, exceeds "
-         f"the paper's {PAPER_HLDF_PPL_DELTA_PCT:+.2f}%; claim 2: not every HLD arm's tests "
-         f"could find a winner; claim 3: the exact test cannot reach p < 0.05); for claim 2 "
-         f"`{DIFFERS}` (an HLD arm wins or loses on every metric); `{MIXED}` when the HLD "
-         f"arms point different ways; `{SILENT}`. Resolved: 95% bootstrap CI excludes 0 and "
-         f"sign test p < 0.05 (claim 1), sign test p < 0.05 (claim 2), exact rank-correlation "
-         f"p < 0.05 (claim 3), every p {CORRECTION}-adjusted once over all the tests of the "
-         "three claims.\n"]
+         f"and a verdict. Claim 1 reads the one verdict rule (`docs/analysis.md`): the 95% "
+         f"Student-t interval of the mean Δ below 0 `{AGREES}`, above 0 `{DISAGREES}`, "
+         f"containing 0 but not the paper's {PAPER_HLDF_PPL_DELTA_PCT:+.2f}% `{DISAGREES}` "
+         f"(no effect as large as the paper's), containing both `{CANNOT_TELL}`; best vs "
+         f"best is `{EXPLORATORY}` (picked on the same runs). Claim 2: `{AGREES}` when every "
+         f"HLD arm's tests could have found a winner and none did, `{DIFFERS}` when an arm "
+         f"wins or loses on every metric, else `{CANNOT_TELL}`. Claim 3: `{AGREES}` / "
+         f"`{SAME_DIRECTION}` / `{OPPOSITE_UNRESOLVED}` / `{OPPOSITE}` from the exact "
+         f"rank-correlation p, `{CANNOT_TELL}` where it cannot reach p < 0.05. `{MIXED}` "
+         f"when the HLD arms point different ways; `{SILENT}`. Every p is "
+         f"{CORRECTION}-adjusted once over all the tests of the three claims; the intervals "
+         "are not.\n"]
     for i, r in enumerate(readings, 1):
         L.append(f"**{i}. {r.claim}** Verdict: **{r.verdict}**.\n")
         L += [f"- {s}" for s in r.shows]

@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import pandas as pd
 
-from hldstudy.analysis import stats
+from hldstudy.analysis import intervals, stats
 from hldstudy.distill import methods
 
 PPL_DELTA = "valid_ppl_delta_pct"
@@ -134,8 +134,11 @@ def grid_summary(pairs: pd.DataFrame, *, n_resamples: int = 10_000, level: float
     """Mean delta vs the reference across the grid, per arm and metric.
 
     Per-seed deltas of one grid point are averaged first; the grid points are
-    the paired units for the percentile bootstrap CI of the mean
-    (``n_resamples``, ``seed``), the exact sign test and the Wilcoxon test.
+    the paired units for the Student-t interval of the mean (``level``; the
+    percentile bootstrap undercovers at these sizes: benchmarks/
+    interval_calibration.py), the exact sign test and the Wilcoxon test. An arm
+    that shares a single grid point with the reference is read seed by seed
+    instead (``unit``). ``n_resamples`` and ``seed`` are kept for callers.
     ``sign_p_holm`` is Holm-adjusted across the metrics of one arm.
     ``seed_std`` is the pooled std of the delta across seeds at a point (the
     noise of a single paired comparison), NaN with one seed per point.
@@ -157,14 +160,19 @@ def grid_summary(pairs: pd.DataFrame, *, n_resamples: int = 10_000, level: float
             per_point = g.mean()
             counts = g.count()
             stds = g.std(ddof=1)
-            d = per_point.to_numpy()
-            ci = stats.paired_bootstrap_ci(d, n_resamples=n_resamples, level=level, seed=seed)
+            # The unit: the grid point (its seeds averaged), or the seed when the arm
+            # shares one point with the reference (single configurations, many seeds).
+            by_seed = per_point.size == 1 and int(ok.sum()) >= 2
+            d = vals[ok].to_numpy() if by_seed else per_point.to_numpy()
+            ci = intervals.t_interval(d, level=level)
             st = stats.sign_test(d)
             lower = col == PPL_DELTA or stats.lower_is_better(name)
             arm_rows.append({
                 "arm": arm, "metric": name, "better": "lower" if lower else "higher",
-                "n_points": int(d.size), "n_pairs": int(ok.sum()),
-                "mean_delta": ci.mean, "ci_lo": ci.lo, "ci_hi": ci.hi,
+                "n_points": int(per_point.size), "n_pairs": int(ok.sum()),
+                "unit": "seed" if by_seed else "grid point", "n_units": int(d.size),
+                "mean_delta": ci.mean, "ci_lo": ci.lo, "ci_hi": ci.hi, "delta_sd": ci.sd,
+                "t_p": ci.p_value(0.0),
                 "n_better": st.n_neg if lower else st.n_pos,
                 "n_worse": st.n_pos if lower else st.n_neg, "n_tie": st.n_zero,
                 "sign_p": st.p_value, "wilcoxon_p": stats.wilcoxon_signed_rank(d),
@@ -174,8 +182,9 @@ def grid_summary(pairs: pd.DataFrame, *, n_resamples: int = 10_000, level: float
         for r, a in zip(arm_rows, adj, strict=False):
             r["sign_p_holm"] = float(a)
         rows += arm_rows
-    cols = ["arm", "metric", "better", "n_points", "n_pairs", "mean_delta", "ci_lo", "ci_hi",
-            "n_better", "n_worse", "n_tie", "sign_p", "sign_p_holm", "wilcoxon_p", "seed_std"]
+    cols = ["arm", "metric", "better", "n_points", "n_pairs", "unit", "n_units", "mean_delta",
+            "ci_lo", "ci_hi", "delta_sd", "t_p", "n_better", "n_worse", "n_tie", "sign_p",
+            "sign_p_holm", "wilcoxon_p", "seed_std"]
     out = pd.DataFrame(rows, columns=cols)
     out.attrs = {"level": level, "n_resamples": n_resamples, "seed": seed}
     return out
