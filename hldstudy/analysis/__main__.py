@@ -36,7 +36,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ci", type=float, default=0.95, help="bootstrap CI level (0.95)")
     p.add_argument("--seed", type=int, default=0, help="bootstrap seed (0)")
     p.add_argument("--ablation", action="store_true",
-                   help="RUNS_DIR is sweeps/hldf_ablation.py's: write its factor report instead")
+                   help="RUNS_DIR is sweeps/hldf_ablation.py's (or an earlier ablation report's "
+                        "tables/gaps.csv): write its factor report instead")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
     return p.parse_args(argv)
 

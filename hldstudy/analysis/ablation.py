@@ -14,7 +14,7 @@ import pandas as pd
 
 from hldstudy.analysis.intervals import ALPHA, Interval, detectable, seeds_needed, t_interval
 from hldstudy.analysis.paper import HLDF, PAPER_HLDF_PPL_DELTA_PCT
-from hldstudy.analysis.runs import SEEDS_SPAN_DATA, load_runs, seeds_span
+from hldstudy.analysis.runs import SEEDS_SPAN_DATA, SEEDS_SPAN_INIT, load_runs, seeds_span
 from hldstudy.analysis.tables import fmt_num, fmt_p, fmt_signed, md_table
 from hldstudy.analysis.verdict import (
     AGREES,
@@ -287,20 +287,42 @@ def _problems(df: pd.DataFrame, g: pd.DataFrame) -> list[str]:
     return out
 
 
+def read_gaps_table(path: Path) -> pd.DataFrame:
+    """A committed `tables/gaps.csv` (one row per HLDF run and its gap), for re-reading an
+    ablation whose run directories are gone: the categorical factors as written."""
+    try:
+        g = pd.read_csv(path, dtype={"stage_boundary": str, "nmse": str})
+    except (OSError, pd.errors.ParserError, UnicodeDecodeError) as e:
+        raise InputError(f"{path}: not a readable gaps table ({e})") from None
+    missing = [c for c in (REGIME, "seed", *FACTORS, "gap_pct") if c not in g]
+    if missing:
+        raise InputError(f"{path}: a gaps table needs the columns {', '.join(missing)} "
+                         "(an ablation report's tables/gaps.csv)")
+    if "eval_se_pct" not in g:
+        g["eval_se_pct"] = math.nan
+    return g[np.isfinite(g["gap_pct"].astype(float))]
+
+
 def write_report(runs_dir: str | Path, out_dir: str | Path) -> dict:
     """report.md, tables/*.csv and summary.json of the ablation in `out_dir` (made only
-    once the runs could be read)."""
+    once the runs could be read). `runs_dir` may also be a gaps table (`tables/gaps.csv`
+    of an earlier report): its runs' seeds are then taken to vary the initialisation only
+    (the tables before 2026-12 kept no data order) and unfinished runs cannot be named."""
     out = Path(out_dir)
-    df = load_runs(runs_dir, check_names=False)
-    g = gaps(df)
+    if Path(runs_dir).is_file():
+        g, df = read_gaps_table(Path(runs_dir)), None
+    else:
+        df = load_runs(runs_dir, check_names=False)
+        g = gaps(df)
     if g.empty:
         raise InputError(f"{runs_dir}: no finished HLDF run has a finished KD run of its regime "
                          f"({REGIME}) and seed to be compared with (is the sweep done?)")
     configs, effects, inter = config_table(g), factor_effects(g), interactions(g)
     readings = claims(configs, g)
     family = correct(configs, effects, inter, readings)
-    span = seeds_span(df)
-    problems = _problems(df, g)
+    span = seeds_span(df) if df is not None else SEEDS_SPAN_INIT
+    problems = _problems(df, g) if df is not None else _problems(g.iloc[0:0].assign(
+        method=[], status=[], valid_ppl=[], run_id=[]), g)
     spread = float(np.sqrt(np.nanmean(configs["seed_sd_pct"].astype(float) ** 2)))
     eval_se = float(np.sqrt(np.nanmean(g["eval_se_pct"].astype(float) ** 2))) \
         if g["eval_se_pct"].notna().any() else math.nan
