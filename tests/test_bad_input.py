@@ -206,7 +206,7 @@ CASES: list[Case] = [
     _train(*_set("data.valid_holdout_docs=-1"), needles=["data.valid_holdout_docs", ">= 0"]),
     _train(*_set("data.synthetic_docs=0"), needles=["data.synthetic_docs", ">= 1"]),
     _train(*_set("data.seed=-3"), needles=["data.seed", ">= 0"]),
-    _train(*_set("train.eval_batches=0"), needles=["train.eval_batches", ">= 1"]),
+    _train(*_set("train.eval_batches=-1"), needles=["train.eval_batches", ">= 0"]),
     _train(*_set("train.log_every=0"), needles=["train.log_every", ">= 1"]),
     _train(*_set("train.steps=0"), needles=["train.steps", ">= 1"]),
     _train(*_set("train.warmup_steps=-1"), needles=["train.warmup_steps", ">= 0"]),
