@@ -17,7 +17,6 @@ Writes results/interval_calibration.{json,md}. Not a timing: the load is not che
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys

@@ -190,14 +190,13 @@ def claims(configs: pd.DataFrame, g: pd.DataFrame) -> list[dict]:
         if all(r in d for r in regimes):
             diff = (d[regimes[1]] - d[regimes[0]]).dropna().to_numpy(float)
             iv = t_interval(diff)
-            e = read_effect(iv)
             word = (CANNOT_TELL if not iv.excludes(0.0) else AGREES if iv.hi < 0
                     else DISAGREES)
             out.append({"claim": f"HLDF's gap smaller where KD is weak ({REGIME}="
                         f"{regimes[1]} vs {regimes[0]}, default protocol)", "n": iv.n,
                         "gap_pct": iv.mean, "ci_lo": iv.lo, "ci_hi": iv.hi,
                         "seed_sd_pct": iv.sd, "detectable_pct": detectable(iv.sd, iv.n),
-                        "seeds_for_paper": None, "p_zero": e.p_zero, "p_paper": math.nan,
+                        "seeds_for_paper": None, "p_zero": iv.p_value(0.0), "p_paper": math.nan,
                         "verdict": word, "decides": "zero" if word != CANNOT_TELL else None})
     return out
 
@@ -216,15 +215,12 @@ def correct(configs: pd.DataFrame, effects: pd.DataFrame, inter: pd.DataFrame,
     tables = [(configs, ("p_zero", "p_paper")), (effects, ("p_zero", "p_equiv")),
               (inter, ("p_zero", "p_equiv"))]
     claim_frame = pd.DataFrame(readings)
-    family = []
-    for t, cols in [*tables, (claim_frame, ("p_zero", "p_paper"))]:
-        for c in cols:
-            family += list(t[c].astype(float)) if c in t and len(t) else []
+    columns = [(t, c) for t, cols in [*tables, (claim_frame, ("p_zero", "p_paper"))]
+               for c in cols if c in t and len(t)]
+    family = [float(p) for t, c in columns for p in t[c]]
     adjusted = iter(adjust(family))
-    for t, cols in [*tables, (claim_frame, ("p_zero", "p_paper"))]:
-        for c in cols:
-            if c in t and len(t):
-                t[c + "_adj"] = [next(adjusted) for _ in range(len(t))]
+    for t, c in columns:
+        t[c + "_adj"] = [next(adjusted) for _ in range(len(t))]
     configs["survives"] = [_survives(r) for _, r in configs.iterrows()]
     for t in (effects, inter):
         t["survives"] = [_survives_effect(r) for _, r in t.iterrows()]
@@ -267,13 +263,14 @@ def _yes(v) -> str:
         ("yes" if v else "no")
 
 
-def _problems(df: pd.DataFrame, g: pd.DataFrame) -> list[str]:
+def _problems(df: pd.DataFrame | None, g: pd.DataFrame) -> list[str]:
     """One line per thing that keeps the report from reading every run: unfinished or
-    non-finite runs (left out), configurations with fewer than 2 seeds (no interval)."""
+    non-finite runs (left out; not known from a gaps table, `df` None), configurations
+    with fewer than 2 seeds (no interval)."""
     out = []
-    taught = df[df["method"].isin([HLDF, methods.REFERENCE])]
+    taught = df[df["method"].isin([HLDF, methods.REFERENCE])] if df is not None else None
     bad = taught[(taught["status"] != "done")
-                 | ~np.isfinite(taught["valid_ppl"].astype(float))]
+                 | ~np.isfinite(taught["valid_ppl"].astype(float))] if df is not None else []
     if len(bad):
         out.append(f"{len(bad)} run(s) unfinished or without a finite perplexity, left out: "
                    + ", ".join(sorted(bad["run_id"].astype(str))[:8])
@@ -321,8 +318,7 @@ def write_report(runs_dir: str | Path, out_dir: str | Path) -> dict:
     readings = claims(configs, g)
     family = correct(configs, effects, inter, readings)
     span = seeds_span(df) if df is not None else SEEDS_SPAN_INIT
-    problems = _problems(df, g) if df is not None else _problems(g.iloc[0:0].assign(
-        method=[], status=[], valid_ppl=[], run_id=[]), g)
+    problems = _problems(df, g)
     spread = float(np.sqrt(np.nanmean(configs["seed_sd_pct"].astype(float) ** 2)))
     eval_se = float(np.sqrt(np.nanmean(g["eval_se_pct"].astype(float) ** 2))) \
         if g["eval_se_pct"].notna().any() else math.nan

@@ -18,7 +18,6 @@ from hldstudy.analysis.stats import paired_bootstrap_ci
 
 ALPHA = 0.05
 POWER = 0.8
-KINDS = ("t", "pooled-t", "bootstrap")  # `Interval.kind`
 
 
 @dataclass(frozen=True)

@@ -105,6 +105,12 @@ def _min_sign_p(n: int) -> float:
     return min(1.0, 2.0 / 2 ** n) if n > 0 else 1.0
 
 
+def _summary_interval(r) -> Interval:
+    """The t interval `tables.grid_summary` computed for one row, rebuilt from its columns."""
+    return Interval("t", float(r["mean_delta"]), float(r["ci_lo"]), float(r["ci_hi"]),
+                    int(r["n_units"]), float(r["n_units"]) - 1, float(r["delta_sd"]))
+
+
 def read_ppl_gain(summary: pd.DataFrame, best: pd.DataFrame, method: str = HLDF,
                   reference: str = methods.REFERENCE,
                   adjusted: dict | None = None) -> ClaimReading:
@@ -126,8 +132,7 @@ def read_ppl_gain(summary: pd.DataFrame, best: pd.DataFrame, method: str = HLDF,
     shows, caveats, verdicts = [], [], []
     for arm in arms:
         r = rows[rows["arm"] == arm].iloc[0]
-        iv = Interval("t", float(r["mean_delta"]), float(r["ci_lo"]), float(r["ci_hi"]),
-                      int(r["n_units"]), float(r["n_units"]) - 1, float(r["delta_sd"]))
+        iv = _summary_interval(r)
         v = read_gap(iv, PAPER_HLDF_PPL_DELTA_PCT)
         unit = "seed(s) at one shared point" if r["unit"] == "seed" else "shared point(s)"
         ci = (f"95% t interval [{fmt_signed(iv.lo)}, {fmt_signed(iv.hi)}]" if iv.defined
@@ -326,9 +331,7 @@ def adjusted_p_values(summary: pd.DataFrame, pairs: pd.DataFrame, method: str = 
         for _, r in summary.iterrows():
             if r["metric"] == PPL_METRIC:
                 if r["arm"] in _arms_of(summary[summary["metric"] == PPL_METRIC], method):
-                    iv = Interval("t", float(r["mean_delta"]), float(r["ci_lo"]),
-                                  float(r["ci_hi"]), int(r["n_units"]),
-                                  float(r["n_units"]) - 1, float(r["delta_sd"]))
+                    iv = _summary_interval(r)
                     raw[("ppl", r["arm"])] = iv.p_value(0.0)
                     raw[("ppl_paper", r["arm"])] = iv.p_value(PAPER_HLDF_PPL_DELTA_PCT)
             else:

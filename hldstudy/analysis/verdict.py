@@ -6,7 +6,6 @@ Design notes: `docs/analysis.md`, under this file's name.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -82,14 +81,6 @@ def read_effect(iv: Interval, margin: float = EQUIVALENCE_MARGIN_PCT,
     else:
         word = CANNOT_TELL
     return EffectReading(word, pz, pe, margin)
-
-
-def deciding_p(v: Verdict | EffectReading) -> float:
-    """The p a verdict's word rests on (NaN: it rests on none, e.g. cannot tell)."""
-    if isinstance(v, EffectReading):
-        return v.p_zero if v.word == MOVES else v.p_equiv if v.word == WITHIN_MARGIN \
-            else math.nan
-    return {"zero": v.p_zero, "paper": v.p_paper}.get(v.decides, math.nan)
 
 
 def adjust(p_values: list[float]) -> list[float]:

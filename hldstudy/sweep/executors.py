@@ -51,6 +51,16 @@ class Outcome:
                 "killed_earlier": self.killed_earlier, "exit_codes": self.exit_codes,
                 "signal": self.signum, "teacher_loads": self.teacher_loads}
 
+    def absorb(self, other: Outcome) -> None:
+        """Adds another part of the same sweep's outcome (`grid_exec.run_grid`'s data
+        orders, one after the other); its signal, if any, becomes this one's."""
+        for name in ("done", "skipped", "interrupted", "no_eval", "killed_earlier"):
+            getattr(self, name).extend(getattr(other, name))
+        self.failed.update(other.failed)
+        self.exit_codes.update(other.exit_codes)
+        self.teacher_loads += other.teacher_loads
+        self.signum = other.signum
+
     def merge(self, res: dict) -> None:
         """Adds the bookkeeping of a worker's `as_dict()` (a SLURM job's result)."""
         self.failed.update(res.get("failed", {}))

@@ -77,15 +77,6 @@ def data_streams(runs: list[Run]) -> list[list[Run]]:
     return list(out.values())
 
 
-def _absorb(total: Outcome, part: Outcome) -> None:
-    for name in ("done", "skipped", "interrupted", "no_eval", "killed_earlier"):
-        getattr(total, name).extend(getattr(part, name))
-    total.failed.update(part.failed)
-    total.exit_codes.update(part.exit_codes)
-    total.teacher_loads += part.teacher_loads
-    total.signum = part.signum
-
-
 def run_grid(runs: list[Run], sweep, workdir: Path, **kwargs) -> Outcome:
     """One replica set per data order, in turn (a sweep whose seeds set the data order has
     one per seed; the replicas' economy holds within each: every configuration of that
@@ -96,7 +87,7 @@ def run_grid(runs: list[Run], sweep, workdir: Path, **kwargs) -> Outcome:
     total = Outcome()
     for i, part in enumerate(streams, 1):
         print(f"{PROG}: data order {i} of {len(streams)} ({len(part)} runs)", file=sys.stderr)
-        _absorb(total, _serve_grid(part, sweep, workdir, **kwargs))
+        total.absorb(_serve_grid(part, sweep, workdir, **kwargs))
         if total.signum is not None:
             break
     return total
