@@ -134,7 +134,8 @@ def test_exit_codes_are_defined_once(capsys):
 
 def test_keep_checkpoints_and_eval_batches_domains():
     cfg = _cfg()
-    for field, value in (("keep_checkpoints", 1), ("eval_batches", 0)):
+    # eval_batches 0 is the whole validation split (round 5); below 0 is refused
+    for field, value in (("keep_checkpoints", 1), ("eval_batches", -1)):
         bad = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, **{field: value}))
         with pytest.raises(ConfigError, match=f"train.{field}"):
             validate(bad, check_paths=False)
