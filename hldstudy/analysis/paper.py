@@ -111,16 +111,39 @@ def _summary_interval(r) -> Interval:
                     int(r["n_units"]), float(r["n_units"]) - 1, float(r["delta_sd"]))
 
 
+def _confirm_interval(r) -> Interval:
+    """The t interval `tables.confirm_table` computed for one row, rebuilt from its columns."""
+    return Interval("t", float(r["mean_delta"]), float(r["ci_lo"]), float(r["ci_hi"]),
+                    int(r["n"]), float(r["n"]) - 1, float(r["delta_sd"]))
+
+
+def confirm_verdicts(confirm: pd.DataFrame, method: str = HLDF) -> pd.DataFrame:
+    """`tables.confirm_table` with the one verdict rule's reading of each `method` arm
+    (`verdict`, `why`, `p_paper`; other arms compare with no figure of the paper: blank)."""
+    out = confirm.copy()
+    words, whys, pp = [], [], []
+    for _, r in out.iterrows():
+        if r["arm"] in _arms_of(out, method):
+            v = read_gap(_confirm_interval(r), PAPER_HLDF_PPL_DELTA_PCT)
+            words.append(v.word), whys.append(v.why), pp.append(v.p_paper)
+        else:
+            words.append(""), whys.append(""), pp.append(math.nan)
+    out["verdict"], out["why"], out["p_paper"] = words, whys, pp
+    return out
+
+
 def read_ppl_gain(summary: pd.DataFrame, best: pd.DataFrame, method: str = HLDF,
                   reference: str = methods.REFERENCE,
-                  adjusted: dict | None = None) -> ClaimReading:
+                  adjusted: dict | None = None,
+                  confirm: pd.DataFrame | None = None) -> ClaimReading:
     """Claim 1 for each arm of `method`: the mean relative perplexity delta vs the reference
     over its paired units (grid points, or seeds at a single shared point), its t
     interval, read by the one verdict rule (`analysis.verdict.read_gap`: below 0 agrees,
     above 0 or away from the paper's figure disagrees, else cannot tell), both p-values
     (`adjusted`: after the reading's one correction), the smallest gap it detects and
     the seeds the paper's figure would need, and the best-vs-best delta (exploratory:
-    each arm's best is picked on the same runs)."""
+    each arm's best is picked on the same runs) with, where `confirm`
+    (`tables.confirm_table`) has the arm, its confirmatory reading on fresh seeds."""
     claim = (f"{method.upper()} gives a small but systematic validation-perplexity gain over "
              f"{reference.upper()} across the shared configurations: "
              f"{PAPER_HLDF_PPL_DELTA_PCT:+.2f}% on average, at both student sizes.")
@@ -163,6 +186,9 @@ def read_ppl_gain(summary: pd.DataFrame, best: pd.DataFrame, method: str = HLDF,
             line += (f". Best vs best ({EXPLORATORY}: each arm's best picked on these runs): "
                      f"{fmt_signed(float(b.iloc[0][PPL_DELTA]))}% "
                      f"({int(b.iloc[0]['n_seeds'])} seed(s))")
+        c = confirm[confirm["arm"] == arm] if confirm is not None and len(confirm) else None
+        if c is not None and len(c):
+            line += _confirm_line(c.iloc[0], adjusted, caveats)
         shows.append(line + ".")
         verdicts.append(v.word)
         if r["n_worse"] and r["n_better"]:
@@ -171,6 +197,25 @@ def read_ppl_gain(summary: pd.DataFrame, best: pd.DataFrame, method: str = HLDF,
             caveats.append(f"`{arm}`: |mean Δ| is below the seed noise of a single paired "
                            "comparison.")
     return ClaimReading(claim, shows, _combine(verdicts), caveats)
+
+
+def _confirm_line(r, adjusted: dict | None, caveats: list[str]) -> str:
+    """The confirmatory best vs best of one arm: its fresh seeds' interval and verdict."""
+    iv = _confirm_interval(r)
+    v = read_gap(iv, PAPER_HLDF_PPL_DELTA_PCT)
+    line = (f". Confirmed on {iv.n} fresh seed(s) ({r['seeds']}; the picks made before "
+            f"them): mean Δppl {fmt_signed(iv.mean)}%, 95% t interval [{fmt_signed(iv.lo)}, "
+            f"{fmt_signed(iv.hi)}]: **{v.word}** ({v.why}; p vs 0 {fmt_p(v.p_zero)}, vs the "
+            f"paper's {fmt_p(v.p_paper)}")
+    if adjusted:
+        pz = adjusted.get(("confirm", r["arm"]), v.p_zero)
+        pp = adjusted.get(("confirm_paper", r["arm"]), v.p_paper)
+        line += f"; {CORRECTION}-adjusted {fmt_p(pz)}, {fmt_p(pp)}"
+        deciding = {"zero": pz, "paper": pp}.get(v.decides)
+        if deciding is not None and not deciding < ALPHA:
+            caveats.append(f"`{r['arm']}`: its confirmatory verdict does not survive the "
+                           f"{CORRECTION} adjustment over the reading's tests.")
+    return line + ")"
 
 
 def _combine(verdicts: list[str]) -> str:
@@ -323,10 +368,17 @@ def read_kd_weak(pairs: pd.DataFrame, reference: str = methods.REFERENCE,
 
 
 def adjusted_p_values(summary: pd.DataFrame, pairs: pd.DataFrame, method: str = HLDF,
-                      reference: str = methods.REFERENCE) -> dict:
+                      reference: str = methods.REFERENCE,
+                      confirm: pd.DataFrame | None = None) -> dict:
     """Every test of the reading against the paper ({("ppl", arm) | ("down", arm, metric) |
-    ("kd_weak", arm): p}), Holm-adjusted together: one correction over all of them."""
+    ("kd_weak", arm) | ("confirm", arm): p}), Holm-adjusted together: one correction over
+    all of them."""
     raw = {}
+    if confirm is not None:
+        for _, r in confirm[confirm["arm"].isin(_arms_of(confirm, method))].iterrows():
+            iv = _confirm_interval(r)
+            raw[("confirm", r["arm"])] = iv.p_value(0.0)
+            raw[("confirm_paper", r["arm"])] = iv.p_value(PAPER_HLDF_PPL_DELTA_PCT)
     if len(summary):
         for _, r in summary.iterrows():
             if r["metric"] == PPL_METRIC:
@@ -363,10 +415,13 @@ def kd_weak_p_values(pairs: pd.DataFrame) -> dict[str, float]:
 
 
 def read_all(summary: pd.DataFrame, best: pd.DataFrame, pairs: pd.DataFrame,
-             reference: str = methods.REFERENCE) -> list[ClaimReading]:
-    """The three claims, their tests under one Holm correction over all of them."""
-    adjusted = adjusted_p_values(summary, pairs, reference=reference)
-    return [read_ppl_gain(summary, best, reference=reference, adjusted=adjusted),
+             reference: str = methods.REFERENCE,
+             confirm: pd.DataFrame | None = None) -> list[ClaimReading]:
+    """The three claims, their tests under one Holm correction over all of them
+    (`confirm`: `tables.confirm_table`, best vs best on fresh seeds)."""
+    adjusted = adjusted_p_values(summary, pairs, reference=reference, confirm=confirm)
+    return [read_ppl_gain(summary, best, reference=reference, adjusted=adjusted,
+                          confirm=confirm),
             read_downstream(summary, best, reference=reference, adjusted=adjusted),
             read_kd_weak(pairs, reference=reference, adjusted=adjusted)]
 

@@ -24,6 +24,7 @@ import pandas as pd
 from hldstudy.analysis import paper, plots, stats, tables
 from hldstudy.analysis.runs import load_runs
 from hldstudy.analysis.tables import PPL_DELTA, fmt_num, fmt_p, fmt_signed, md_table, pm
+from hldstudy.analysis.verdict import EXPLORATORY
 from hldstudy.distill import methods
 from hldstudy.wandb_online import wandb_online
 
@@ -86,10 +87,13 @@ class _Budget:
             self.summary = pd.DataFrame()
         self.seeds = tables.seed_table(self.kept)
         self.best = tables.best_table(self.kept, reference)
+        self.confirm = paper.confirm_verdicts(tables.confirm_table(self.kept, self.best,
+                                                                   reference))
         self.flops_runs, self.flops_arms, self.max_dev = tables.flops_table(self.kept)
         self.count_teacher = sorted(set(bool(x) for x in self.kept["count_teacher"]))
         self.figures: dict[str, str] = {}
-        self.paper = paper.read_all(self.summary, self.best, self.pairs, reference=reference)
+        self.paper = paper.read_all(self.summary, self.best, self.pairs, reference=reference,
+                                    confirm=self.confirm)
         self.setting: paper.RunSetting | None = None
 
 
@@ -165,6 +169,7 @@ def _write_tables(b: _Budget, out: Path) -> None:
     b.pairs.to_csv(t / f"points{b.suffix}.csv", index=False)
     b.unpaired.to_csv(t / f"unpaired{b.suffix}.csv", index=False)
     b.best.to_csv(t / f"best_vs_best{b.suffix}.csv", index=False)
+    b.confirm.to_csv(t / f"confirm{b.suffix}.csv", index=False)
     b.summary.to_csv(t / f"grid_summary{b.suffix}.csv", index=False)
     b.seeds.to_csv(t / f"seed_variance{b.suffix}.csv", index=False)
     b.flops_runs.to_csv(t / f"flops_runs{b.suffix}.csv", index=False)
@@ -270,6 +275,9 @@ def _summary(df, budgets: list[_Budget], accounting, warnings, *, runs_dir, n_re
             sv = b.seeds[(b.seeds["arm"] == arm) & (b.seeds["metric"] == "valid_ppl")]
             a["selection_seeds"] = (br.iloc[0]["selection_seeds"].split(",")
                                     if len(br) and br.iloc[0]["selection_seeds"] else [])
+            cr = b.confirm[b.confirm["arm"] == arm]
+            if len(cr):
+                a["confirmed"] = {k: cr.iloc[0][k] for k in cr.columns if k != "arm"}
             if len(sv):
                 a["valid_ppl_seed_std"] = sv.iloc[0]["pooled_std"]
             arms[arm] = a
@@ -397,9 +405,28 @@ def _best_md(b: _Budget, ref: str) -> list[str]:
             dcols = ["arm"] + [f"Δ {m}" for m in b.metrics]
             L.append(md_table(best, columns=dcols, formats={c: str for c in dcols}))
         L.append("")
+        L += _confirm_md(b, ref)
     if "downstream_best" in b.figures:
         L.append(f"![downstream scores at best configs]({b.figures['downstream_best']})\n")
     return L
+
+
+def _confirm_md(b: _Budget, ref: str) -> list[str]:
+    """Best vs best is exploratory (each pick chosen on the runs that show it) unless the
+    picks were re-run on fresh seeds: then this table, the only best-vs-best verdicts."""
+    if b.confirm.empty:
+        return [f"Best vs best is `{EXPLORATORY}`: each arm's config was picked on these "
+                "runs. To confirm the picks, re-run them on fresh seeds (`python -m "
+                "hldstudy.sweep SWEEP --confirm SEEDS`); only those runs give a verdict.\n"]
+    c = b.confirm.copy()
+    c["Δppl % (95% t)"] = [f"{fmt_signed(r['mean_delta'])} [{fmt_signed(r['ci_lo'])}, "
+                           f"{fmt_signed(r['ci_hi'])}]" for _, r in c.iterrows()]
+    c["p vs 0"] = [fmt_p(v) for v in c["p_zero"]]
+    cols = ["arm", "seeds", "Δppl % (95% t)", "p vs 0", "verdict"]
+    return [f"Confirmed on fresh seeds (the picks above re-run at seeds that chose "
+            f"neither config, paired by seed with `{ref}`'s pick; verdicts against the "
+            "paper's HLDF figure, Holm-adjusted p in the claims below):\n",
+            md_table(c, columns=cols, formats={k: str for k in cols}), ""]
 
 
 def _grid_md(b: _Budget, ref: str) -> list[str]:

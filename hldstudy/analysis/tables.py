@@ -296,6 +296,47 @@ def best_table(df: pd.DataFrame, reference: str = methods.REFERENCE) -> pd.DataF
     return best
 
 
+CONFIRM_COLS = ["arm", "reference", "seeds", "n", "mean_delta", "ci_lo", "ci_hi", "delta_sd",
+                "p_zero"]
+
+
+def confirm_table(kept: pd.DataFrame, best: pd.DataFrame,
+                  reference: str = methods.REFERENCE) -> pd.DataFrame:
+    """Best vs best on fresh seeds, the one confirmatory reading of a pick: each arm's chosen
+    config (``best_table``) against the reference's, paired by seed, over the seeds that
+    chose neither config (the runs of the chosen configs outside both arms'
+    ``selection_seeds``: `python -m hldstudy.sweep SWEEP --confirm SEEDS`, or the
+    quickstart's `double` size). Per seed the relative perplexity delta in %, and its t
+    interval (`analysis.paper` reads it against the paper). An arm without two fresh
+    seeds in common with the reference has no row: its best vs best stays exploratory."""
+    rows = []
+    if best.empty or reference not in set(best["arm"]):
+        return pd.DataFrame(columns=CONFIRM_COLS)
+
+    def fresh(row) -> pd.Series:
+        ids = set(str(row["run_ids"]).split(","))
+        chosen = {str(s) for s in str(row["selection_seeds"]).split(",") if s}
+        runs = kept[kept["run_id"].astype(str).isin(ids)
+                    & ~kept["seed"].astype(str).isin(chosen)]
+        return runs.groupby("seed")["valid_ppl"].mean().astype(float)
+
+    ref = fresh(best[best["arm"] == reference].iloc[0])
+    for _, row in best.iterrows():
+        if row["arm"] == reference:
+            continue
+        mine = fresh(row)
+        seeds = sorted(set(mine.index) & set(ref.index))
+        if len(seeds) < 2:
+            continue
+        delta = stats.relative_delta_pct(mine[seeds].to_numpy(), ref[seeds].to_numpy())
+        iv = intervals.t_interval(delta)
+        rows.append({"arm": row["arm"], "reference": reference,
+                     "seeds": ",".join(str(s) for s in seeds), "n": iv.n,
+                     "mean_delta": iv.mean, "ci_lo": iv.lo, "ci_hi": iv.hi, "delta_sd": iv.sd,
+                     "p_zero": iv.p_value(0.0)})
+    return pd.DataFrame(rows, columns=CONFIRM_COLS)
+
+
 # --------------------------------------------------------------------------- #
 # (4) FLOPs
 # --------------------------------------------------------------------------- #

@@ -1,6 +1,6 @@
 """`python -m hldstudy.sweep SWEEP [--executor local|slurm|wandb] [--parallel N] [--dry-run]
 [--json] [--workdir DIR] [--set key=value ...] [--force] [--cohort K] [--methods a,b]
-[--teacher-replicas N]`.
+[--teacher-replicas N] [--confirm SEEDS]`.
 
 Design notes: `docs/sweeps.md`, under this file's name.
 """
@@ -18,7 +18,7 @@ from hldstudy.errors import InputError, user_errors
 # The command's --help text.
 HELP = """`python -m hldstudy.sweep SWEEP [--executor local|slurm|wandb] [--parallel N] [--dry-run]
 [--json] [--workdir DIR] [--set key=value ...] [--force] [--cohort K] [--methods a,b]
-[--teacher-replicas N]`.
+[--teacher-replicas N] [--confirm SEEDS]`.
 
 Expands the sweep file's grid into runs (one directory each under WORKDIR,
 default runs/<sweep name>), writes WORKDIR/sweep.json listing every expected
@@ -35,6 +35,14 @@ lr, seed, temperature, alpha, hidden_weight) as cohorts of at most K sharing one
 teacher forward per step (`hldstudy.train.cohort`); each run keeps its own
 directory, steps and FLOPs, and `--dry-run --json` gives each its `cohort` id.
 `--methods a,b` restricts the sweep to some of its methods.
+
+`--confirm SEEDS` (e.g. 3-12), once the grid is finished: picks each arm's best
+configuration by the analysis' rule (lowest seed-mean validation perplexity over the
+sweep's seeds), writes the picks to WORKDIR/confirm.json, and trains them at these fresh
+seeds (never the sweep's own). The analysis then reads best vs best on those seeds alone,
+paired by seed with the reference's pick: the only best-vs-best verdicts (the rest is
+exploratory). The picks are never chosen again: a later `--confirm` adds seeds, and a
+plain rerun resumes the confirmation runs too.
 
 `--teacher-replicas N` (with `--cohort K`, local or slurm) starts N teacher replicas
 for the whole sweep (`hldstudy.sweep.gridteach`): every cohort of every method that
@@ -114,6 +122,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "the replicas' jobs (their own resources), e.g. gpus_per_node=1")
     p.add_argument("--methods", default=None, metavar="A,B",
                    help="only the runs of these methods (comma-separated)")
+    p.add_argument("--confirm", default=None, metavar="SEEDS",
+                   help="after the grid: train each arm's pick (chosen on the sweep's seeds, "
+                        "written to WORKDIR/confirm.json) at these fresh seeds, e.g. 3-12")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
     args = p.parse_args(argv)
     if args.cohort is not None and args.cohort != "auto":
@@ -230,7 +241,7 @@ def main(argv=None) -> int:
 
 def _main(args) -> int:
     from hldstudy.cli_common import SWEEPS, check_output_dir, find_builtin
-    from hldstudy.sweep import executors
+    from hldstudy.sweep import confirm, executors
     from hldstudy.sweep.launch import prepare_workdir
     from hldstudy.sweep.spec import config_drift, expand, load_sweep, run_status
 
@@ -259,6 +270,11 @@ def _main(args) -> int:
         if not selected:
             raise InputError(f"--methods {args.methods}: no run of {sweep.name} uses them "
                              f"(its methods: {', '.join(sorted({r.method for r in runs}))})")
+    confirm_runs = confirm.plan(
+        sweep, selected, workdir, confirm.parse_seeds(args.confirm) if args.confirm else None,
+        args.overrides, write=not args.dry_run)
+    confirm_runs = [r for r in confirm_runs if r.method in {s.method for s in selected}]
+    runs, selected = runs + confirm_runs, selected + confirm_runs
     if args.run_id is not None:
         selected = [r for r in selected if r.run_id == args.run_id]
         if not selected:
