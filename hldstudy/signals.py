@@ -7,7 +7,14 @@ import signal
 
 
 class StopSignals:
-    """Context manager that records SIGTERM / SIGINT in `signum` instead of raising."""
+    """Context manager that records SIGTERM / SIGINT in `signum` instead of raising.
+
+    Scopes nest (a sweep around a trainer around a teacher's wait): the innermost holds
+    the handlers. A signal it caught is never dropped when its scope ends: it is passed
+    on to the handler of the scope around it (so a trainer that caught SIGTERM at its
+    last step, or while it evaluated, lets the sweep stop before it starts new work),
+    unless that is the interpreter's default, which the caught signal would have
+    killed: then the scope's owner has acted on it (checkpointed, exited)."""
 
     def __init__(self):
         self.signum = None
@@ -27,6 +34,10 @@ class StopSignals:
     def __exit__(self, *exc):
         for sig, old in self._old.items():
             signal.signal(sig, old)
+        outer = self._old.get(self.signum)
+        if self.signum is not None and callable(outer) \
+                and outer is not signal.default_int_handler:
+            outer(self.signum, None)
 
 
 class Interrupted(Exception):

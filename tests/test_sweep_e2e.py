@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _sweep_file(tmp_path: Path, teacher: Path, *, eval_tasks=("synth_mc",), methods=None,
-                lr=(3e-3, 1e-2), steps=8) -> Path:
+                lr=(3e-3, 1e-2), steps=8, seeds=(0,)) -> Path:
     f = tmp_path / "tiny_sweep.py"
     f.write_text(f'''"""Tiny test sweep.
 
@@ -36,7 +36,7 @@ def get_sweep():
                                     eval_batches=1),
                   distill=DistillConfig(alpha=0.5, temperature=1.0))
     return Sweep(name="tiny", base=base, methods={methods or ("baseline", "kd")!r},
-                 lr={lr!r}, budget_baseline_steps={steps}, teacher={str(teacher) if teacher else None!r},
+                 lr={lr!r}, seeds={tuple(seeds)!r}, budget_baseline_steps={steps}, teacher={str(teacher) if teacher else None!r},
                  eval_tasks={tuple(eval_tasks)!r}, eval_limit=8, eval_batch_size=8)
 ''')
     return f
