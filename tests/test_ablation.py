@@ -5,6 +5,7 @@ import math
 
 import numpy as np
 import pandas as pd
+import pytest
 
 from hldstudy.analysis import ablation
 
@@ -114,6 +115,26 @@ def test_bad_input_reads_cannot_tell_or_names_the_problem(tmp_path, monkeypatch)
     summary = ablation.write_report("runs", tmp_path)
     assert any("without a finite perplexity" in p for p in summary["problems"])
     assert any("seeds missing" in p for p in summary["problems"])
+
+
+def test_unfinished_runs_are_left_out_and_named_and_none_finished_is_one_line(tmp_path,
+                                                                             monkeypatch):
+    """A sweep still training: the half-finished HLDF runs are named, the rest read; with
+    no HLDF run finished, one line and nothing written."""
+    from hldstudy.errors import InputError
+
+    frame = _runs(lambda *a: 0.5, noise=0.05)
+    hldf = frame["method"] == "hldf"
+    keep = hldf & (frame["hldf_stage1_share"] == 0.1) & (frame["stage_boundary"] == "restart")
+    frame.loc[hldf & ~keep, ["status", "valid_ppl"]] = ["partial", math.nan]
+    monkeypatch.setattr(ablation, "load_runs", lambda runs_dir, check_names: frame)
+    summary = ablation.write_report("runs", tmp_path / "some")
+    assert any("unfinished" in p and "h0.50.1continuebatch0" in p for p in summary["problems"])
+    assert len(pd.read_csv(tmp_path / "some" / "tables" / "configs.csv")) == 2 * 2
+    frame.loc[hldf, ["status", "valid_ppl"]] = ["partial", math.nan]
+    with pytest.raises(InputError, match="no finished HLDF run"):
+        ablation.write_report("runs", tmp_path / "none")
+    assert not (tmp_path / "none").exists()
 
 
 def test_categorical_axes_reach_the_analysis_as_written(tmp_path):

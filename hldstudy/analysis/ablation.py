@@ -158,8 +158,9 @@ def _cell(cells: pd.Series, a, b) -> pd.Series:
     """The gaps at levels (a, b) of two factors, indexed by seed and the third factor."""
     try:
         return cells.xs((a, b), level=[0, 1])
-    except KeyError:
-        return pd.Series(dtype=float)
+    except KeyError:  # a cell the grid (or a sweep still training) does not have yet
+        names = cells.index.names[2:]
+        return pd.Series(dtype=float, index=pd.MultiIndex.from_tuples([], names=names))
 
 
 def claims(configs: pd.DataFrame, g: pd.DataFrame) -> list[dict]:
