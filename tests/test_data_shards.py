@@ -248,7 +248,7 @@ def test_prepare_killed_midway_and_rerun_equals_one_shot(tmp_path, tokenizer_pat
     _experiment(exp, data_config(tokenizer_path, synthetic_docs=300))
     out = subprocess.run(_PREPARE + args + ["--out", str(twice)], cwd=ROOT, timeout=300,
                          capture_output=True, text=True)
-    assert out.returncode == 2 and "holds a prepare of another corpus" in out.stderr
+    assert out.returncode == 2 and "was prepared with another corpus" in out.stderr
 
 
 def test_shards_stream_type(shards, tmp_path):

@@ -647,6 +647,11 @@ def shards_tokenizer(cfg: DataConfig, manifest: dict) -> Tokenizer:
                              "prepare them again with this one")
     else:
         tokenizer = Tokenizer.load(Path(cfg.path) / want["file"])
+        if tokenizer.fingerprint() != want["fingerprint"]:
+            raise InputError(f"data.path: {Path(cfg.path) / want['file']} is not the tokenizer "
+                             f"the shards in {cfg.path} were prepared with (fingerprint "
+                             f"{want['fingerprint']}, this one {tokenizer.fingerprint()}); "
+                             "prepare them again into a new directory")
     if bool(manifest["add_bos"]) != cfg.add_bos:
         raise InputError(f"data.add_bos: the shards in {cfg.path} were prepared with "
                          f"add_bos={manifest['add_bos']}; set data.add_bos="

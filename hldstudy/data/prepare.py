@@ -69,7 +69,8 @@ def write_shard(path: Path, texts: list[str], add_bos: bool, tokenizer=None) -> 
         writer.close()
     with open(tmp, "rb") as fh:
         os.fsync(fh.fileno())
-    stats = {"file": path.name, "documents": len(docs), "tokens": int(sum(len(d) for d in docs))}
+    stats = {"file": path.name, "documents": len(docs), "tokens": int(sum(len(d) for d in docs)),
+             "bytes": tmp.stat().st_size, "sha256": _sha256(tmp)}
     # The stats first: a shard that exists has them.
     write_json_atomic(path.with_name(path.name + ".json"), stats)
     os.replace(tmp, path)
@@ -80,11 +81,19 @@ def _fingerprint(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _tokenizer_into(cfg: DataConfig, out: Path, corpus) -> tuple[Tokenizer, str]:
-    """The run's tokenizer, copied (or trained) into `out`; (tokenizer, its file name)."""
+def _tokenizer_into(cfg: DataConfig, out: Path, corpus, earlier: dict | None
+                    ) -> tuple[Tokenizer, str]:
+    """The run's tokenizer, copied (or trained) into `out`; (tokenizer, its file name).
+    `earlier`: the plan `out` was prepared under, whose tokenizer the directory's shards
+    hold: a tokenizer of another fingerprint (given, found there, or to be trained) is
+    refused before anything is copied or trained."""
     if cfg.tokenizer:
         src = Path(cfg.tokenizer)
         dest = out / ("tokenizer.json" if src.suffix == ".json" else "tokenizer.model")
+        if earlier is not None and Tokenizer.load(src).fingerprint() != earlier["tokenizer"]:
+            raise InputError(f"data.tokenizer: {src} is not the tokenizer {out} was prepared "
+                             f"with (fingerprint {earlier['tokenizer']}); give another --out "
+                             "to prepare with it, or unset data.tokenizer to continue this one")
         if not dest.exists():
             tmp = dest.with_name(f".{dest.name}.tmp")
             shutil.copyfile(src, tmp)
@@ -92,8 +101,27 @@ def _tokenizer_into(cfg: DataConfig, out: Path, corpus) -> tuple[Tokenizer, str]
             cfg_json = src.with_name("tokenizer_config.json")
             if src.suffix == ".json" and cfg_json.exists():
                 shutil.copyfile(cfg_json, out / "tokenizer_config.json")
-        return Tokenizer.load(dest), dest.name
-    return run_tokenizer(cfg, out, corpus), "tokenizer.model"
+        tokenizer = Tokenizer.load(dest)
+    else:
+        if earlier is not None and not (out / "tokenizer.model").exists():
+            raise InputError(f"--out: {out} was prepared with a tokenizer (fingerprint "
+                             f"{earlier['tokenizer']}) that is no longer there; a new one "
+                             "would not match its shards: restore tokenizer.model, give "
+                             "another --out, or delete the whole directory")
+        meta = out / "tokenizer.json"
+        trained = json.loads(meta.read_text()).get("vocab_size") if meta.exists() else None
+        if earlier is not None and trained not in (None, cfg.tokenizer_vocab_size):
+            raise InputError(f"data.tokenizer_vocab_size: {out}'s shards were prepared with a "
+                             f"tokenizer of {trained} pieces, not {cfg.tokenizer_vocab_size}; "
+                             f"set it back to {trained}, or give another --out")
+        tokenizer = run_tokenizer(cfg, out, corpus)
+    if earlier is not None and tokenizer.fingerprint() != earlier["tokenizer"]:
+        raise InputError(f"--out: {out}'s tokenizer (fingerprint {tokenizer.fingerprint()}) is "
+                         f"not the one its shards were prepared with ({earlier['tokenizer']}); "
+                         "restore it, give another --out, or delete the whole directory")
+    return tokenizer, ("tokenizer.model" if not cfg.tokenizer else
+                       ("tokenizer.json" if Path(cfg.tokenizer).suffix == ".json"
+                        else "tokenizer.model"))
 
 
 def prepare(cfg: DataConfig, out: str | Path, *, workers: int = 1,
@@ -112,15 +140,16 @@ def prepare(cfg: DataConfig, out: str | Path, *, workers: int = 1,
         raise InputError(f"data.path: {splits['train'][1]} has no documents; nothing prepared")
     splits = {k: v for k, v in splits.items() if v is not None and len(v[0])}
     out = Path(out)
+    plan = {"format": FORMAT, "version": FORMAT_VERSION, "add_bos": cfg.add_bos,
+            "docs_per_shard": docs_per_shard, "sources": {k: v[2] for k, v in splits.items()}}
+    earlier = _check_plan(out / PLAN, plan)  # before anything is made, copied or trained
     out.mkdir(parents=True, exist_ok=True)
     corpus = None
     if not cfg.tokenizer and cfg.source != "tfds":
         corpus = sources.Corpus(list(train_docs), splits["train"][2], splits["train"][1])
-    tokenizer, tok_file = _tokenizer_into(cfg, out, corpus)
-    plan = {"format": FORMAT, "version": FORMAT_VERSION, "add_bos": cfg.add_bos,
-            "docs_per_shard": docs_per_shard, "tokenizer": tokenizer.fingerprint(),
-            "sources": {k: v[2] for k, v in splits.items()}}
-    _check_plan(out / PLAN, plan)
+    tokenizer, tok_file = _tokenizer_into(cfg, out, corpus, earlier)
+    if earlier is None:
+        write_json_atomic(out / PLAN, {**plan, "tokenizer": tokenizer.fingerprint()})
     for tmp in out.glob(".*.tmp"):  # a shard a killed run was writing: written again
         tmp.unlink(missing_ok=True)
     jobs = []
@@ -128,7 +157,7 @@ def prepare(cfg: DataConfig, out: str | Path, *, workers: int = 1,
         n = len(docs)
         for k, start in enumerate(range(0, n, docs_per_shard)):
             path = out / f"{name}-{k:05d}.array_record"
-            if not path.exists():
+            if not _intact(path):
                 jobs.append((path, docs, start, min(start + docs_per_shard, n)))
     _write_shards(jobs, tokenizer, cfg.add_bos, workers, progress)
     manifest = {"format": FORMAT, "version": FORMAT_VERSION, "add_bos": cfg.add_bos,
@@ -147,17 +176,57 @@ def prepare(cfg: DataConfig, out: str | Path, *, workers: int = 1,
     return manifest
 
 
-def _check_plan(path: Path, plan: dict) -> None:
-    if path.exists():
+def _check_plan(path: Path, plan: dict) -> dict | None:
+    """The plan an earlier prepare of this directory wrote (None: a new directory);
+    refuses, naming what differs, when it is not `plan` (the tokenizer aside: checked
+    by `_tokenizer_into`)."""
+    if not path.exists():
+        return None
+    try:
+        earlier = json.loads(path.read_text())
+        assert isinstance(earlier, dict) and "tokenizer" in earlier
+    except (ValueError, AssertionError):
+        raise InputError(f"--out: {path} is not readable; give another --out or delete "
+                         f"{path.parent}") from None
+    knobs = {"sources": "corpus (data.source, data.path, the splits)",
+             "docs_per_shard": "shard size (--docs-per-shard)", "add_bos": "data.add_bos"}
+    for key, value in plan.items():
+        if earlier.get(key) != value:
+            raise InputError(f"--out: {path.parent} was prepared with another "
+                             f"{knobs.get(key, key)}; give another --out, or delete it to "
+                             "prepare it again")
+    return earlier
+
+
+def _intact(path: Path) -> bool:
+    """A shard written whole: its stats file beside it, and its size (and checksum) what
+    the stats recorded when it was written."""
+    stats_path = path.with_name(path.name + ".json")
+    if not path.exists() or not stats_path.exists():
+        return False
+    try:
+        stats = json.loads(stats_path.read_text())
+    except ValueError:
+        return False
+    if "bytes" not in stats:  # written before checksums were kept: count its records
+        from array_record.python.array_record_module import ArrayRecordReader
+
         try:
-            earlier = json.loads(path.read_text())
-        except ValueError:
-            earlier = None
-        if earlier != plan:
-            raise InputError(f"--out: {path.parent} holds a prepare of another corpus, "
-                             "tokenizer or shard size; give another --out or delete it")
-    else:
-        write_json_atomic(path, plan)
+            reader = ArrayRecordReader(str(path))
+            ok = reader.num_records() == stats.get("documents")
+            reader.close()
+            return ok
+        except Exception:  # noqa: BLE001 - unreadable: written again
+            return False
+    return path.stat().st_size == stats["bytes"] and _sha256(path) == stats["sha256"]
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 def _write_shards(jobs, tokenizer: Tokenizer, add_bos: bool, workers: int,
