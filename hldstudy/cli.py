@@ -29,9 +29,17 @@ def main(argv: list[str] | None = None) -> int:
         "serve": "hldstudy.teacher.serve",
         "compress": "hldstudy.compress.__main__",
     }
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
+    if not argv or argv[0] in ("-h", "--help"):
         print(__doc__.strip())
-        return 0 if not argv or argv[0] in ("-h", "--help") else 2
+        return 0
+    if argv[0] not in commands:
+        import difflib
+
+        near = difflib.get_close_matches(argv[0], commands, n=1)
+        print(f"hldstudy: error: unknown command {argv[0]!r}"
+              + (f" (did you mean {near[0]!r}?)" if near else "")
+              + f"; the commands: {', '.join(commands)} (hldstudy --help)", file=sys.stderr)
+        return 2
     import importlib
 
     return importlib.import_module(commands[argv[0]]).main(argv[1:]) or 0

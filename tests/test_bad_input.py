@@ -669,3 +669,13 @@ def test_a_bad_compile_target_is_blamed_on_the_flag_that_gave_it(capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--check-compile: unknown target 'bogus'" in err[0]
+
+
+def test_an_unknown_command_is_one_line_naming_it(capsys):
+    from hldstudy.cli import main
+
+    assert main(["trian"]) == 2
+    out = capsys.readouterr()
+    assert out.out == ""
+    err = out.err.strip().splitlines()
+    assert len(err) == 1 and "unknown command 'trian' (did you mean 'train'?)" in err[0]
