@@ -139,7 +139,7 @@ def test_records_are_reused_only_for_the_same_command():
 
 
 def test_the_committed_map_is_what_the_command_writes(tmp_path, capsys):
-    out = tmp_path / "map.md"
+    out = tmp_path / "not" / "made" / "yet" / "map.md"  # its folders are made
     assert plan_main(["--decision-map", "--out", str(out),
                       "--records", str(ROOT / cmd.RECORDS)]) == 0
     assert out.read_text() == (ROOT / "docs" / "decision_map.md").read_text()

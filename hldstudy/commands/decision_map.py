@@ -328,6 +328,7 @@ def main(argv: list[str]) -> int:
                 failed.append(rec["command"])
                 continue
             records[rec["command"]] = rec
+            records_path.parent.mkdir(parents=True, exist_ok=True)
             write_json_atomic(records_path, {"compiled": list(records.values())})
             missing = attach(cells, records)
         if missing:
@@ -335,7 +336,8 @@ def main(argv: list[str]) -> int:
                   "compiles them)", file=sys.stderr)
         if a.json:
             print(json.dumps(cells, sort_keys=True))
-        elif out is not None:
+        elif out is not None:  # its folder checked before the work, made now
+            out.parent.mkdir(parents=True, exist_ok=True)
             write_text_atomic(out, format_map(cells))
             print(f"wrote {out}", file=sys.stderr)
         else:
