@@ -47,3 +47,19 @@ class Interrupted(Exception):
     def __init__(self, step: int, signum: int):
         self.step, self.signum = step, signum
         super().__init__(f"interrupted at step {step}; checkpoint saved, rerun to resume")
+
+
+def die_with_parent() -> None:
+    """In a worker process: SIGKILL when the process that started it dies (Linux
+    prctl PR_SET_PDEATHSIG), so that kill -9 of a command leaves no worker behind.
+    Elsewhere a no-op."""
+    import ctypes
+    import os
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() == 1:  # the parent died before the request took effect
+        os._exit(1)

@@ -50,6 +50,11 @@ def main(argv: list[str] | None = None) -> int:
         try:
             manifest = prepare(cfg.data, args.out, workers=args.workers,
                                docs_per_shard=per_shard, progress=not args.no_progress)
+        except KeyboardInterrupt:
+            remove_if_empty(made)
+            print(f"hldstudy data: interrupted; the shards written to {args.out} so far are "
+                  "kept: run the same command again to continue", file=sys.stderr)
+            return 130
         except BaseException:
             remove_if_empty(made)
             raise

@@ -7,12 +7,15 @@ Design notes: `docs/data.md`, under this file's name.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import multiprocessing
 import os
 import shutil
+import signal
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
 from hldstudy.config import DataConfig
@@ -21,8 +24,9 @@ from hldstudy.data.encoding import encode_documents
 from hldstudy.data.pipeline import run_tokenizer
 from hldstudy.data.shards import FORMAT, FORMAT_VERSION, MANIFEST, encode_record
 from hldstudy.data.tokenizer import Tokenizer
-from hldstudy.errors import ConfigError, InputError
+from hldstudy.errors import ConfigError, InputError, RuntimeFault
 from hldstudy.fileio import write_json_atomic
+from hldstudy.signals import die_with_parent
 
 PLAN = "prepare.json"  # what a directory is being prepared from (checked on a rerun)
 DOCS_PER_SHARD = 8192
@@ -50,6 +54,9 @@ _WORKER: dict = {}
 
 
 def _init_worker(tokenizer_path: str) -> None:
+    die_with_parent()
+    # Ctrl-C reaches the whole process group: the parent alone answers it, in one line.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     _WORKER["tokenizer"] = Tokenizer.load(tokenizer_path)
 
 
@@ -159,7 +166,19 @@ def prepare(cfg: DataConfig, out: str | Path, *, workers: int = 1,
             path = out / f"{name}-{k:05d}.array_record"
             if not _intact(path):
                 jobs.append((path, docs, start, min(start + docs_per_shard, n)))
-    _write_shards(jobs, tokenizer, cfg.add_bos, workers, progress)
+    kept = "the shards written so far are kept: run the same command again to continue"
+    try:
+        _write_shards(jobs, tokenizer, cfg.add_bos, workers, progress)
+    except BrokenProcessPool:
+        raise RuntimeFault(f"a tokenizing worker died (killed, or out of memory) while "
+                           f"preparing {out}; {kept} (fewer --workers if memory is short)"
+                           ) from None
+    except (OSError, RuntimeError) as e:  # array_record reports a failed write as either
+        if getattr(e, "errno", None) == errno.ENOSPC or "No space left" in str(e):
+            raise RuntimeFault(f"--out: the disk of {out} is full; {kept} once there is "
+                               "space") from None
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise RuntimeFault(f"writing a shard into {out} failed ({first}); {kept}") from None
     manifest = {"format": FORMAT, "version": FORMAT_VERSION, "add_bos": cfg.add_bos,
                 "tokenizer": {"file": tok_file, "fingerprint": tokenizer.fingerprint(),
                               "vocab_size": tokenizer.vocab_size},
@@ -246,14 +265,18 @@ def _write_shards(jobs, tokenizer: Tokenizer, add_bos: bool, workers: int,
         ctx = multiprocessing.get_context("spawn")  # no copy of this process's threads
         with ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker,
                                  initargs=(str(tokenizer.model_path),)) as pool:
-            pending: dict = {}
-            for path, docs, start, stop in jobs:
-                while len(pending) >= 2 * workers:
+            try:
+                pending: dict = {}
+                for path, docs, start, stop in jobs:
+                    while len(pending) >= 2 * workers:
+                        _collect(pending, bar)
+                    texts = [docs[i] for i in range(start, stop)]
+                    pending[pool.submit(write_shard, path, texts, add_bos)] = stop - start
+                while pending:
                     _collect(pending, bar)
-                texts = [docs[i] for i in range(start, stop)]
-                pending[pool.submit(write_shard, path, texts, add_bos)] = stop - start
-            while pending:
-                _collect(pending, bar)
+            except BaseException:  # Ctrl-C, a failed shard: no queued shard starts
+                pool.shutdown(wait=False, cancel_futures=True)
+                raise
     finally:
         bar.close()
 

@@ -252,8 +252,10 @@ def spawned_worker(kwargs: dict, log_path: str):
     sys.stdout = os.fdopen(1, "w", buffering=1)
     sys.stderr = os.fdopen(2, "w", buffering=1)
     from hldstudy.cli_common import quiet_libraries
+    from hldstudy.signals import die_with_parent
     from hldstudy.sweep.worker import Worker
 
+    die_with_parent()  # kill -9 of the sweep leaves no worker training on
     quiet_libraries()
     return Worker(**kwargs)
 
