@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 from pathlib import Path
 
 import jax
@@ -158,3 +159,35 @@ def test_a_replica_started_after_the_resume_is_handed_the_cursor(tmp_path, teach
         second.kill()
     assert losses(workdir) == losses(tmp_path / "colocated")
     assert stats["steps"] == 4 and stats["replayed_batches"] == 0, stats
+
+
+def test_resuming_on_another_corpus_names_data_path_and_leaves_the_run_as_it_was(
+        tmp_path, tokenizer_path, shards):
+    """A shards run stopped at a checkpoint, resumed with data.path on another corpus's
+    shards: refused in one line naming data.path, and config.json (with everything else
+    in the run directory) byte-identical: the checks run before the run's files are
+    written."""
+    from hldstudy.errors import InputError
+
+    other = tmp_path / "other_shards"
+    prepare(data_config(tokenizer_path, synthetic_docs=300), other, docs_per_shard=100,
+            progress=False)
+    cfg = _configs("shards", tokenizer_path, shards, None, cohort=False)[0]
+    run = tmp_path / "run"
+    with pytest.raises(Interrupted):
+        Trainer(cfg, run, devices=DEV).run(stop_at_step=4)
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    moved = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=str(other)))
+    with pytest.raises(InputError, match=r"data\.path .*other_shards"):
+        Trainer(moved, run, devices=DEV).run()
+    after = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    assert after == before
+    # Another run's checkpoints copied in: blamed on the checkpoints, not on a config change.
+    other_run = tmp_path / "other_run"
+    reseeded = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, seed=7))
+    with pytest.raises(Interrupted):
+        Trainer(reseeded, other_run, devices=DEV).run(stop_at_step=4)
+    shutil.rmtree(other_run / "checkpoints")
+    shutil.copytree(run / "checkpoints", other_run / "checkpoints")
+    with pytest.raises(InputError, match="written by another run"):
+        Trainer(reseeded, other_run, devices=DEV).run()

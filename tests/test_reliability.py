@@ -428,8 +428,8 @@ def test_retry_after_a_failed_data_load_takes_a_corrected_config(tmp_path, token
                                                              path=str(empty), tokenizer=None))
     with pytest.raises(InputError):
         Trainer(text, tmp_path / "run", devices=ONE_DEVICE)
-    assert (tmp_path / "run" / "config.json").exists()
-    Trainer(cfg, tmp_path / "run", devices=ONE_DEVICE)  # no ConfigError: nothing was trained
+    assert not (tmp_path / "run" / "config.json").exists()  # refused: written only to train
+    Trainer(cfg, tmp_path / "run", devices=ONE_DEVICE).run()  # no ConfigError
     assert json.loads((tmp_path / "run" / "config.json").read_text())["data"]["source"] \
         == "synthetic"
 

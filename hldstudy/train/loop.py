@@ -123,8 +123,8 @@ class Trainer:
         self.workdir.mkdir(parents=True, exist_ok=True)
         check_writable(self.workdir / CHECKPOINTS_DIR)
         check_resume_compatible(cfg, self.workdir)
-        if mesh_lib.is_primary():  # process 0 writes the run's files; all save checkpoints
-            save_config(cfg, self.workdir / "config.json")
+        # config.json is written once every check has passed, the data cursor's included
+        # (`write_config`, as training starts): a refused resume leaves the old one.
         self.mesh = mesh_lib.make_mesh(cfg.train, devices)
         mesh_lib.check_batch_divisible(cfg.data.batch_size, self.mesh)
         if data is None:
@@ -316,6 +316,12 @@ class Trainer:
             self.damaged.clear()
         return state
 
+    def write_config(self) -> None:
+        """The run's resolved config beside its results (process 0 writes the run's files;
+        all save checkpoints)."""
+        if mesh_lib.is_primary():
+            save_config(self.cfg, self.workdir / "config.json")
+
     def open_logger(self, resume_step: int):
         return (MetricsLogger(self.workdir, self.cfg, resume_step) if mesh_lib.is_primary()
                 else _NoLogger())
@@ -330,11 +336,31 @@ class Trainer:
         """Positions the training stream at the checkpoint's data cursor; says how."""
         cursor = meta.get("data")
         if isinstance(cursor, dict) and "version" in cursor:
-            if self.data.train.restore(cursor) != step:
+            try:
+                at = self.data.train.restore(cursor)
+            except InputError as e:
+                raise InputError(f"{e}{self._data_changes()}") from None
+            if at != step:
                 raise InputError(f"the checkpoint of step {step} holds the data cursor of "
                                  f"batch {cursor['step']}")
             return "from the checkpoint's data cursor"
         return "with no data cursor in the checkpoint (saved by an older version)"
+
+    def _data_changes(self) -> str:
+        """The data fields changed since the run's config.json (still the checkpoint's)."""
+        try:
+            old = flatten(config_to_dict(read_config(self.workdir / "config.json")))
+        except (OSError, ValueError):
+            return ""
+        new = flatten(config_to_dict(self.cfg))
+        changed = [f"{k} {old.get(k)!r} -> {v!r}" for k, v in sorted(new.items())
+                   if k.startswith("data.") and old.get(k) != v]
+        if not changed:  # the config is the run's own: the checkpoint is not
+            return (f"; this run's config.json has not changed, so the checkpoints in "
+                    f"{self.workdir / CHECKPOINTS_DIR} were written by another run: move them "
+                    "aside, or use another --workdir")
+        return (f"; changed since the checkpoint: {', '.join(changed)} (restore them, or "
+                "train from scratch in a new --workdir)")
 
     def nonfinite(self, plan: StagePlan, bad: int, step: int, loss: float | None,
                   last_saved: int | None) -> str:
@@ -455,10 +481,11 @@ def _train_group(members, group, points, steps, stop, until, outcomes) -> None:
     flops = {i: float(points[i][1]["flops_spent"]) if points[i][1] else 0.0 for i in group}
     loggers = {}
     try:
-        for i in group:
+        resumed = lead.restore_data(resume, meta) if meta is not None and resume else None
+        for i in group:  # every check passed: the run's files are written from here on
+            members[i].write_config()
             loggers[i] = members[i].open_logger(resume)
         carried, carried_opt, states, graphdefs = {}, {}, {}, None
-        resumed = lead.restore_data(resume, meta) if meta is not None and resume else None
         for plan in lead.plans:
             here = meta is not None and meta["stage"] == plan.stage.name \
                 and plan.start <= resume <= plan.end
