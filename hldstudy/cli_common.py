@@ -14,7 +14,7 @@ from pathlib import Path
 
 from hldstudy import platforms
 from hldstudy.config import Config, apply_overrides, load_experiment, validate
-from hldstudy.errors import InputError
+from hldstudy.errors import InputError, warn
 from hldstudy.shipped import shipped_dir
 
 # A sequence longer than this gets a warning before anything is computed (the
@@ -67,7 +67,30 @@ def resolve_config(args: argparse.Namespace, extra: list[str] = (),
                    check_paths: bool = True) -> Config:
     cfg = load_experiment(find_builtin(args.config, EXPERIMENTS))
     cfg = apply_overrides(cfg, list(extra) + list(args.overrides))
-    return validate(cfg, check_paths=check_paths)
+    cfg = validate(cfg, check_paths=check_paths)
+    for line in not_applying(cfg, args.overrides):
+        warn(line, "hldstudy.train")
+    return cfg
+
+
+def not_applying(cfg: Config, overrides: list[str]) -> list[str]:
+    """One line for each `--set key=value` that changes nothing for the run's method
+    (`methods.applies`: a teacher's field for the baseline, a stage boundary for a
+    one-stage method, another method's distill.* knob)."""
+    from hldstudy.distill import methods
+
+    method = cfg.distill.method
+    out = []
+    for item in overrides:
+        key = item.split("=", 1)[0].strip()
+        if "=" in item and not methods.applies(key, method):
+            spec = methods.get(method)
+            why = ("it has one stage" if key in methods.MULTI_STAGE_FIELDS else
+                   "it uses no teacher" if key.startswith("teacher.") and not spec.needs_teacher
+                   else "it does not use this knob")
+            out.append(f"--set {item}: does not apply to distill.method={method} ({why}); "
+                       "ignored")
+    return out
 
 
 def _nearest_existing(path: Path) -> Path:

@@ -323,6 +323,10 @@ def test_a_step_that_does_not_fit_is_told_only_the_knobs_not_on_already():
     assert "model.scan_layers" in hint
     assert "serve in bfloat16" not in next_knobs(cfg, {"kind": "teacher"}, 8)
     assert "serve in bfloat16" in next_knobs(f32, {"kind": "teacher"}, 8)
+    # A forward-only evaluation step has no micro-batches and no backward to remat.
+    hint = next_knobs(f32, {"kind": "eval"}, 8)
+    assert "micro-batches" not in hint and "remat" not in hint
+    assert "data.batch_size (now 256)" in hint and "model.scan_layers" in hint
 
 
 def test_a_replicas_flop_model_leaves_out_the_head_it_never_runs():

@@ -179,9 +179,13 @@ def test_plan_check_compile_compiles_the_grid_in_the_planners_layout(capsys):
                       "--json"]) == 0
     import json
 
-    r = json.loads(capsys.readouterr().out)
+    captured = capsys.readouterr()
+    r = json.loads(captured.out)
     checks = r["check_compile"]
     assert sorted(c["method"] for c in checks) == ["baseline", "hldc", "hldf", "kd"]
+    progress = [ln for ln in captured.err.splitlines() if "compiling" in ln]
+    assert [ln.split("]")[0] for ln in progress] == [f"hldstudy plan: [{i}/4" for i in
+                                                      range(1, 5)]  # a line per compile
     assert all(c["cohort"] == 2 for c in checks)
     assert sorted(i for c in checks for i in c["runs"]) == sorted(
         i for members in r["cohort_members"] for i in members)

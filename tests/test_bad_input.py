@@ -679,3 +679,28 @@ def test_an_unknown_command_is_one_line_naming_it(capsys):
     assert out.out == ""
     err = out.err.strip().splitlines()
     assert len(err) == 1 and "unknown command 'trian' (did you mean 'train'?)" in err[0]
+
+
+def test_settings_that_do_not_apply_are_named_and_a_bogus_preset_refused(tmp_path, capsys):
+    """`--set` of a knob the method does not use: one warning line each, the run goes on;
+    teacher.preset names a preset even beside a real checkpoint."""
+    from hldstudy.cli_common import not_applying
+    from hldstudy.config import Config, DistillConfig, TeacherConfig, validate
+    from hldstudy.errors import ConfigError
+    from hldstudy.train.__main__ import main as train_main
+
+    kd = Config(distill=DistillConfig(method="kd"))
+    lines = not_applying(kd, ["train.stage_boundary=continue", "distill.temperature=2",
+                              "train.lr=1e-3"])
+    assert len(lines) == 1 and "train.stage_boundary=continue" in lines[0] \
+        and "one stage" in lines[0]
+    base = Config(distill=DistillConfig(method="baseline"))
+    lines = not_applying(base, ["distill.nmse=token", "teacher.dtype=bfloat16"])
+    assert ["knob" in lines[0], "uses no teacher" in lines[1]] == [True, True]
+    with pytest.raises(ConfigError, match="teacher.preset: 'bogus' is not a model preset"):
+        validate(Config(distill=DistillConfig(method="kd"),
+                        teacher=TeacherConfig(preset="bogus")), check_paths=False)
+    assert train_main(["--config", "tiny", "--set", "train.steps=2", "--set",
+                       "distill.nmse=token", "--workdir", str(tmp_path / "run")]) == 0
+    err = capsys.readouterr().err
+    assert "--set distill.nmse=token: does not apply to distill.method=baseline" in err

@@ -15,7 +15,7 @@ from hldstudy.aot.targets import devices, parse_target
 from hldstudy.cli_common import EXPERIMENTS, find_builtin
 from hldstudy.config import apply_overrides, load_experiment, validate
 from hldstudy.distill import methods
-from hldstudy.errors import ConfigError
+from hldstudy.errors import ConfigError, note, warn
 from hldstudy.model.loading import teacher_model_config
 from hldstudy.model.presets import preset
 from hldstudy.sweep.cohorts import group
@@ -63,6 +63,12 @@ def next_knobs(cfg, row: dict, n_devices: int) -> str:
             knobs.append(f"serve in bfloat16 (teacher.dtype, now {cfg.teacher.dtype})")
         return ("a replica runs the whole batch on one device: " + ", ".join(knobs)
                 + ", or use a device with more memory")
+    if row["kind"] == "eval":  # forward only: no micro-batches, no backward to remat
+        return (f"the evaluation step runs a whole batch forward: lower data.batch_size "
+                f"(now {cfg.data.batch_size}), scan the layers (model.scan_layers)"
+                if not cfg.model.scan_layers else
+                f"the evaluation step runs a whole batch forward: lower data.batch_size "
+                f"(now {cfg.data.batch_size})") + " or use more devices"
     knobs = []
     micro = row.get("microbatches", 1)
     if micro < cfg.data.batch_size // n_devices:
@@ -91,6 +97,9 @@ def check_compile(cfg, method: str, teacher, target_text: str, *, cohort: int | 
     if unknown or not parts:
         raise ConfigError("--parts", f"{','.join(parts)!r} names none or unknown parts",
                           f"comma-separated of {', '.join(PARTS)}")
+    if layout not in (None, "colocated") and not methods.get(method).needs_teacher:
+        warn(f"--layout {layout}: {method} trains without a teacher, so the teacher's layout "
+             "changes nothing; ignored", "hldstudy.aot")
     layout = layout or layout_of(cfg.teacher.checkpoint)
     if layout not in LAYOUTS:
         raise ConfigError("--layout", f"{layout!r} is not a layout", f"one of {', '.join(LAYOUTS)}")
@@ -146,9 +155,11 @@ def check_grid(runs, teacher, cohort: int, target_text: str) -> list[dict]:
         todo.setdefault(key, []).extend(r.run_id for r in members)
         first.setdefault(key, members[0])
     reports = []
-    for (method, k), ids in todo.items():
+    for i, ((method, k), ids) in enumerate(todo.items()):
         cfg = first[(method, k)].config
         needs = methods.get(method).needs_teacher
+        note(f"[{i + 1}/{len(todo)}] compiling {method}{f', cohort of {k}' if k > 1 else ''} "
+             f"for {target_text} ({len(ids)} run(s))", "hldstudy plan")
         rep = check_compile(cfg, method, teacher if needs else None, target_text,
                             cohort=k if k > 1 else None)
         rep["runs"] = ids
