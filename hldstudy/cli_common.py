@@ -68,6 +68,9 @@ def resolve_config(args: argparse.Namespace, extra: list[str] = (),
     cfg = load_experiment(find_builtin(args.config, EXPERIMENTS))
     cfg = apply_overrides(cfg, list(extra) + list(args.overrides))
     cfg = validate(cfg, check_paths=check_paths)
+    from hldstudy.model.presets import check_teacher_preset
+
+    check_teacher_preset(cfg.teacher.preset)
     for line in not_applying(cfg, args.overrides):
         warn(line, "hldstudy.train")
     return cfg

@@ -691,12 +691,6 @@ def validate(cfg: Config, *, check_paths: bool = True, need_teacher: bool = True
     check_fields(cfg)
     check_name(cfg.name)
     validate_model(cfg.model)
-    if cfg.teacher.preset is not None:  # read only where the checkpoint cannot say: named now
-        from hldstudy.model.presets import PRESETS
-
-        if cfg.teacher.preset not in PRESETS:
-            raise ConfigError("teacher.preset", f"{cfg.teacher.preset!r} is not a model preset",
-                              f"one of {', '.join(sorted(PRESETS))}, or unset it")
     d, t, k = cfg.data, cfg.train, cfg.distill
     if check_paths and d.source != "synthetic" and not d.path:  # compiling reads no data
         raise ConfigError("data.path", f"data.source={d.source!r} needs a path",

@@ -681,12 +681,12 @@ def test_an_unknown_command_is_one_line_naming_it(capsys):
     assert len(err) == 1 and "unknown command 'trian' (did you mean 'train'?)" in err[0]
 
 
-def test_settings_that_do_not_apply_are_named_and_a_bogus_preset_refused(tmp_path, capsys):
+def test_settings_that_do_not_apply_are_named_and_a_bogus_preset_refused(tmp_path, capsys,
+                                                                        teacher_dir):
     """`--set` of a knob the method does not use: one warning line each, the run goes on;
     teacher.preset names a preset even beside a real checkpoint."""
     from hldstudy.cli_common import not_applying
-    from hldstudy.config import Config, DistillConfig, TeacherConfig, validate
-    from hldstudy.errors import ConfigError
+    from hldstudy.config import Config, DistillConfig
     from hldstudy.train.__main__ import main as train_main
 
     kd = Config(distill=DistillConfig(method="kd"))
@@ -697,9 +697,14 @@ def test_settings_that_do_not_apply_are_named_and_a_bogus_preset_refused(tmp_pat
     base = Config(distill=DistillConfig(method="baseline"))
     lines = not_applying(base, ["distill.nmse=token", "teacher.dtype=bfloat16"])
     assert ["knob" in lines[0], "uses no teacher" in lines[1]] == [True, True]
-    with pytest.raises(ConfigError, match="teacher.preset: 'bogus' is not a model preset"):
-        validate(Config(distill=DistillConfig(method="kd"),
-                        teacher=TeacherConfig(preset="bogus")), check_paths=False)
+    with pytest.raises(SystemExit) as e:
+        train_main(["--config", "tiny", "--set", "distill.method=kd", "--set",
+                    f"teacher.checkpoint={teacher_dir}", "--set", "teacher.preset=bogus",
+                    "--workdir", str(tmp_path / "bogus")])
+    assert e.value.code == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "teacher.preset: 'bogus' is not a model preset" in line
+    assert not (tmp_path / "bogus").exists()
     assert train_main(["--config", "tiny", "--set", "train.steps=2", "--set",
                        "distill.nmse=token", "--workdir", str(tmp_path / "run")]) == 0
     err = capsys.readouterr().err

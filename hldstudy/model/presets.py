@@ -88,3 +88,11 @@ def preset(name: str, **overrides) -> ModelConfig:
         raise ConfigError("model preset", f"unknown preset {name!r}",
                           f"choose one of {', '.join(sorted(PRESETS))}")
     return dataclasses.replace(PRESETS[name], **overrides)
+
+
+def check_teacher_preset(name: str | None) -> None:
+    """teacher.preset names a preset, even beside a checkpoint whose own config wins: a
+    typo is refused when the run starts, not when the shape is first needed."""
+    if name is not None and name not in PRESETS:
+        raise ConfigError("teacher.preset", f"{name!r} is not a model preset",
+                          f"one of {', '.join(sorted(PRESETS))}, or unset it")
