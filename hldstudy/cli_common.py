@@ -46,6 +46,10 @@ def quiet_libraries() -> None:
     warnings.filterwarnings("ignore", category=UserWarning, module="orbax")
     for name in ("absl", "orbax", "jax._src.xla_bridge", "tensorflow"):
         logging.getLogger(name).setLevel(logging.ERROR)
+    # orbax's background futures that fail on a damaged checkpoint are collected as
+    # "Future exception was never retrieved" (~30 lines each); the restore names the
+    # damage itself, in one line.
+    logging.getLogger("asyncio").setLevel(logging.CRITICAL)
     try:
         from absl import logging as absl_logging
 

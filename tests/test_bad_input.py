@@ -709,3 +709,21 @@ def test_settings_that_do_not_apply_are_named_and_a_bogus_preset_refused(tmp_pat
                        "distill.nmse=token", "--workdir", str(tmp_path / "run")]) == 0
     err = capsys.readouterr().err
     assert "--set distill.nmse=token: does not apply to distill.method=baseline" in err
+
+
+def test_a_failed_background_future_prints_nothing_after_quiet_libraries():
+    """What an orbax restore of a damaged checkpoint leaves behind: a future whose
+    exception nobody retrieved, reported by asyncio when collected (3 lines and a
+    traceback without quiet_libraries)."""
+    import subprocess
+    import sys
+
+    code = ("import asyncio, gc\n"
+            "from hldstudy.cli_common import quiet_libraries\n"
+            "quiet_libraries()\n"
+            "loop = asyncio.new_event_loop()\n"
+            "f = loop.create_future(); f.set_exception(OSError('damaged'))\n"
+            "del f; gc.collect(); loop.close()\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0 and "Future exception was never retrieved" not in out.stderr
