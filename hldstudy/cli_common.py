@@ -14,6 +14,7 @@ from pathlib import Path
 
 from hldstudy import platforms
 from hldstudy.config import Config, apply_overrides, load_experiment, validate
+from hldstudy.distill import methods
 from hldstudy.errors import InputError, warn
 from hldstudy.shipped import shipped_dir
 
@@ -72,9 +73,6 @@ def resolve_config(args: argparse.Namespace, extra: list[str] = (),
     cfg = load_experiment(find_builtin(args.config, EXPERIMENTS))
     cfg = apply_overrides(cfg, list(extra) + list(args.overrides))
     cfg = validate(cfg, check_paths=check_paths)
-    from hldstudy.model.presets import check_teacher_preset
-
-    check_teacher_preset(cfg.teacher.preset)
     for line in not_applying(cfg, args.overrides):
         warn(line, "hldstudy.train")
     return cfg
@@ -84,8 +82,6 @@ def not_applying(cfg: Config, overrides: list[str]) -> list[str]:
     """One line for each `--set key=value` that changes nothing for the run's method
     (`methods.applies`: a teacher's field for the baseline, a stage boundary for a
     one-stage method, another method's distill.* knob)."""
-    from hldstudy.distill import methods
-
     method = cfg.distill.method
     out = []
     for item in overrides:

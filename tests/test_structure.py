@@ -132,6 +132,7 @@ FUNCTION_LEVEL_IMPORTS = {
     "hldstudy.sweep.__main__ -> hldstudy.model": "--cohort auto without a teacher checkpoint",
     "hldstudy.sweep.__main__ -> hldstudy.plan": "--cohort auto only (the planner's GB)",
     "hldstudy.sweep.__main__ -> hldstudy.sweep.cohort_exec": "--cohort only",
+    "hldstudy.sweep.__main__ -> hldstudy.sweep.confirm": _MOVABLE,
     "hldstudy.sweep.__main__ -> hldstudy.sweep.cohorts": "--cohort auto only",
     "hldstudy.sweep.__main__ -> hldstudy.model.loading": _MOVABLE,
     "hldstudy.sweep.__main__ -> hldstudy.sweep.executors": _MOVABLE,
@@ -144,6 +145,10 @@ FUNCTION_LEVEL_IMPORTS = {
     "hldstudy.sweep.__main__ -> hldstudy.train.loop":
         "--cohort auto only: the device's free memory (the trainer, ~1 s)",
     "hldstudy.sweep.cohort_exec -> hldstudy.sweep.executors": _MOVABLE,
+    "hldstudy.sweep.confirm -> hldstudy.analysis.runs":
+        "--confirm only, when the picks are chosen: the analysis (pandas) loads then",
+    "hldstudy.sweep.confirm -> hldstudy.analysis.tables":
+        "--confirm only, when the picks are chosen: the analysis (pandas) loads then",
     "hldstudy.sweep.cohort_exec -> hldstudy.sweep.worker": _MOVABLE,
     "hldstudy.sweep.cohort_exec -> hldstudy.train.cohort":
         "the trainer (~1 s) only in the process that trains, not in a dry run",
@@ -164,6 +169,7 @@ FUNCTION_LEVEL_IMPORTS = {
         "the teacher runtime (~1 s) only for a method that needs a teacher",
     "hldstudy.sweep.worker -> hldstudy.train.loop":
         "the trainer (~1 s) only when a run still has steps to train",
+    "hldstudy.train.__main__ -> hldstudy.model.presets": _CLI.format("model"),
     "hldstudy.train.__main__ -> hldstudy.train.loop": _CLI.format("trainer (~8.6 s)"),
     "hldstudy.train.loop -> hldstudy.data": _MOVABLE,
 }

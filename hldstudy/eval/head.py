@@ -1,5 +1,5 @@
 """Target log-probabilities from final hidden states: the LM head fused with the
-log-softmax over vocabulary chunks, never building rows x vocab.
+log-softmax over vocabulary chunks, never building rows x vocab beyond a bound.
 
 `target_logprobs(h, w, targets)` returns, per row of `h` [N, D], log p(target) and
 whether the target is the argmax, computing the logits `h @ w` (soft-capped like
@@ -23,6 +23,11 @@ from hldstudy.numerics import softcap
 # Gemma's 262k vocabulary in 32 steps); both are clamped to the problem's size.
 VOCAB_BLOCK = 8192
 ROW_BLOCK = 1024
+# Up to this many logits (rows x vocab; 128 MB float32) the head is one matmul and one
+# log-softmax: a scorer's few gathered rows (lm-eval's continuations) then read the
+# weight once, where the chunked loop slices it (and, tied to the embedding, its
+# transpose) chunk by chunk: 1.5-3x slower on the CPU at 16-64 rows of Gemma's head.
+DIRECT_LOGITS = 1 << 25
 
 
 def _block_logprobs(h_RxD, w_DxV, targets_R, cap: float | None, vocab_block: int):
@@ -54,14 +59,28 @@ def _block_logprobs(h_RxD, w_DxV, targets_R, cap: float | None, vocab_block: int
     return (z_y - (m + jnp.log(s)))[:, 0], (best_idx == t_Rx1)[:, 0]
 
 
-def target_logprobs(h_NxD: jax.Array, w_DxV: jax.Array, targets_N: jax.Array, *,
+def _direct_logprobs(h_NxD, w, targets_N, cap: float | None, vocab_major: bool):
+    spec = "nd,vd->nv" if vocab_major else "nd,dv->nv"
+    z_NxV = softcap(jnp.einsum(spec, h_NxD, w, preferred_element_type=jnp.float32), cap)
+    z_y = jnp.take_along_axis(z_NxV, targets_N[:, None], axis=1)[:, 0]
+    return z_y - jax.nn.logsumexp(z_NxV, axis=-1), jnp.argmax(z_NxV, axis=-1) == targets_N
+
+
+def target_logprobs(h_NxD: jax.Array, w: jax.Array, targets_N: jax.Array, *,
                     cap: float | None = None, vocab_block: int = VOCAB_BLOCK,
-                    row_block: int = ROW_BLOCK) -> tuple[jax.Array, jax.Array]:
+                    row_block: int = ROW_BLOCK, direct_logits: int = DIRECT_LOGITS,
+                    vocab_major: bool = False) -> tuple[jax.Array, jax.Array]:
     """(log p(targets) float32 [N], targets == argmax bool [N]) of logits
-    softcap(h @ w, cap), built one [row_block, vocab_block] chunk at a time."""
+    softcap(h @ w, cap): in one piece up to `direct_logits` logits, else built one
+    [row_block, vocab_block] chunk at a time. `w` is [D, V], or [V, D] with
+    `vocab_major` (a tied embedding as it is stored: the one-piece head then reads it
+    without a transposed copy)."""
     n, d = h_NxD.shape
-    w_DxV = w_DxV.astype(h_NxD.dtype)
+    w = w.astype(h_NxD.dtype)
     targets_N = targets_N.astype(jnp.int32)
+    if n * w.shape[0 if vocab_major else 1] <= direct_logits:
+        return _direct_logprobs(h_NxD, w, targets_N, cap, vocab_major)
+    w_DxV = w.T if vocab_major else w
     r = max(1, min(n, row_block))
     if r == n:
         return _block_logprobs(h_NxD, w_DxV, targets_N, cap, vocab_block)

@@ -239,11 +239,40 @@ def main(argv=None) -> int:
         return _main(args)
 
 
+def _dry_run(args, sweep, runs, selected, workdir: Path) -> int:
+    """--dry-run: the runs with their steps, FLOPs and status (--json: one object each)."""
+    from hldstudy.sweep.spec import config_drift, run_status
+
+    statuses = {}
+    for r in selected:
+        drift = config_drift(r, workdir / r.run_id)
+        statuses[r.run_id] = (f"stale ({drift[0][0]})" if drift else
+                              run_status(r, workdir / r.run_id, sweep.eval_tasks))
+    if args.json:
+        cohorts = {}
+        if args.cohort is not None:
+            from hldstudy.sweep.cohort_exec import cohort_ids
+
+            cohorts = cohort_ids(selected, args.cohort)
+        print(json.dumps([{**r.entry(), "status": statuses[r.run_id],
+                           **({"cohort": cohorts[r.run_id]} if cohorts else {})}
+                          for r in selected], indent=1))
+    else:
+        budget = runs[0].config.budget
+        print(f"sweep {sweep.name}: {len(selected)} run(s), budget {budget.flops:.4e} FLOPs "
+              f"each (teacher forward {'counted' if budget.count_teacher else 'not counted'})"
+              f", workdir {workdir}")
+        if sweep.launch:
+            print(f"launch: {sweep.launch}")
+        print(_fmt_table(selected, statuses))
+    return 0
+
+
 def _main(args) -> int:
     from hldstudy.cli_common import SWEEPS, check_output_dir, find_builtin
     from hldstudy.sweep import confirm, executors
     from hldstudy.sweep.launch import prepare_workdir
-    from hldstudy.sweep.spec import config_drift, expand, load_sweep, run_status
+    from hldstudy.sweep.spec import expand, load_sweep
 
     options = None
     if args.teacher_replicas is not None:  # refused in one line before anything is read
@@ -284,29 +313,7 @@ def _main(args) -> int:
     if args.cohort == "auto":
         args.cohort = _auto_cohort(sweep, selected)
     if args.dry_run:
-        statuses = {}
-        for r in selected:
-            drift = config_drift(r, workdir / r.run_id)
-            statuses[r.run_id] = (f"stale ({drift[0][0]})" if drift else
-                                  run_status(r, workdir / r.run_id, sweep.eval_tasks))
-        if args.json:
-            cohorts = {}
-            if args.cohort is not None:
-                from hldstudy.sweep.cohort_exec import cohort_ids
-
-                cohorts = cohort_ids(selected, args.cohort)
-            print(json.dumps([{**r.entry(), "status": statuses[r.run_id],
-                               **({"cohort": cohorts[r.run_id]} if cohorts else {})}
-                              for r in selected], indent=1))
-        else:
-            budget = runs[0].config.budget
-            print(f"sweep {sweep.name}: {len(selected)} run(s), budget {budget.flops:.4e} FLOPs "
-                  f"each (teacher forward {'counted' if budget.count_teacher else 'not counted'})"
-                  f", workdir {workdir}")
-            if sweep.launch:
-                print(f"launch: {sweep.launch}")
-            print(_fmt_table(selected, statuses))
-        return 0
+        return _dry_run(args, sweep, runs, selected, workdir)
 
     check_output_dir(workdir, "--workdir" if args.workdir else "--workdir (runs/<sweep name>)")
     prepare_workdir(sweep, runs, selected, workdir, sweep_file=sweep_file,

@@ -17,7 +17,7 @@ from pathlib import Path
 from hldstudy import rundir
 from hldstudy.errors import InputError
 from hldstudy.fileio import write_json_atomic
-from hldstudy.sweep.spec import SEED_AXIS, Run, Sweep, expand
+from hldstudy.sweep.spec import AXES, GRID_AXES, SEED_AXIS, Run, Sweep, expand
 
 CONFIRM_FILE = "confirm.json"
 
@@ -127,8 +127,6 @@ def runs_at(sweep: Sweep, record: dict, overrides=()) -> list[Run]:
 
 def _sweep_axes(sweep: Sweep, point: dict) -> dict:
     """The Sweep keywords that pin its axes to one point (`point`: {dotted field: (v,)})."""
-    from hldstudy.sweep.spec import AXES, GRID_AXES
-
     kw = {AXES[k]["column"]: point[k] for k in GRID_AXES if k in point}
     kw["extra_axes"] = tuple((k, point[k]) for k, _ in sweep.extra_axes if k in point)
     return kw

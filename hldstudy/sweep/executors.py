@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hldstudy.errors import InputError, exit_code_of
-from hldstudy.signals import StopSignals
+from hldstudy.signals import StopSignals, die_with_parent
 from hldstudy.sweep.spec import Run, Sweep, run_status, steps_done
 from hldstudy.wandb_online import wandb_online
 
@@ -252,7 +252,6 @@ def spawned_worker(kwargs: dict, log_path: str):
     sys.stdout = os.fdopen(1, "w", buffering=1)
     sys.stderr = os.fdopen(2, "w", buffering=1)
     from hldstudy.cli_common import quiet_libraries
-    from hldstudy.signals import die_with_parent
     from hldstudy.sweep.worker import Worker
 
     die_with_parent()  # kill -9 of the sweep leaves no worker training on

@@ -32,6 +32,9 @@ def main(argv: list[str] | None = None) -> int:
     with user_errors(args.debug, prog="hldstudy.train"):
         extra = [f"distill.method={args.method}"] if args.method else []
         cfg = resolve_config(args, extra)
+        from hldstudy.model.presets import check_teacher_preset
+
+        check_teacher_preset(cfg.teacher.preset)
         workdir = Path(args.workdir or f"runs/{cfg.name}")
         check_output_dir(workdir, "--workdir" if args.workdir else "--workdir (runs/<name>)")
         from hldstudy.train.loop import Interrupted, train

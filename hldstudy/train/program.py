@@ -253,8 +253,10 @@ def make_eval_step(graphdefs: GraphDefs):
         out = student(batch["tokens"], batch["positions"], batch["segment_ids"],
                       return_logits=False)
         w_DxV, cap = student.head_weight(), student.cfg.final_softcap
-        logp_BxT = jax.vmap(lambda h_TxD, t_T: target_logprobs(h_TxD, w_DxV, t_T, cap=cap)[0])(
-            out.final_hidden, batch["targets"])
+        # Chunked (direct_logits=0): under the vmap a row's one-piece head would be the
+        # whole batch's tokens x vocab.
+        logp_BxT = jax.vmap(lambda h_TxD, t_T: target_logprobs(
+            h_TxD, w_DxV, t_T, cap=cap, direct_logits=0)[0])(out.final_hidden, batch["targets"])
         mask = batch["mask"] > 0
         return jnp.sum(jnp.where(mask, -logp_BxT, 0.0)), jnp.sum(mask.astype(jnp.float32))
 
