@@ -17,10 +17,11 @@ configs for both (our offline override YAMLs, `hldstudy.eval.tasks`):
 Each backend scores every request once to warm up (our scorers compile then), then
 `--repeats` (>= 3) times alternately, ours and theirs; the steady state is the median.
 Accuracies come from one `lm_eval.simple_evaluate` per backend and workload (not
-timed). The load average is read at the start and the end of every part; above
-`--max-load` (1.5) at any check the run is refused and no table is written (PyTorch's
-threads collapse when the 2 cores are oversubscribed, so such a ratio measures the
-load).
+timed). The load average is read at the start and the end of every part (and of each
+workload), each time after 30 idle seconds so that this process's own threads have
+decayed out of it; above `--max-load` (1.5) at any check the run is refused and no table
+is written (PyTorch's threads collapse when the 2 cores are oversubscribed, so such a
+ratio measures the load).
 
 Part `checkpoints`: `--n-checkpoints` run directories of one shape (the tiny
 preset, different weights) evaluated in one process by
@@ -57,7 +58,14 @@ class TooLoaded(SystemExit):
     """The machine is not quiet: no table is written."""
 
 
+SETTLE_S = 30.0  # idle seconds before each load check: our own threads' share decays
+
+
 def check_load(where: str, max_load: float, seen: list) -> None:
+    """The 1-minute load average, read after SETTLE_S idle seconds: this process's own
+    two busy threads (a load of ~2 while it computes) decay to ~1.2 by then, so a
+    reading above `max_load` means other work shares the cores."""
+    time.sleep(SETTLE_S)
     load = round(os.getloadavg()[0], 2)
     seen.append((where, load))
     if load > max_load:
@@ -167,7 +175,7 @@ def bench_hf(args, seen) -> dict:
     return out
 
 
-def _profile_one(model, tok, tokens_per_batch: int, args, seen) -> dict:
+def _profile_one(model, tok, args, seen) -> dict:
     import jax
     from flax import nnx
 
@@ -176,7 +184,6 @@ def _profile_one(model, tok, tokens_per_batch: int, args, seen) -> dict:
 
     ours = HLDStudyLM(model=model, tokenizer=tok, max_length=IMPORT_MAX_LENGTH, add_bos=True,
                       batch_size=args.batch_size, progress=False)
-    ours.scorer.tokens_per_batch = tokens_per_batch
     calls, real = [], adapter._score_at
 
     def timed_score(graphdef, state, tokens, index, targets):
@@ -228,9 +235,7 @@ def profile_ours(args, seen) -> dict:
     """Where `HLDStudyLM.loglikelihood`'s time goes on the five-task workload: the scoring
     calls (the compiled forward + head, timed to completion) against everything else on
     the host (tokenization, grouping, padding, lm-eval's bookkeeping), and within the
-    calls the transformer body alone (the same shapes, no head); with the scorer's rows
-    per call at lm-eval's batch size and filled to `TOKENS_PER_BATCH`."""
-    from hldstudy.eval import adapter
+    calls the transformer body alone (the same shapes, no head)."""
     from hldstudy.model.importers import load_pretrained
 
     gguf = Path(args.gguf) if args.gguf else None
@@ -239,8 +244,7 @@ def profile_ours(args, seen) -> dict:
 
         gguf = Path(pkg.assemble())
     model, tok = load_pretrained(gguf)
-    return {f"tokens_per_batch={n}": _profile_one(model, tok, n, args, seen)
-            for n in (0, adapter.TOKENS_PER_BATCH)}
+    return {"ours": _profile_one(model, tok, args, seen)}
 
 
 def bench_checkpoints(args) -> dict:
@@ -351,13 +355,12 @@ def main() -> None:
         lines += ["Where `HLDStudyLM.loglikelihood`'s time goes (five-task workload, batch "
                   f"{args.batch_size}, median of {args.repeats} warm calls; load checks "
                   f"{merged['profile']['load_avg_1min']}):", "",
-                  "| scorer rows per call | total (s) | scoring calls (s) | host (s) | calls | "
-                  "body alone (s) | head + gather (s) |", "|---|---:|---:|---:|---:|---:|---:|"]
-        for key, p in merged["profile"].items():
-            if key.startswith("tokens_per_batch"):
-                lines.append(f"| {key} | {p['total_s']:.2f} | {p['scoring_calls_s']:.2f} | "
-                             f"{p['host_s']:.2f} | {p['calls']} | {p['body_only_s']:.2f} | "
-                             f"{p['head_and_gather_s']:.2f} |")
+                  "| requests | total (s) | scoring calls (s) | host (s) | calls | "
+                  "body alone (s) | head + gather (s) |", "|---:|---:|---:|---:|---:|---:|---:|"]
+        p = merged["profile"]["ours"]
+        lines.append(f"| {p['requests']} | {p['total_s']:.2f} | {p['scoring_calls_s']:.2f} | "
+                     f"{p['host_s']:.2f} | {p['calls']} | {p['body_only_s']:.2f} | "
+                     f"{p['head_and_gather_s']:.2f} |")
         lines.append("")
     if "checkpoints" in merged:
         c = merged["checkpoints"]

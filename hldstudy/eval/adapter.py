@@ -27,11 +27,6 @@ from hldstudy.model.loading import load_model
 from hldstudy.numerics import softcap
 
 MIN_BUCKET = 32
-# Rows x padded length one scoring call aims at (at least lm-eval's batch size, a power
-# of two of rows, at most MAX_ROWS): lm-eval's short requests at batch 4 leave the
-# CPU's matmuls a few hundred rows; tokens_per_batch=0 keeps the requested batch size.
-TOKENS_PER_BATCH = 1024
-MAX_ROWS = 64
 # Fewest scored positions per row the scorer pads to (lm-eval continuations are short).
 MIN_SCORED = 8
 # Default model length for imported checkpoints (Gemma 3 allows 32k; the study's
@@ -155,12 +150,10 @@ def compiled_scorers() -> int:
 class Scorer:
     """Per-token target log-probs and greedy flags for padded [B, L] batches."""
 
-    def __init__(self, model, *, batch_size: int, max_length: int, pad_id: int = 0,
-                 tokens_per_batch: int = TOKENS_PER_BATCH):
+    def __init__(self, model, *, batch_size: int, max_length: int, pad_id: int = 0):
         if batch_size <= 0:
             raise InputError(f"--batch-size must be > 0, got {batch_size}")
         self.batch_size = int(batch_size)
-        self.tokens_per_batch = int(tokens_per_batch)
         self.max_length = int(max_length)
         self.pad_id = int(pad_id)
         self.vocab_size = int(model.cfg.vocab_size)
@@ -189,13 +182,6 @@ class Scorer:
                               jnp.asarray(targets, jnp.int32), jnp.asarray(positions, jnp.int32),
                               jnp.asarray(segment_ids, jnp.int32))
         return np.asarray(logp), np.asarray(greedy)
-
-    def rows_per_batch(self, length: int) -> int:
-        """Rows scored per call at padded length `length`: the requested batch size, or
-        more when the rows are short, up to `tokens_per_batch` tokens a call (one
-        compiled shape per length bucket): short requests then fill the matmuls."""
-        fill = self.tokens_per_batch // length if self.tokens_per_batch > 0 else 0
-        return max(self.batch_size, min(MAX_ROWS, 1 << max(fill, 1).bit_length() - 1))
 
     def share_prefixes(self, rows: list[tuple[list[int], int]]) -> list[list[int]]:
         """Groups of row ids scored in one input row: a row whose inputs (all tokens but
@@ -233,11 +219,11 @@ class Scorer:
                 raise ValueError(f"bad row: {len(toks)} tokens, score {n}")
         groups = sorted(self.share_prefixes(rows), key=lambda g: -len(rows[g[0]][0]))
         out: list[tuple[float, bool] | None] = [None] * len(rows)
+        B = self.batch_size
         bar = tqdm(total=len(rows), desc=desc, disable=not progress, leave=False)
         i = 0
         while i < len(groups):
             L = self.bucket(len(rows[groups[i][0]][0]) - 1)
-            B = self.rows_per_batch(L)
             # Only groups of this bucket share the batch (groups are sorted by length).
             batch = [g for g in groups[i:i + B] if self.bucket(len(rows[g[0]][0]) - 1) == L]
             K = _bucket(max(sum(rows[j][1] for j in g) for g in batch), self.scored)
