@@ -177,20 +177,22 @@ def bench_hf(args, seen) -> dict:
 
 def _profile_one(model, tok, args, seen) -> dict:
     import jax
-    from flax import nnx
 
     from hldstudy.eval import adapter
     from hldstudy.eval.adapter import IMPORT_MAX_LENGTH, HLDStudyLM
 
     ours = HLDStudyLM(model=model, tokenizer=tok, max_length=IMPORT_MAX_LENGTH, add_bos=True,
                       batch_size=args.batch_size, progress=False)
-    calls, real = [], adapter._score_at
+    calls = {"body": [], "head": []}
+    real = {"body": adapter._hidden_at, "head": adapter._head_at}
 
-    def timed_score(graphdef, state, tokens, index, targets):
-        t = time.perf_counter()
-        res = jax.block_until_ready(real(graphdef, state, tokens, index, targets))
-        calls.append((tuple(tokens.shape), tuple(index.shape), time.perf_counter() - t))
-        return res
+    def timing(part):
+        def call(*a):
+            t = time.perf_counter()
+            res = jax.block_until_ready(real[part](*a))
+            calls[part].append(time.perf_counter() - t)
+            return res
+        return call
 
     def score(reqs):
         return ours.loglikelihood(reqs, disable_tqdm=True)
@@ -198,44 +200,28 @@ def _profile_one(model, tok, args, seen) -> dict:
     with tempfile.TemporaryDirectory(prefix="hldstudy-prof-") as d:
         _, reqs = workload(FIVE_TASKS, None, Path(d))
         score(reqs)  # compiles
-        adapter._score_at = timed_score
+        adapter._hidden_at, adapter._head_at = timing("body"), timing("head")
         try:
             check_load("profile: start", args.max_load, seen)
             totals = []
             for _ in range(args.repeats):
-                calls.clear()
+                for v in calls.values():
+                    v.clear()
                 _, s = timed(score, reqs)
-                totals.append((s, sum(c[2] for c in calls)))
+                totals.append((s, sum(calls["body"]), sum(calls["head"])))
             check_load("profile: end", args.max_load, seen)
         finally:
-            adapter._score_at = real
-    graphdef, state = nnx.split(model)
-
-    def forward(st, x):
-        return nnx.merge(graphdef, st)(x, return_logits=False).final_hidden
-
-    body = jax.jit(forward)
-    body_s = 0.0
-    for shape in sorted({c[0] for c in calls}):
-        x = jax.numpy.zeros(shape, jax.numpy.int32)
-        jax.block_until_ready(body(state, x))
-        n = sum(1 for c in calls if c[0] == shape)
-        t = time.perf_counter()
-        for _ in range(n):
-            jax.block_until_ready(body(state, x))
-        body_s += time.perf_counter() - t
-    total, scoring = (float(np.median([t[i] for t in totals])) for i in (0, 1))
-    return {"requests": len(reqs), "total_s": total, "scoring_calls_s": scoring,
-            "host_s": total - scoring, "calls": len(calls),
-            "shapes": sorted({f"{c[0][0]}x{c[0][1]} (scored {c[1][1]})" for c in calls}),
-            "body_only_s": body_s, "head_and_gather_s": scoring - body_s}
+            adapter._hidden_at, adapter._head_at = real["body"], real["head"]
+    total, body, head = (float(np.median([t[i] for t in totals])) for i in (0, 1, 2))
+    return {"requests": len(reqs), "total_s": total, "body_and_gather_s": body,
+            "head_s": head, "host_s": total - body - head, "body_calls": len(calls["body"]),
+            "head_calls": len(calls["head"])}
 
 
 def profile_ours(args, seen) -> dict:
-    """Where `HLDStudyLM.loglikelihood`'s time goes on the five-task workload: the scoring
-    calls (the compiled forward + head, timed to completion) against everything else on
-    the host (tokenization, grouping, padding, lm-eval's bookkeeping), and within the
-    calls the transformer body alone (the same shapes, no head)."""
+    """Where `HLDStudyLM.loglikelihood`'s time goes on the five-task workload: the compiled
+    body + gather calls and head calls (each timed to completion) against everything
+    else on the host (tokenization, grouping, padding, lm-eval's bookkeeping)."""
     from hldstudy.model.importers import load_pretrained
 
     gguf = Path(args.gguf) if args.gguf else None
@@ -355,12 +341,12 @@ def main() -> None:
         lines += ["Where `HLDStudyLM.loglikelihood`'s time goes (five-task workload, batch "
                   f"{args.batch_size}, median of {args.repeats} warm calls; load checks "
                   f"{merged['profile']['load_avg_1min']}):", "",
-                  "| requests | total (s) | scoring calls (s) | host (s) | calls | "
-                  "body alone (s) | head + gather (s) |", "|---:|---:|---:|---:|---:|---:|---:|"]
+                  "| requests | total (s) | body + gather (s) | body calls | head (s) | "
+                  "head calls | host (s) |", "|---:|---:|---:|---:|---:|---:|---:|"]
         p = merged["profile"]["ours"]
-        lines.append(f"| {p['requests']} | {p['total_s']:.2f} | {p['scoring_calls_s']:.2f} | "
-                     f"{p['host_s']:.2f} | {p['calls']} | {p['body_only_s']:.2f} | "
-                     f"{p['head_and_gather_s']:.2f} |")
+        lines.append(f"| {p['requests']} | {p['total_s']:.2f} | {p['body_and_gather_s']:.2f} | "
+                     f"{p['body_calls']} | {p['head_s']:.2f} | {p['head_calls']} | "
+                     f"{p['host_s']:.2f} |")
         lines.append("")
     if "checkpoints" in merged:
         c = merged["checkpoints"]

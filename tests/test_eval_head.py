@@ -46,21 +46,23 @@ def test_ties_pick_the_first_column_like_argmax():
 
 
 def test_the_scorer_never_builds_positions_by_vocab():
-    """Only the gathered B x K rows ever meet the vocabulary, never the B x T context."""
+    """Only gathered rows ever meet the vocabulary, never the B x T context: the body's
+    program computes nothing vocabulary-wide, and the head's at most HEAD_ROWS rows."""
     from flax import nnx
 
-    from hldstudy.eval.adapter import _score_at
+    from hldstudy.eval.adapter import HEAD_ROWS, _head_at, _hidden_at
     from hldstudy.eval.testing import init_model, tiny_config
 
     cfg = tiny_config(vocab_size=384).model
     graphdef, state = nnx.split(init_model(cfg, 0))
-    b, t, k = 4, 64, 8
-    jaxpr = jax.make_jaxpr(_score_at, static_argnums=0)(
-        graphdef, state, jnp.zeros((b, t), jnp.int32), jnp.zeros((b, k), jnp.int32),
-        jnp.zeros((b, k), jnp.int32)).jaxpr
-    with_vocab = [s for s in shapes(jaxpr) if cfg.vocab_size in s]
+    b, t, k = 4, 256, 8
+    body = jax.make_jaxpr(_hidden_at, static_argnums=0)(
+        graphdef, state, jnp.zeros((b, t), jnp.int32), jnp.zeros((b, k), jnp.int32)).jaxpr
+    assert [s for s in shapes(body) if cfg.vocab_size in s] == []  # the table is an input
+    head = jax.make_jaxpr(_head_at, static_argnums=0)(
+        graphdef, state, jnp.zeros((HEAD_ROWS, cfg.d_model)), jnp.zeros(HEAD_ROWS, jnp.int32)
+    ).jaxpr
+    with_vocab = [s for s in shapes(head) if cfg.vocab_size in s]
     assert with_vocab  # the head is in there
-    # The embedding table [V, D] and head weight [D, V] aside, nothing V-wide has more
-    # than the gathered b * k rows.
     rows = [int(np.prod(s)) // cfg.vocab_size for s in with_vocab]
-    assert max(r for r in rows if r != cfg.d_model) <= b * k, with_vocab
+    assert max(r for r in rows if r != cfg.d_model) <= HEAD_ROWS < b * t, with_vocab

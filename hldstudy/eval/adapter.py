@@ -27,6 +27,10 @@ from hldstudy.model.loading import load_model
 from hldstudy.numerics import softcap
 
 MIN_BUCKET = 32
+# Scored positions per head call: the head's weight (Gemma's: 671 MB) is read once per
+# call whatever its rows, so the scored positions of several batches are packed into
+# one call (no per-row padding); 128 x Gemma's 262k vocabulary stays one matmul.
+HEAD_ROWS = 128
 # Fewest scored positions per row the scorer pads to (lm-eval continuations are short).
 MIN_SCORED = 8
 # Default model length for imported checkpoints (Gemma 3 allows 32k; the study's
@@ -118,17 +122,21 @@ def _score(graphdef, state, tokens, targets, positions, segment_ids):
 
 
 @partial(jax.jit, static_argnums=0)
-def _score_at(graphdef, state, tokens_BxT, index_BxK, targets_BxK):
-    """(log p(target), target == argmax) at input positions index [B, K] only: the final
-    hidden states there are gathered first, and the head runs on B x K rows."""
+def _hidden_at(graphdef, state, tokens_BxT, index_BxK):
+    """The final hidden states at input positions index [B, K] only: [B, K, D]."""
     m = nnx.merge(graphdef, state)
     h = m(tokens_BxT, return_logits=False).final_hidden
-    b, k = index_BxK.shape
-    h_BxKxD = jnp.take_along_axis(h, index_BxK[:, :, None], axis=1)
+    return jnp.take_along_axis(h, index_BxK[:, :, None], axis=1)
+
+
+@partial(jax.jit, static_argnums=0)
+def _head_at(graphdef, state, h_RxD, targets_R):
+    """(log p(target), target == argmax) of HEAD_ROWS gathered rows: one head call (the
+    weight read once) for the scored positions of several batches."""
+    m = nnx.merge(graphdef, state)
     w, vocab_major = _head(m)
-    logp, greedy = target_logprobs(h_BxKxD.reshape(b * k, -1), w, targets_BxK.reshape(-1),
-                                   cap=m.cfg.final_softcap, vocab_major=vocab_major)
-    return logp.reshape(b, k), greedy.reshape(b, k)
+    return target_logprobs(h_RxD, w, targets_R, cap=m.cfg.final_softcap,
+                           vocab_major=vocab_major)
 
 
 @partial(jax.jit, static_argnums=0)
@@ -144,7 +152,8 @@ def _next_token(graphdef, state, tokens, last):
 
 def compiled_scorers() -> int:
     """How many (architecture, padded shape) loglikelihood scorers this process has compiled."""
-    return int(_score._cache_size()) + int(_score_at._cache_size())
+    return (int(_score._cache_size()) + int(_hidden_at._cache_size())
+            + int(_head_at._cache_size()))
 
 
 class Scorer:
@@ -211,14 +220,18 @@ class Scorer:
 
         Returns (sum of log-probs, all greedy) per row, in input order. Rows sharing
         a prefix are grouped (`share_prefixes`); groups are sorted longest first and
-        batched within one length bucket; the head runs only at each batch's scored
-        positions (padded to a `scored` bucket).
+        batched within one length bucket; each batch's final hidden states are gathered
+        at its scored positions, and those of several batches go through the head
+        together, HEAD_ROWS at a time (`_head_at`).
         """
         for toks, n in rows:
             if not 1 <= n < len(toks) or len(toks) - 1 > self.max_length:
                 raise ValueError(f"bad row: {len(toks)} tokens, score {n}")
         groups = sorted(self.share_prefixes(rows), key=lambda g: -len(rows[g[0]][0]))
-        out: list[tuple[float, bool] | None] = [None] * len(rows)
+        logp = np.zeros(sum(n for _, n in rows))
+        greedy = np.zeros(len(logp), bool)
+        first = np.concatenate([[0], np.cumsum([n for _, n in rows])])  # row j's positions
+        pending: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # (h, targets, where)
         B = self.batch_size
         bar = tqdm(total=len(rows), desc=desc, disable=not progress, leave=False)
         i = 0
@@ -229,8 +242,7 @@ class Scorer:
             K = _bucket(max(sum(rows[j][1] for j in g) for g in batch), self.scored)
             tokens = np.full((B, L), self.pad_id, np.int32)
             index = np.zeros((B, K), np.int32)
-            targets = np.zeros((B, K), np.int32)
-            slots: list[tuple[int, int, int, int]] = []  # (row id, batch row, first, last)
+            take, targets, where = [], [], []  # scored (row, slot), its target, its output
             for r, g in enumerate(batch):
                 host = rows[g[0]][0]
                 tokens[r, :len(host) - 1] = host[:-1]
@@ -239,19 +251,41 @@ class Scorer:
                     seq, n = rows[j]
                     end = len(seq) - 1
                     index[r, k:k + n] = np.arange(end - n, end)
-                    targets[r, k:k + n] = seq[-n:]
-                    slots.append((j, r, k, k + n))
+                    take += [r * K + c for c in range(k, k + n)]
+                    targets += seq[-n:]
+                    where += range(first[j], first[j] + n)
                     k += n
-            logp, greedy = _score_at(self._graphdef, self._state, jnp.asarray(tokens),
-                                     jnp.asarray(index), jnp.asarray(targets))
-            logp, greedy = np.asarray(logp), np.asarray(greedy)
-            for j, r, k0, k1 in slots:
-                out[j] = (float(logp[r, k0:k1].astype(np.float64).sum()),
-                          bool(greedy[r, k0:k1].all()))
+            h = np.asarray(_hidden_at(self._graphdef, self._state, jnp.asarray(tokens),
+                                      jnp.asarray(index)))
+            pending.append((h.reshape(B * K, -1)[take], np.asarray(targets, np.int32),
+                            np.asarray(where)))
+            if sum(len(p[1]) for p in pending) >= HEAD_ROWS:
+                pending = self._head(pending, logp, greedy, final=False)
             i += len(batch)
-            bar.update(len(slots))
+            bar.update(sum(len(g) for g in batch))
+        if pending:
+            self._head(pending, logp, greedy, final=True)
         bar.close()
-        return out  # type: ignore[return-value]
+        return [(float(logp[first[j]:first[j + 1]].sum()), bool(greedy[first[j]:first[j + 1]].all()))
+                for j in range(len(rows))]
+
+    def _head(self, pending, logp: np.ndarray, greedy: np.ndarray, final: bool) -> list:
+        """The head over the pending scored positions, HEAD_ROWS per call, written into
+        `logp` / `greedy` at their places; returns what is left for the next call (less
+        than HEAD_ROWS rows), or, `final`, nothing (the last call padded with zero rows)."""
+        h = np.concatenate([p[0] for p in pending])
+        targets = np.concatenate([p[1] for p in pending])
+        where = np.concatenate([p[2] for p in pending])
+        done = len(targets) if final else len(targets) // HEAD_ROWS * HEAD_ROWS
+        for s in range(0, done, HEAD_ROWS):
+            n = min(HEAD_ROWS, len(targets) - s)
+            h_R = np.zeros((HEAD_ROWS, h.shape[1]), h.dtype)
+            t_R = np.zeros(HEAD_ROWS, np.int32)
+            h_R[:n], t_R[:n] = h[s:s + n], targets[s:s + n]
+            lp, gr = _head_at(self._graphdef, self._state, jnp.asarray(h_R), jnp.asarray(t_R))
+            logp[where[s:s + n]] = np.asarray(lp, np.float64)[:n]
+            greedy[where[s:s + n]] = np.asarray(gr)[:n]
+        return [(h[done:], targets[done:], where[done:])] if done < len(targets) else []
 
     def next_tokens(self, tokens: np.ndarray, last: np.ndarray) -> np.ndarray:
         return np.asarray(_next_token(self._graphdef, self._state, jnp.asarray(tokens, jnp.int32),
