@@ -122,13 +122,12 @@ def _tokenizer_into(cfg: DataConfig, out: Path, corpus, earlier: dict | None
                              f"tokenizer of {trained} pieces, not {cfg.tokenizer_vocab_size}; "
                              f"set it back to {trained}, or give another --out")
         tokenizer = run_tokenizer(cfg, out, corpus)
+        dest = out / "tokenizer.model"
     if earlier is not None and tokenizer.fingerprint() != earlier["tokenizer"]:
         raise InputError(f"--out: {out}'s tokenizer (fingerprint {tokenizer.fingerprint()}) is "
                          f"not the one its shards were prepared with ({earlier['tokenizer']}); "
                          "restore it, give another --out, or delete the whole directory")
-    return tokenizer, ("tokenizer.model" if not cfg.tokenizer else
-                       ("tokenizer.json" if Path(cfg.tokenizer).suffix == ".json"
-                        else "tokenizer.model"))
+    return tokenizer, dest.name
 
 
 def prepare(cfg: DataConfig, out: str | Path, *, workers: int = 1,

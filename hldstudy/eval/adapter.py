@@ -101,7 +101,7 @@ def _bucket(length: int, buckets: list[int]) -> int | None:
 # Module-level jits with the graph definition static: every model of one
 # architecture shares the compiled scorers (one compile per padded shape per
 # process, whatever the number of checkpoints).
-def _head(m) -> tuple[jax.Array, bool]:
+def _lm_head(m) -> tuple[jax.Array, bool]:
     """The LM head and whether it is vocabulary-major: a tied embedding as stored [V, D]
     (no transposed copy per call), else the head's own [D, V]."""
     if m.cfg.tie_embeddings:
@@ -115,7 +115,7 @@ def _score(graphdef, state, tokens, targets, positions, segment_ids):
     m = nnx.merge(graphdef, state)
     h = m(tokens, positions, segment_ids, return_logits=False).final_hidden
     b, t, d = h.shape
-    w, vocab_major = _head(m)
+    w, vocab_major = _lm_head(m)
     logp, greedy = target_logprobs(h.reshape(b * t, d), w, targets.reshape(-1),
                                    cap=m.cfg.final_softcap, vocab_major=vocab_major)
     return logp.reshape(b, t), greedy.reshape(b, t)
@@ -134,7 +134,7 @@ def _head_at(graphdef, state, h_RxD, targets_R):
     """(log p(target), target == argmax) of HEAD_ROWS gathered rows: one head call (the
     weight read once) for the scored positions of several batches."""
     m = nnx.merge(graphdef, state)
-    w, vocab_major = _head(m)
+    w, vocab_major = _lm_head(m)
     return target_logprobs(h_RxD, w, targets_R, cap=m.cfg.final_softcap,
                            vocab_major=vocab_major)
 
