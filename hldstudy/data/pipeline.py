@@ -686,6 +686,17 @@ def run_tokenizer(cfg: DataConfig, workdir: Path, corpus: sources.Corpus | None)
     return tokenizer
 
 
+def _keep_tokenizer(tokenizer: Tokenizer, workdir: Path) -> None:
+    """A copy of the shards' SentencePiece model in the run directory, where evaluation
+    and distillation from this run look for it (the shards may move or go)."""
+    src, dest = tokenizer.model_path, workdir / "tokenizer.model"
+    if src is None or Path(src).suffix != ".model" or dest.exists():
+        return
+    tmp = dest.with_name(f".{dest.name}.{os.getpid()}.tmp")
+    shutil.copyfile(src, tmp)
+    os.replace(tmp, dest)
+
+
 def prepare_data(cfg: DataConfig, workdir: str | Path, *, rows: list[int] | None = None
                  ) -> DataBundle:
     """Tokenizer + train/valid streams for a run directory (`run_tokenizer`, or the
@@ -697,6 +708,7 @@ def prepare_data(cfg: DataConfig, workdir: str | Path, *, rows: list[int] | None
     corpus = None
     if cfg.source == "shards":
         tokenizer = shards_tokenizer(cfg, read_manifest(cfg.path))
+        _keep_tokenizer(tokenizer, workdir)
     else:
         if cfg.source != "tfds":
             corpus = sources.load_corpus(cfg, cfg.train_split, workdir)
