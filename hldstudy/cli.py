@@ -5,6 +5,7 @@
     hldstudy flops ...     (FLOPs per step, steps per budget, XLA's count)
     hldstudy plan ...      (memory / network planner; --sweep, --check-compile)
     hldstudy data prepare  (tokenize a corpus once into token shards)
+    hldstudy study real-text --workdir DIR  (HLD vs KD on real text, corpus to verdicts)
     hldstudy eval|sweep|analysis ...  (same as python -m hldstudy.eval, .sweep, .analysis)
     hldstudy serve ...     (same as python -m hldstudy.teacher.serve)
     hldstudy compress ...  (same as python -m hldstudy.compress)
@@ -23,6 +24,7 @@ def main(argv: list[str] | None = None) -> int:
         "flops": "hldstudy.commands.flops",
         "plan": "hldstudy.commands.plan",
         "data": "hldstudy.commands.data",
+        "study": "hldstudy.study.__main__",
         "eval": "hldstudy.eval.__main__",
         "sweep": "hldstudy.sweep.__main__",
         "analysis": "hldstudy.analysis.__main__",

@@ -42,7 +42,7 @@ FLOORS = (
     ("train",),  # the trainer: teacher, model, data, stage budgets
     ("compress", "sweep"),  # drive the trainer
     ("aot",),  # compiles a run's (or a grid's) steps for a target: trainer, planner, sweep
-    ("quickstart",),  # the whole pipeline
+    ("quickstart", "study"),  # the whole pipeline
     ("commands",),  # command lines that reach across floors (plan, flops)
 )
 
@@ -54,6 +54,8 @@ FLOORS = (
 _MOVABLE = "no cycle, nothing new to load (its importer loads it already): could be module-level"
 _CLI = "command line: flags are parsed and checked before the {} loads"
 FUNCTION_LEVEL_IMPORTS = {
+    "hldstudy.study.__main__ -> hldstudy.study.real_text":
+        _CLI.format("study (JAX, the trainer, the sweep)"),
     "hldstudy.analysis -> hldstudy.analysis.report":
         "package export kept lazy: report imports the package back and loads matplotlib (~2 s)",
     "hldstudy.analysis.__main__ -> hldstudy.analysis.ablation":

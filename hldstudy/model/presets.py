@@ -37,6 +37,14 @@ PRESETS: dict[str, ModelConfig] = {
     "tiny-teacher": ModelConfig(vocab_size=512, d_model=128, n_layers=6, n_heads=4,
                                 n_kv_heads=2, head_dim=32, d_ff=384, max_seq_len=512,
                                 sliding_window=32, global_every=3, qk_norm=True),
+    # The real-text study (hldstudy.study): a 6-layer student past the quickstart's 4
+    # layers, a teacher 4x its width; a few-thousand-piece vocabulary trained on the corpus.
+    "text-student": ModelConfig(vocab_size=4096, d_model=64, n_layers=6, n_heads=4,
+                                n_kv_heads=2, head_dim=16, d_ff=192, max_seq_len=512,
+                                sliding_window=64, global_every=3, qk_norm=True),
+    "text-teacher": ModelConfig(vocab_size=4096, d_model=192, n_layers=8, n_heads=6,
+                                n_kv_heads=2, head_dim=32, d_ff=576, max_seq_len=512,
+                                sliding_window=64, global_every=4, qk_norm=True),
 }
 
 # Qwen3.5 (family qwen3_5): three Gated DeltaNet layers then one gated full-attention

@@ -1,0 +1,1 @@
+"""The studies: whole pipelines (corpus, teacher, phases, analysis) behind one command."""
