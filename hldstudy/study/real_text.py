@@ -181,15 +181,44 @@ class Study:
         _, by_arm, _ = self.confirm_runs(picks)
         return write_report(self, picks, by_arm)
 
-    def run(self, phase: str = "all") -> dict:
-        if phase not in PHASES:
-            raise InputError(f"--phase: unknown phase {phase!r}; one of {', '.join(PHASES)}")
+    def reproduce(self, arm: str) -> dict:
+        """Phase 2's runs of `arm` trained again under DIR/reproduce/ARM through the same
+        path (cohorts, grid teacher), their numbers compared with the originals' bit for
+        bit: {run id: [differing keys]} (empty lists: reproduced), in compare.json."""
+        picks = self.read_picks()
+        runs, by_arm, sweep = self.confirm_runs(picks)
+        if arm not in by_arm:
+            raise InputError(f"--reproduce: no arm {arm!r}; the arms: {', '.join(by_arm)}")
+        ids = set(by_arm[arm]["runs"])
+        todo = [r for r in runs if r.run_id in ids]
+        unfinished = [r.run_id for r in todo
+                      if not (self.dir / "confirm" / r.run_id / "results.json").exists()]
+        if unfinished:
+            raise InputError(f"--reproduce {arm}: {len(unfinished)} of its runs are not "
+                             f"finished ({unfinished[0]}); finish the study first")
+        where = self.dir / "reproduce" / arm
+        self.train(sweep, todo, where)
+        diff = {r.run_id: differing_numbers(self.dir / "confirm" / r.run_id, where / r.run_id)
+                for r in todo}
+        write_json_atomic(where / "compare.json", diff)
+        return diff
+
+    def _setup(self) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
         self._record()  # a directory of another size is refused before anything runs
         # Every process of the study (trainers, teacher replicas) shares one compilation
         # cache: the seeds of phase 2 compile the same programs, once.
         os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(self.dir / ".jax_cache"))
         os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
+
+    def run_reproduce(self, arm: str) -> dict:
+        self._setup()
+        return self.reproduce(arm)
+
+    def run(self, phase: str = "all") -> dict:
+        if phase not in PHASES:
+            raise InputError(f"--phase: unknown phase {phase!r}; one of {', '.join(PHASES)}")
+        self._setup()
         if phase in ("all", "exploratory"):
             self._timed("corpus", self.prepare)
             self._timed("teacher", self.train_teacher)
@@ -200,6 +229,29 @@ class Study:
         if phase in ("all", "report"):
             return self._timed("report", self.report)
         return {}
+
+
+# The numbers a run reports: its results' scalars (and per-batch losses) and its
+# evaluation's metrics; timings and paths aside.
+COMPARED = ("valid_nll", "valid_ppl", "valid_tokens", "valid_batch_nll", "flops_spent",
+            "steps", "status")
+
+
+def differing_numbers(original: Path, again: Path) -> list[str]:
+    """The keys whose values differ (bitwise: JSON round-trips floats exactly) between two
+    runs' results.json and eval/results.json metrics."""
+    def numbers(d: Path) -> dict:
+        res = json.loads((d / "results.json").read_text())
+        out = {k: res.get(k) for k in COMPARED}
+        ev = d / "eval" / "results.json"
+        if ev.exists():
+            for task, metrics in json.loads(ev.read_text()).items():
+                if isinstance(metrics, dict):
+                    out.update({f"{task}/{m}": v for m, v in metrics.items()})
+        return out
+
+    a, b = numbers(original), numbers(again)
+    return sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
 
 
 def pick(runs, runs_dir: Path) -> dict:
