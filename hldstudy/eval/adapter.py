@@ -272,15 +272,19 @@ class Scorer:
     def _head(self, pending, logp: np.ndarray, greedy: np.ndarray, final: bool) -> list:
         """The head over the pending scored positions, HEAD_ROWS per call, written into
         `logp` / `greedy` at their places; returns what is left for the next call (less
-        than HEAD_ROWS rows), or, `final`, nothing (the last call padded with zero rows)."""
+        than HEAD_ROWS rows), or, `final`, nothing (the last call padded with zero rows to a
+        power of two)."""
         h = np.concatenate([p[0] for p in pending])
         targets = np.concatenate([p[1] for p in pending])
         where = np.concatenate([p[2] for p in pending])
         done = len(targets) if final else len(targets) // HEAD_ROWS * HEAD_ROWS
         for s in range(0, done, HEAD_ROWS):
             n = min(HEAD_ROWS, len(targets) - s)
-            h_R = np.zeros((HEAD_ROWS, h.shape[1]), h.dtype)
-            t_R = np.zeros(HEAD_ROWS, np.int32)
+            # The last call of a pass: padded to a power of two from 16, not to HEAD_ROWS
+            # (its padding rows cost what scored rows do; at most 4 shapes compile).
+            rows = HEAD_ROWS if n == HEAD_ROWS else min(HEAD_ROWS, max(16, 1 << (n - 1).bit_length()))
+            h_R = np.zeros((rows, h.shape[1]), h.dtype)
+            t_R = np.zeros(rows, np.int32)
             h_R[:n], t_R[:n] = h[s:s + n], targets[s:s + n]
             lp, gr = _head_at(self._graphdef, self._state, jnp.asarray(h_R), jnp.asarray(t_R))
             logp[where[s:s + n]] = np.asarray(lp, np.float64)[:n]
