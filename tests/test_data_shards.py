@@ -69,6 +69,9 @@ def test_prepare_writes_every_document_once_with_a_manifest(shards, tokenizer_pa
 def test_training_reads_the_shards_tokenizer_and_refuses_another(shards, tmp_path):
     bundle = prepare_data(_shards_cfg(shards), tmp_path)  # data.tokenizer unset: theirs
     assert bundle.tokenizer.fingerprint() == read_manifest(shards)["tokenizer"]["fingerprint"]
+    # the run directory keeps a copy, where evaluation and distillation look for it
+    kept = tmp_path / "tokenizer.model"
+    assert kept.read_bytes() == (shards / read_manifest(shards)["tokenizer"]["file"]).read_bytes()
     other = tmp_path / "other"
     prepare_data(data_config(tokenizer_vocab_size=400), other)
     with pytest.raises(InputError, match=r"data.tokenizer: .* is not the tokenizer the shards"):
