@@ -22,7 +22,10 @@ from tqdm.auto import tqdm
 
 from hldstudy import rundir
 from hldstudy.errors import InputError
+from hldstudy.eval import packing
 from hldstudy.eval.head import target_logprobs
+from hldstudy.family import family_of
+from hldstudy.model.attention import BranchSegments
 from hldstudy.model.loading import load_model
 from hldstudy.numerics import softcap
 
@@ -122,10 +125,11 @@ def _score(graphdef, state, tokens, targets, positions, segment_ids):
 
 
 @partial(jax.jit, static_argnums=0)
-def _hidden_at(graphdef, state, tokens_BxT, index_BxK):
-    """The final hidden states at input positions index [B, K] only: [B, K, D]."""
+def _hidden_at(graphdef, state, tokens_BxT, index_BxK, positions_BxT=None, segments=None):
+    """The final hidden states at input positions index [B, K] only: [B, K, D]
+    (`segments`: the rows' `BranchSegments`, or None for plain sequences)."""
     m = nnx.merge(graphdef, state)
-    h = m(tokens_BxT, return_logits=False).final_hidden
+    h = m(tokens_BxT, positions_BxT, segments, return_logits=False).final_hidden
     return jnp.take_along_axis(h, index_BxK[:, :, None], axis=1)
 
 
@@ -170,6 +174,12 @@ class Scorer:
         self.scored = scored_buckets(self.max_length)
         graphdef, state = nnx.split(model)
         self._graphdef, self._state = graphdef, state
+        # Shared contexts are scored as branches of one row where every layer is attention
+        # (a recurrent layer cannot keep branches apart), rows within the sliding window.
+        cfg = model.cfg
+        window = cfg.sliding_window if cfg.sliding_window else self.max_length
+        self.branch_limit = 0 if family_of(cfg).has_linear_attention else \
+            min(self.max_length, window)
 
     def bucket(self, length: int) -> int:
         b = _bucket(length, self.buckets)
@@ -193,79 +203,69 @@ class Scorer:
         return np.asarray(logp), np.asarray(greedy)
 
     def share_prefixes(self, rows: list[tuple[list[int], int]]) -> list[list[int]]:
-        """Groups of row ids scored in one input row: a row whose inputs (all tokens but
-        the last) are a prefix of another's is scored in that one's row, causal
-        attention giving it the same log-probabilities there. One-token continuations
-        of one context (lm-eval's multiple choice over letters) share their context
-        this way, and identical requests are computed once. The host (longest) row
-        comes first; a group scores at most `scored[-1]` positions."""
-        order = sorted(range(len(rows)), key=lambda i: rows[i][0][:-1])
-        host = list(range(len(rows)))
-        load = {i: rows[i][1] for i in range(len(rows))}
-        # Sorted lexicographically, the rows extending a prefix come right after it.
-        for a, b in zip(order[-2::-1], order[:0:-1], strict=True):
-            ia, ib = rows[a][0][:-1], rows[b][0][:-1]
-            h = host[b]
-            if ib[:len(ia)] == ia and load[h] + rows[a][1] <= self.scored[-1]:
-                host[a] = h
-                load[h] += rows[a][1]
-        groups: dict[int, list[int]] = {}
-        for i in range(len(rows)):
-            groups.setdefault(host[i], []).append(i)
-        return [[h] + [i for i in g if i != h] for h, g in groups.items()]
+        """`packing.prefix_groups` at this scorer's most scored positions per row."""
+        return packing.prefix_groups(rows, self.scored[-1])
+
+    def pack(self, rows: list[tuple[list[int], int]]) -> list[packing.Packed]:
+        """The model rows of `rows`: shared contexts as branches where the model can mask
+        them apart (attention layers only), else shared prefixes."""
+        if self.branch_limit:
+            return packing.branch_rows(rows, limit=self.branch_limit,
+                                       max_scored=self.scored[-1])
+        return packing.prefix_rows(rows, self.scored[-1])
 
     def score_rows(self, rows: list[tuple[list[int], int]], *, progress: bool = False,
                    desc: str = "loglikelihood") -> list[tuple[float, bool]]:
         """rows: (tokens, n) — score the last n tokens of `tokens` given the ones before.
 
-        Returns (sum of log-probs, all greedy) per row, in input order. Rows sharing
-        a prefix are grouped (`share_prefixes`); groups are sorted longest first and
-        batched within one length bucket; each batch's final hidden states are gathered
-        at its scored positions, and those of several batches go through the head
-        together, HEAD_ROWS at a time (`_head_at`).
+        Returns (sum of log-probs, all greedy) per row, in input order. Rows are laid
+        into model rows (`pack`), sorted longest first and batched within one length
+        bucket; each batch's final hidden states are gathered at its scored positions,
+        and those of several batches go through the head together, HEAD_ROWS at a time
+        (`_head_at`).
         """
         for toks, n in rows:
             if not 1 <= n < len(toks) or len(toks) - 1 > self.max_length:
                 raise ValueError(f"bad row: {len(toks)} tokens, score {n}")
-        groups = sorted(self.share_prefixes(rows), key=lambda g: -len(rows[g[0]][0]))
+        packed = sorted(self.pack(rows), key=lambda p: -len(p.tokens))
+        first = packing.slots(rows)
         logp = np.zeros(sum(n for _, n in rows))
         greedy = np.zeros(len(logp), bool)
-        first = np.concatenate([[0], np.cumsum([n for _, n in rows])])  # row j's positions
         pending: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # (h, targets, where)
         B = self.batch_size
         bar = tqdm(total=len(rows), desc=desc, disable=not progress, leave=False)
         i = 0
-        while i < len(groups):
-            L = self.bucket(len(rows[groups[i][0]][0]) - 1)
-            # Only groups of this bucket share the batch (groups are sorted by length).
-            batch = [g for g in groups[i:i + B] if self.bucket(len(rows[g[0]][0]) - 1) == L]
-            K = _bucket(max(sum(rows[j][1] for j in g) for g in batch), self.scored)
+        while i < len(packed):
+            L = self.bucket(len(packed[i].tokens))
+            # Only rows of this bucket share the batch (rows are sorted by length).
+            batch = [p for p in packed[i:i + B] if self.bucket(len(p.tokens)) == L]
+            K = _bucket(max(len(p.index) for p in batch), self.scored)
             tokens = np.full((B, L), self.pad_id, np.int32)
+            positions = np.zeros((B, L), np.int32)
+            bits = np.zeros((B, L), np.int32)
             index = np.zeros((B, K), np.int32)
-            take, targets, where = [], [], []  # scored (row, slot), its target, its output
-            for r, g in enumerate(batch):
-                host = rows[g[0]][0]
-                tokens[r, :len(host) - 1] = host[:-1]
-                k = 0
-                for j in g:
-                    seq, n = rows[j]
-                    end = len(seq) - 1
-                    index[r, k:k + n] = np.arange(end - n, end)
-                    take += [r * K + c for c in range(k, k + n)]
-                    targets += seq[-n:]
-                    where += range(first[j], first[j] + n)
-                    k += n
+            take = []  # the scored (row, slot)s of the batch, in order
+            for r, p in enumerate(batch):
+                tokens[r, :len(p.tokens)] = p.tokens
+                positions[r, :len(p.tokens)] = p.positions
+                if p.bits is not None:
+                    bits[r, :len(p.tokens)] = p.bits
+                index[r, :len(p.index)] = p.index
+                take += [r * K + c for c in range(len(p.index))]
+            segments = BranchSegments(jnp.asarray(bits)) if self.branch_limit else None
             h = np.asarray(_hidden_at(self._graphdef, self._state, jnp.asarray(tokens),
-                                      jnp.asarray(index)))
-            pending.append((h.reshape(B * K, -1)[take], np.asarray(targets, np.int32),
-                            np.asarray(where)))
+                                      jnp.asarray(index), jnp.asarray(positions), segments))
+            pending.append((h.reshape(B * K, -1)[take],
+                            np.asarray([t for p in batch for t in p.targets], np.int32),
+                            np.asarray([w for p in batch for w in p.where])))
             if sum(len(p[1]) for p in pending) >= HEAD_ROWS:
                 pending = self._head(pending, logp, greedy, final=False)
             i += len(batch)
-            bar.update(sum(len(g) for g in batch))
+            bar.update(sum(p.requests for p in batch))
         if pending:
             self._head(pending, logp, greedy, final=True)
         bar.close()
+        first.append(len(logp))
         return [(float(logp[first[j]:first[j + 1]].sum()), bool(greedy[first[j]:first[j + 1]].all()))
                 for j in range(len(rows))]
 

@@ -55,20 +55,49 @@ log = logging.getLogger("hldstudy.model")
 # --------------------------------------------------------------------------- #
 
 
-def attention_mask(segment_ids_BxT: jax.Array, window: int | None) -> jax.Array:
-    """[B, T, S] bool: causal, within one packed document, and inside the window.
+@jax.tree_util.register_pytree_node_class
+@dataclasses.dataclass(frozen=True)
+class BranchSegments:
+    """Segment ids read as bit sets: a key is visible to a later query when their sets
+    intersect (0: visible to none). Continuations scored after one shared context: the
+    context carries every branch's bit, each branch its own, so a branch sees the context
+    and itself, never another branch (`hldstudy.eval.adapter`'s shared contexts). Index
+    distance stands for position distance in the window: rows no longer than the window.
+    Dense and chunked paths only (`attend` takes chunked for cuDNN / splash)."""
+
+    bits_BxT: jax.Array
+
+    def tree_flatten(self):
+        return (self.bits_BxT,), None
+
+    @classmethod
+    def tree_unflatten(cls, _, children):
+        return cls(*children)
+
+
+def _same_segment(seg_q_BxQ, seg_k_BxK, branches: bool):
+    """[B, Q, K] bool: keys in the query's document (its branch or their shared context)."""
+    if branches:
+        return (seg_q_BxQ[:, :, None] & seg_k_BxK[:, None, :]) != 0
+    return seg_q_BxQ[:, :, None] == seg_k_BxK[:, None, :]
+
+
+def attention_mask(segment_ids_BxT, window: int | None) -> jax.Array:
+    """[B, T, S] bool: causal, within one packed document (or branch, `BranchSegments`),
+    and inside the window.
 
     A local layer with window W lets query t see keys s with t - W < s <= t
     (W keys including itself), as Gemma 3 does.
     """
-    seq_len = segment_ids_BxT.shape[1]
+    branches = isinstance(segment_ids_BxT, BranchSegments)
+    seg = segment_ids_BxT.bits_BxT if branches else segment_ids_BxT
+    seq_len = seg.shape[1]
     q_idx = jnp.arange(seq_len)[:, None]
     k_idx = jnp.arange(seq_len)[None, :]
     allowed_TxS = k_idx <= q_idx
     if window is not None:
         allowed_TxS &= (q_idx - k_idx) < window
-    same_doc_BxTxS = segment_ids_BxT[:, :, None] == segment_ids_BxT[:, None, :]
-    return allowed_TxS[None] & same_doc_BxTxS
+    return allowed_TxS[None] & _same_segment(seg, seg, branches)
 
 
 # --------------------------------------------------------------------------- #
@@ -110,6 +139,7 @@ class _Blocks:
     block_k: int
     n_q_blocks: int
     n_k_blocks: int
+    branches: bool = False  # segment ids are BranchSegments bit sets
 
 
 def _key_block_range(i, s: _Blocks):
@@ -180,7 +210,7 @@ def _block_logits(q_i, k_j, seg_q, seg_k, i, j, s: _Blocks):
         allowed_QxC &= (q_pos[:, None] - k_pos[None, :]) < s.window
     allowed = allowed_QxC[None, None, None]
     if seg_q is not None:
-        allowed = allowed & (seg_q[:, :, None] == seg_k[:, None, :])[:, None, None]
+        allowed = allowed & _same_segment(seg_q, seg_k, s.branches)[:, None, None]
     return jnp.where(allowed, raw, _NEG_INF), tanh
 
 
@@ -329,7 +359,11 @@ def chunked_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, segment_ids_BxT=None, *,
     k = _pad_axis(k_BxSxKxH.transpose(0, 2, 1, 3), 2, nk * bk)
     v = _pad_axis(v_BxSxKxH.transpose(0, 2, 1, 3), 2, nk * bk)
     seg = None
-    if segment_ids_BxT is not None:
+    if isinstance(segment_ids_BxT, BranchSegments):  # padding: bit set 0, visible to none
+        spec = dataclasses.replace(spec, branches=True)
+        seg = _pad_axis(segment_ids_BxT.bits_BxT.astype(jnp.int32), 1,
+                        max(nq * bq, nk * bk), value=0)
+    elif segment_ids_BxT is not None:
         # One padded length serves both q and k slices; -1 is never a real document.
         seg = _pad_axis(segment_ids_BxT.astype(jnp.int32), 1, max(nq * bq, nk * bk), value=-1)
     out = _chunked_core(spec, q, k, v, seg)[:, :, :, :t]  # [B, K, G, T, H]
@@ -509,6 +543,8 @@ def attend(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, segment_ids_BxT=None, *, implementat
     impl = resolve_implementation(implementation, dtype=jnp.dtype(q_BxTxNxH.dtype).name,
                                   softcap=softcap, head_dim=q_BxTxNxH.shape[-1],
                                   seq_len=q_BxTxNxH.shape[1])
+    if isinstance(segment_ids_BxT, BranchSegments) and impl not in ("dense", "chunked"):
+        impl = "chunked"  # the kernels know equal segment ids only
     kw = dict(window=window, softcap=softcap)
     if impl == "dense":
         return dense_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, segment_ids_BxT, **kw)
