@@ -163,3 +163,41 @@ def plot_downstream(best: pd.DataFrame, path: str | Path, title: str = "") -> Pa
     fig.suptitle(title or "Downstream scores at each arm's best config (±1 stderr)", fontsize=10)
     fig.tight_layout()
     return _save(fig, path)
+
+
+def plot_paired_arms(seeds: pd.DataFrame, contrasts: pd.DataFrame, path: str | Path,
+                     paper_gap_pct: float, title: str = "") -> Path | None:
+    """Left: each arm's validation perplexity per seed (dots, one line per seed across the
+    arms: the pairing) and its seed mean. Right: each contrast's paired gap in % with its
+    95% t interval, against 0 and the paper's gap (`analysis.arms`' tables)."""
+    if seeds.empty:
+        return None
+    arms = list(dict.fromkeys(seeds["arm"]))
+    x = {a: i for i, a in enumerate(arms)}
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.2),
+                                      gridspec_kw={"width_ratios": [1.2, 1]})
+    for _, by_seed in seeds.groupby("seed"):
+        by_seed = by_seed.set_index("arm").reindex(arms)
+        left.plot(range(len(arms)), by_seed["valid_ppl"].astype(float), color="#cccccc",
+                  lw=0.7, zorder=1)
+    colors = arm_colors(arms)
+    for a in arms:
+        v = seeds.loc[seeds["arm"] == a, "valid_ppl"].astype(float)
+        left.scatter([x[a]] * len(v), v, s=12, color=colors[a], zorder=2)
+        left.hlines(v.mean(), x[a] - 0.3, x[a] + 0.3, color="black", lw=1.5, zorder=3)
+    left.set_xticks(range(len(arms)), arms, rotation=30, ha="right")
+    left.set_ylabel("validation perplexity")
+    left.set_title("per seed (grey lines join one seed's arms)")
+    c = contrasts[np.isfinite(contrasts["gap_pct"].astype(float))]
+    labels = [f"{r.arm} vs {r.reference}" for r in c.itertuples()]
+    y = np.arange(len(c))[::-1]
+    right.errorbar(c["gap_pct"], y, xerr=[c["gap_pct"] - c["ci_lo"], c["ci_hi"] - c["gap_pct"]],
+                   fmt="o", color="black", capsize=3)
+    right.axvline(0, color="grey", lw=0.8)
+    right.axvline(paper_gap_pct, color="#d62728", lw=0.8, ls="--", label="the paper's gap")
+    right.set_yticks(y, labels)
+    right.set_xlabel("perplexity gap, % (negative: the arm ahead; 95% t interval)")
+    right.legend(loc="best", fontsize=8)
+    if title:
+        fig.suptitle(title, y=1.04)
+    return _save(fig, Path(path))

@@ -14,6 +14,7 @@ from pathlib import Path
 import pandas as pd
 
 from hldstudy.analysis import arms as paired
+from hldstudy.analysis.plots import plot_paired_arms
 from hldstudy.analysis.runs import load_runs
 from hldstudy.config import config_from_dict, load_experiment
 from hldstudy.distill import methods
@@ -101,6 +102,9 @@ def write_report(study, picks: dict, by_arm: dict) -> dict:
         "claims": readings,
         "seconds": record.get("seconds", {}),
     }
+    figure = plot_paired_arms(seeds, contrasts, out / "figures" / "arms.png",
+                              paired.PAPER_GAP_PCT, title="Confirmatory arms, paired by seed")
+    summary["figure"] = str(figure.relative_to(out)) if figure else None
     write_json_atomic(out / "summary.json", _finite_or_none(summary))
     write_text_atomic(out / "report.md", render(summary, table, contrasts, down, ex))
     return summary
@@ -151,6 +155,7 @@ def render(s: dict, table, contrasts, down, ex) -> str:
                     if c["verdict"] != c["verdict_unadjusted"] else "")
                  + f". {c['shows']}.\n")
     L += ["## Confirmatory arms (paired by seed, every arm at KD's lr and T)\n",
+          *([f"![arms]({s['figure']})\n"] if s.get("figure") else []),
           _md(table), "\n\n## Perplexity gaps, paired by seed (%, negative: the arm ahead)\n",
           _md(contrasts), "\n\n`eval_se_pct`: the evaluation's own standard error of one gap "
           "(per-batch NLL differences on the whole validation split), beside `seed_sd_pct`, "
