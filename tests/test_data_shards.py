@@ -21,10 +21,10 @@ from helpers.runs import data_config
 
 from hldstudy.data import prepare_data
 from hldstudy.data.encoding import encode_documents
-from hldstudy.data.pipeline import ShardsBatchStream
 from hldstudy.data.prepare import prepare
 from hldstudy.data.shards import MANIFEST, ShardReader, encode_record, read_manifest
 from hldstudy.data.sources import load_corpus
+from hldstudy.data.streams import ShardsBatchStream
 from hldstudy.data.tokenizer import Tokenizer
 from hldstudy.errors import ConfigError, InputError
 
