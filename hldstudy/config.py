@@ -16,6 +16,7 @@ import importlib.util
 import json
 import math
 import re
+import sys
 import types
 import typing
 from dataclasses import dataclass, field
@@ -888,9 +889,13 @@ def import_entry_point(path: str | Path, function: str, what: str):
         raise InputError(f"{what} {path} is not a Python file (give a .py file that defines "
                          f"{function}())")
     module = importlib.util.module_from_spec(spec)
+    # Registered while it runs, as an import would: a dataclass defined there looks its
+    # module up by name.
+    sys.modules[spec.name] = module
     try:
         spec.loader.exec_module(module)
     except Exception as e:  # a broken file is a user error
+        sys.modules.pop(spec.name, None)
         raise InputError(f"{what} {path} failed to import: {type(e).__name__}: {e}") from e
     if not hasattr(module, function):
         raise InputError(f"{what} {path} has no {function}() function")

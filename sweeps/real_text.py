@@ -19,6 +19,7 @@ Phase 2, confirmatory (CONFIRM_SEEDS, fresh: each sets the initialisation and th
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -97,6 +98,14 @@ def _sweep(name: str, size: Size, teacher: str, shards: str, tasks: str, **grid)
         launch="hldstudy study real-text --workdir DIR",
         **grid,
     )
+
+
+def get_sweep(size: str = "full", teacher: str | None = None, shards: str = "DIR/shards",
+              tasks: str = "DIR/corpus/tasks") -> Sweep:
+    """Phase 1a as a sweep file's grid (`python -m hldstudy.sweep real_text --dry-run`
+    shows its runs and budgets); the study itself runs every phase."""
+    return dataclasses.replace(explore_kd(SIZES[size], teacher, shards, tasks),
+                               teacher_preset="text-teacher")
 
 
 def explore_kd(size: Size, teacher: str, shards: str, tasks: str) -> Sweep:
