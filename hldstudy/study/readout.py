@@ -17,6 +17,7 @@ from hldstudy.analysis import arms as paired
 from hldstudy.analysis.plots import plot_paired_arms
 from hldstudy.analysis.runs import load_runs
 from hldstudy.config import config_from_dict, load_experiment
+from hldstudy.data.shards import read_manifest
 from hldstudy.distill import methods
 from hldstudy.fileio import write_json_atomic, write_text_atomic
 from hldstudy.flops import step_flops
@@ -70,7 +71,7 @@ def write_report(study, picks: dict, by_arm: dict) -> dict:
     teacher["compute_x_quickstart"] = teacher["flops"] / quickstart_teacher_flops(
         study.plan.EXPERIMENTS)
     corpus = json.loads((study.corpus / "corpus.json").read_text())
-    manifest = json.loads((study.shards / "manifest.json").read_text())
+    manifest = read_manifest(study.shards)
     teacher["epochs"] = teacher["tokens"] / manifest["splits"]["train"]["tokens"]
     record = study._record()
     for name, frame in (("exploratory", ex), ("arms", table), ("contrasts", contrasts),
