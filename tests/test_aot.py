@@ -130,6 +130,26 @@ def test_the_trainers_kd_step_lowers_for_the_target(target, marker):
     assert marker in text
 
 
+def test_a_lowered_programs_hash_follows_the_program():
+    """What a kept compile record is keyed by (hldstudy.aot.fingerprint): the same run
+    lowers to the same sha256 twice, one that computes something else (a wider MLP) to
+    another."""
+    from hldstudy.aot.fingerprint import program_sha256
+
+    cfg, teacher = _tiny()
+    tg = parse_target("h100:8")
+
+    def digest(c):
+        c, t, _ = resolve_for_target(c, teacher, tg)
+        return program_sha256(lower_train(c, t, "kd", "main", tg))
+
+    first = digest(cfg)
+    assert first == digest(cfg) and len(first) == 64
+    wider = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model,
+                                                               d_ff=2 * cfg.model.d_ff))
+    assert digest(wider) != first
+
+
 # --------------------------------------------------------------------------- #
 # The teacher replica's forward and the eval step, compiled as the run runs them
 # --------------------------------------------------------------------------- #

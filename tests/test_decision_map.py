@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from hldstudy.aot.fingerprint import toolchain
 from hldstudy.aot.targets import parse_target
 from hldstudy.chips import CHIPS
 from hldstudy.commands import decision_map as cmd
@@ -36,6 +37,12 @@ SMALL, LARGE = PAIRS
 def _cells():
     targets = [(t, parse_target(t).chip, parse_target(t).n_devices) for t in TARGETS]
     return decision_map(PAIRS, targets, shape_of=plan_model)
+
+
+def _record(args, **figures):
+    """A record as `run_compile` keeps one: this host's tools, a lowered program's hash."""
+    return {"command": cmd._key(args), "config_sha256": cmd.config_digest(args),
+            "program_sha256": "a" * 64, "toolchain": toolchain(cmd._backend(args)), **figures}
 
 
 def _inputs(pair, chip, n, k):
@@ -111,8 +118,7 @@ def test_records_are_reused_only_for_the_same_command():
     cells = _cells()
     cell = next(c for c in cells if c["pair"] == SMALL.name and c["target"] == "h100:8")
     args = cmd.compile_commands(cell)["colocated"]
-    rec = {"command": cmd._key(args), "config_sha256": cmd.config_digest(args), "fits": True,
-           "total_bytes": 50 * 2**30}
+    rec = _record(args, fits=True, total_bytes=50 * 2**30)
     # A record of the experiment file as it was before an edit is not this file's compile.
     edited = dict(rec, config_sha256="0" * 64)
     missing = cmd.attach(cells, {rec["command"]: edited})
@@ -138,14 +144,45 @@ def test_records_are_reused_only_for_the_same_command():
     assert cmd._fits(cell, "colocated") and len(cell["compiled"]["colocated"]) == 2
 
 
+def test_a_record_of_another_program_or_toolchain_is_not_current():
+    """A record is read as current only for the program the code lowers now (its sha256,
+    where --compile lowered it again) compiled by the tools this host has; otherwise it is
+    asked for again and shown as stale with why, its figure out of the verdict."""
+    cells = _cells()
+    cell = next(c for c in cells if c["pair"] == SMALL.name and c["target"] == "h100:8")
+    args = cmd.compile_commands(cell)["colocated"]
+    rec = _record(args, fits=True, total_bytes=50 * 2**30)
+    key = rec["command"]
+    cmd.attach(cells, {key: rec}, {key: "a" * 64})
+    assert cell["compiled"] == {"colocated": [rec]} and cell["stale"] == {}
+    for other, programs, why in [
+            (rec, {key: "b" * 64}, "the lowered program changed"),
+            (dict(rec, toolchain=dict(rec["toolchain"], jaxlib="0.4.1")), {},
+             "jaxlib 0.4.1 -> "),
+            (dict(rec, toolchain=dict(rec["toolchain"], **{"jax-cuda12-plugin": "0.0.1"})),
+             {}, "jax-cuda12-plugin 0.0.1 -> "),
+            ({k: v for k, v in rec.items() if k != "program_sha256"}, {},
+             "without its program's hash")]:
+        missing = cmd.attach(cells, {key: other}, programs)
+        assert cell["compiled"] == {} and (cell, "colocated", args) in missing
+        assert why in cell["stale"]["colocated"][1]
+        row = cmd.format_map(cells).split("| h100:8 |")[1].splitlines()[0]
+        assert "stale compile 50.0" in row and why.split(" ->")[0] in row
+        assert not cmd._fits(cell, "colocated") == cell["colocated"]["fits"] is False \
+            or cmd._fits(cell, "colocated") == cell["colocated"]["fits"]  # the planner's
+
+
 def test_the_committed_map_is_what_the_command_writes(tmp_path, capsys):
     out = tmp_path / "not" / "made" / "yet" / "map.md"  # its folders are made
     assert plan_main(["--decision-map", "--out", str(out),
                       "--records", str(ROOT / cmd.RECORDS)]) == 0
     assert out.read_text() == (ROOT / "docs" / "decision_map.md").read_text()
     records = json.loads((ROOT / cmd.RECORDS).read_text())["compiled"]
-    assert "not compiled yet" not in capsys.readouterr().err  # every marked cell compiled
     assert all("error" not in r for r in records)
+    # Every marked program has a record: current, or shown as stale with why.
+    cells = _cells()
+    missing = cmd.attach(cells, {r["command"]: r for r in records})
+    assert all(program in cell["stale"] for cell, program, _ in missing)
 
 
 @pytest.mark.parametrize("flag", ["--out", "--records"])
@@ -180,8 +217,7 @@ def test_a_failed_compile_is_not_recorded_and_ends_in_one_line(tmp_path, capsys,
         calls.append(args)
         if len(calls) == 1:
             return {"command": cmd._key(args), "exit": 1, "seconds": 0.1, "error": "killed"}
-        return {"command": cmd._key(args), "config_sha256": cmd.config_digest(args), "exit": 0,
-                "seconds": 0.1, "fits": True, "total_bytes": 2**30, "largest": []}
+        return _record(args, exit=0, seconds=0.1, fits=True, total_bytes=2**30, largest=[])
 
     monkeypatch.setattr(cmd, "run_compile", fake_compile)
     monkeypatch.setattr(cmd, "check_installed", lambda target: None)
@@ -207,9 +243,8 @@ def test_the_planners_ratio_reads_libtpus_peak_and_the_gpus_total():
         cell = next(c for c in cells if c["pair"] == SMALL.name and c["target"] == target)
         args = cmd.compile_commands(cell)["colocated"]
         planned = cell["colocated"]["peak_bytes"]
-        records[cmd._key(args)] = {"command": cmd._key(args), "fits": True,
-                                   "config_sha256": cmd.config_digest(args),
-                                   "total_bytes": 2 * planned, "peak_memory_bytes": planned}
+        records[cmd._key(args)] = _record(args, fits=True, total_bytes=2 * planned,
+                                          peak_memory_bytes=planned)
     cmd.attach(cells, records)
     spans = cmd.format_map(cells).split("where both sized the same program")[1]
     assert "colocated 0.50-1.00 (2)" in spans

@@ -41,6 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--parts", default=",".join(PARTS),
                     help=f"which programs to compile, comma-separated of {', '.join(PARTS)}")
     ap.add_argument("--json", action="store_true", help="one JSON object instead of the table")
+    ap.add_argument("--lower-only", action="store_true",
+                    help="lower the programs without compiling them: each one's sha256, "
+                         "what a kept compile record is checked against (seconds, not minutes)")
     ap.add_argument("--debug", action="store_true", help="show tracebacks")
     return ap
 
@@ -51,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         parts = tuple(p.strip() for p in a.parts.split(",") if p.strip())
         cfg, method, teacher = load_run(a.config, a.overrides, a.method, a.teacher_preset)
         report = check_compile(cfg, method, teacher, a.target, cohort=a.cohort, parts=parts,
-                               layout=a.layout)
+                               layout=a.layout, lower_only=a.lower_only)
         if a.json:
             print(json.dumps({k: v for k, v in report.items() if k != "text"}, sort_keys=True))
         else:

@@ -10,6 +10,7 @@ import jax
 from jax._src import xla_bridge
 
 from hldstudy.aot.compile import compile_run, resolve_for_target
+from hldstudy.aot.fingerprint import toolchain
 from hldstudy.aot.report import flops_note, format_table, largest_terms, step_rows
 from hldstudy.aot.targets import devices, parse_target
 from hldstudy.cli_common import EXPERIMENTS, find_builtin
@@ -86,9 +87,12 @@ def next_knobs(cfg, row: dict, n_devices: int) -> str:
 
 
 def check_compile(cfg, method: str, teacher, target_text: str, *, cohort: int | None = None,
-                  parts: tuple[str, ...] = PARTS, layout: str | None = None) -> dict:
+                  parts: tuple[str, ...] = PARTS, layout: str | None = None,
+                  lower_only: bool = False) -> dict:
     """Compiles the run for the target, its teacher in `layout` (LAYOUTS; None: the one
-    teacher.checkpoint gives); returns {"target", "choices", "rows", "text"}.
+    teacher.checkpoint gives); returns {"target", "choices", "rows", "text", "toolchain"}
+    (`lower_only`: lowers its programs only, {"target", "rows", "toolchain"}, each row
+    the step's name and `program_sha256`: what a kept record is checked against).
     Raises RuntimeFault (exit 3) after building the report when a step does not fit."""
     target = parse_target(target_text)
     if cohort is not None and cohort < 1:
@@ -107,7 +111,11 @@ def check_compile(cfg, method: str, teacher, target_text: str, *, cohort: int | 
     cfg, teacher, choices = resolve_for_target(cfg, teacher, target)
     devs = devices(target)
     steps = compile_run(cfg, teacher, method, devs, cohort=cohort, mode=choices.cohort_mode,
-                        parts=parts, layout=layout)
+                        parts=parts, layout=layout, lower_only=lower_only)
+    if lower_only:
+        return {"target": target.spec, "toolchain": toolchain(target.backend),
+                "rows": [{"step": s.name, "program_sha256": s.program_sha256} for s in steps],
+                "text": "\n".join(f"{s.program_sha256}  {s.name}" for s in steps)}
     fsdp = cfg.train.mesh_fsdp if cfg.train.mesh_fsdp > 0 else len(devs) // cfg.train.mesh_data
     rows = step_rows(cfg, teacher, target, choices, steps, len(devs), fsdp, cohort)
     teacher_where = f", teacher {layout}" if methods.get(method).needs_teacher else ""
@@ -119,7 +127,8 @@ def check_compile(cfg, method: str, teacher, target_text: str, *, cohort: int | 
     text = format_table(head, rows, choices, flops_note(cfg, choices, steps), target.platform)
     report = {"target": target.spec, "device_kind": devs[0].device_kind, "devices": len(devs),
               "config": cfg.name, "method": method, "cohort": cohort, "layout": layout,
-              "choices": dataclasses.asdict(choices), "rows": rows, "text": text}
+              "choices": dataclasses.asdict(choices), "rows": rows, "text": text,
+              "toolchain": toolchain(target.backend)}
     over = [r for r in rows if not r["fits"]]
     if over:
         r = over[0]

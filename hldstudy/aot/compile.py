@@ -20,6 +20,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from hldstudy import sharding as mesh_lib
+from hldstudy.aot.fingerprint import program_sha256
 from hldstudy.aot.peak import DUMP_OPTIONS, PeakGroup, peak_groups
 from hldstudy.aot.targets import Target, device_kind
 from hldstudy.chips import traced_target
@@ -109,6 +110,9 @@ class CompiledStep:
     # Where the teacher runs for this program (LAYOUTS): a train step's teacher
     # forward inside it (colocated) or its outputs streamed in; a replica's is disaggregated.
     layout: str = "colocated"
+    # sha256 of the lowered program (hldstudy.aot.fingerprint): what a kept record of this
+    # compile is checked against.
+    program_sha256: str | None = None
 
 
 def _attention_for(model: ModelConfig, seq_len: int, target: Target) -> tuple[str, str | None]:
@@ -177,12 +181,15 @@ def _stacked_shardings(mesh, tree):
 _NEEDS = re.compile(r"(?:required for HLO temporaries|memory required[^(]*)\(([\d.]+)G\)")
 
 
-def _compile(name, kind, method, stage, jitted, args, mesh) -> CompiledStep:
-    """Lowers and compiles `jitted` for the devices its arguments are placed on. A step
+def _compile(name, kind, method, stage, jitted, args, mesh,
+             lower_only: bool = False) -> CompiledStep:
+    """Lowers and compiles `jitted` for the devices its arguments are placed on (with
+    `lower_only`, lowers it only: its `program_sha256`, no figures). A step
     the compiler refuses for want of memory comes back `refused` (with the bytes it
     said it needs, where it says); any other refusal (a kernel it cannot partition or
     lower) is a RuntimeFault naming the step and the compiler's first line."""
     t0 = time.perf_counter()
+    digest = None
     dump = tempfile.TemporaryDirectory(prefix="hldstudy-aot-")
     # A program served from the persistent compilation cache is not compiled, so nothing is
     # dumped and its peak would go unexplained: this compile bypasses that cache.
@@ -192,8 +199,12 @@ def _compile(name, kind, method, stage, jitted, args, mesh) -> CompiledStep:
         # Traced under the target's mesh: what sizes itself for the chip being traced
         # for (the fused loss's kernel blocks, chips.traced_target) sees the target.
         with jax.set_mesh(mesh):
-            compiled = jitted.trace(*args).lower().compile(
-                {"xla_dump_to": dump.name, **DUMP_OPTIONS})
+            lowered = jitted.trace(*args).lower()
+            digest = program_sha256(lowered)
+            if lower_only:
+                return CompiledStep(name, kind, method, stage, {}, None,
+                                    time.perf_counter() - t0, program_sha256=digest)
+            compiled = lowered.compile({"xla_dump_to": dump.name, **DUMP_OPTIONS})
     except Exception as e:  # noqa: BLE001 - the target compiler's refusals are its own types
         dump.cleanup()
         text = str(e)
@@ -202,7 +213,8 @@ def _compile(name, kind, method, stage, jitted, args, mesh) -> CompiledStep:
             m = _NEEDS.search(text)
             return CompiledStep(name, kind, method, stage, {}, None,
                                 time.perf_counter() - t0, refused=first[:600],
-                                needs_bytes=float(m.group(1)) * 2**30 if m else None)
+                                needs_bytes=float(m.group(1)) * 2**30 if m else None,
+                                program_sha256=digest)
         hint = ""
         if "cannot be automatically partitioned" in text:  # Mosaic over a multi-device mesh
             hint = (" (the fused KD loss's Pallas kernels are not partitioned over the mesh; "
@@ -220,7 +232,8 @@ def _compile(name, kind, method, stage, jitted, args, mesh) -> CompiledStep:
             peak_bytes, groups = None, []
     return CompiledStep(name, kind, method, stage, xla_memory(compiled),
                         None if flops is None else float(flops), time.perf_counter() - t0,
-                        peak_bytes=peak_bytes, peak=tuple(groups[:PEAK_GROUPS]), hlo=hlo)
+                        peak_bytes=peak_bytes, peak=tuple(groups[:PEAK_GROUPS]), hlo=hlo,
+                        program_sha256=digest)
 
 
 def _reports_flops(compiled) -> bool:
@@ -278,7 +291,7 @@ def _teacher_in_shardings(mesh, teacher_in, layout: str):
 
 def compile_train(cfg: Config, teacher_model, method: str, stage: str, mesh,
                   cohort: int | None = None, mode: str = "vmap",
-                  layout: str = "colocated") -> CompiledStep:
+                  layout: str = "colocated", lower_only: bool = False) -> CompiledStep:
     """`train_program`, compiled for the mesh's devices in the micro-batches the trainer
     would use there: train.microbatches, or (0, auto) the fewest that fit the device
     (`microbatch_candidates`, fewest first, as `hldstudy.train.loop` compiles them)."""
@@ -291,17 +304,19 @@ def compile_train(cfg: Config, teacher_model, method: str, stage: str, mesh,
                                            mode, layout)
         if len(candidates) > 1 or k > 1:
             name += f" ({k} micro-batch{'es' if k > 1 else ''})"
-        step = dataclasses.replace(_compile(name, "train", method, stage, jitted, args, mesh),
+        step = dataclasses.replace(_compile(name, "train", method, stage, jitted, args, mesh,
+                                            lower_only),
                                    microbatches=k, sequences=cfg.data.batch_size,
                                    layout=layout)
-        fits = not step.refused and (memory is None or step.memory["total_bytes"] <= memory)
+        fits = lower_only or not step.refused and (
+            memory is None or step.memory["total_bytes"] <= memory)
         if fits or i == len(candidates) - 1:
             return step
     raise AssertionError("no micro-batch candidate")
 
 
 def compile_teacher_forward(cfg: Config, teacher_model: ModelConfig, method: str,
-                            devices) -> CompiledStep:
+                            devices, lower_only: bool = False) -> CompiledStep:
     """A teacher replica's forward as `hldstudy.teacher.serve` runs it: the hidden states
     every stage of `method` asks for, in the teacher's inference dtype, for the whole
     global batch (`data.batch_size` sequences) on `teacher.replica_devices` of the
@@ -337,7 +352,7 @@ def compile_teacher_forward(cfg: Config, teacher_model: ModelConfig, method: str
     def compile_micro(m: int) -> CompiledStep:
         step = _compile(f"teacher forward (one replica, {where}{b // m} x {m} sequences)",
                         "teacher", spec.name, None, jax.jit(micro_batched(run, b // m)),
-                        (params, batch), mesh)
+                        (params, batch), mesh, lower_only)
         return dataclasses.replace(step, loop_trips=b // m, sequences=b, layout="disaggregated",
                                    replica_devices=n,
                                    planner=replica_forward_memory(
@@ -347,17 +362,20 @@ def compile_teacher_forward(cfg: Config, teacher_model: ModelConfig, method: str
     # One candidate: compiled once, whatever it needs (the table says whether it fits).
     return compiler_checked(
         candidates, compile_micro,
-        lambda st: memory is None or (not st.refused and st.memory["total_bytes"] <= memory))[1]
+        lambda st: lower_only or memory is None or (
+            not st.refused and st.memory["total_bytes"] <= memory))[1]
 
 
-def compile_eval(cfg: Config, method: str, teacher_model, mesh) -> CompiledStep:
+def compile_eval(cfg: Config, method: str, teacher_model, mesh,
+                 lower_only: bool = False) -> CompiledStep:
     """The trainer's eval step (`make_eval_step`) on the student's params."""
     stage = stage_names(cfg, method, teacher_model)[-1]
     _, (state, *_) = abstract_train_program(cfg, method, stage, teacher_model)
     graphdefs, _ = split_params(*nnx.eval_shape(lambda: (_transformer(cfg.model, 0), None)))
     params = _placed(state["params"], mesh_lib.tree_shardings(mesh, state["params"]))
     return _compile("eval", "eval", method, stage, jax.jit(make_eval_step(graphdefs)),
-                    (params, abstract_batch(cfg, mesh_lib.batch_sharding(mesh))), mesh)
+                    (params, abstract_batch(cfg, mesh_lib.batch_sharding(mesh))), mesh,
+                    lower_only)
 
 
 def _transformer(model_cfg: ModelConfig, seed: int):
@@ -367,8 +385,8 @@ def _transformer(model_cfg: ModelConfig, seed: int):
 def compile_run(cfg: Config, teacher_model: ModelConfig | None, method: str, devices,
                 *, cohort: int | None = None, mode: str = "vmap",
                 parts: tuple[str, ...] = ("train", "teacher", "eval"),
-                layout: str = "colocated") -> list[CompiledStep]:
-    """Every program of one run on `devices`: the train step of each stage of `method`
+                layout: str = "colocated", lower_only: bool = False) -> list[CompiledStep]:
+    """Every program of one run on `devices` (`lower_only`: lowered, not compiled): the train step of each stage of `method`
     (the cohort step of K with `cohort`; its teacher in `layout`: its forward inside the
     step, or its outputs streamed in), the teacher replica's forward (a method with a
     teacher; on teacher.replica_devices of `devices`, as a replica runs it), and the eval
@@ -380,11 +398,11 @@ def compile_run(cfg: Config, teacher_model: ModelConfig | None, method: str, dev
     if "train" in parts:
         for stage in stage_names(cfg, method, teacher_model):
             out.append(compile_train(cfg, teacher_model, spec.name, stage, mesh, cohort, mode,
-                                     layout))
+                                     layout, lower_only))
     if "teacher" in parts and spec.needs_teacher:
-        out.append(compile_teacher_forward(cfg, teacher_model, spec.name, devices))
+        out.append(compile_teacher_forward(cfg, teacher_model, spec.name, devices, lower_only))
     if "eval" in parts:
-        out.append(compile_eval(cfg, spec.name, teacher_model, mesh))
+        out.append(compile_eval(cfg, spec.name, teacher_model, mesh, lower_only))
     return out
 
 

@@ -136,7 +136,8 @@ def step_rows(cfg: Config, teacher_model, target: Target, choices: Choices, step
                # tokens_per_step: the run's step; tokens: what one call of this program
                # processes (a replica serves a whole step per call; eval one batch).
                "tokens_per_step": cfg.data.batch_size * cfg.data.seq_len,
-               "tokens": (s.sequences or cfg.data.batch_size) * cfg.data.seq_len}
+               "tokens": (s.sequences or cfg.data.batch_size) * cfg.data.seq_len,
+               "program_sha256": s.program_sha256}
         if s.kind == "train":
             row["microbatches"] = s.microbatches
             row["layout"] = s.layout

@@ -7,9 +7,13 @@ compiled.
 
 The compiled cells (`COMPILED`) run `python -m hldstudy.aot` in a process each (~15 GiB of
 RAM, minutes per program), kept in `--records` (rewritten atomically after each) by their
-command and the digest of the experiment file it compiled: a planner change that moves
-a cell's micro-batches, or an edited experiment file, asks for a new compile; a failed
-compile is not kept (exit 3). Notes: `docs/planner.md`, `plan/decision_map.py`."""
+command, the digest of the experiment file, the lowered program's sha256 and the tools'
+versions (`hldstudy.aot.fingerprint`): a planner change that moves a cell's micro-batches,
+an edited experiment file, code that lowers another program or another jax / libtpu /
+CUDA plugin makes a record stale. `--compile` lowers each recorded program first (seconds)
+and compiles again only what changed; without it a stale record is shown as stale, its
+verdict the planner's. A failed compile is not kept (exit 3). Notes: `docs/planner.md`,
+`plan/decision_map.py`."""
 
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ import re
 import sys
 from pathlib import Path
 
+from hldstudy.aot.fingerprint import stale_reason, toolchain
 from hldstudy.aot.process import run_aot
 from hldstudy.aot.report import compiled_peak
 from hldstudy.aot.targets import check_installed, parse_target
@@ -87,6 +92,8 @@ def run_compile(args: list[str]) -> dict:
     except (KeyError, TypeError, ValueError):
         rec["error"] = run.get("error", "no single row in the report")
         return rec
+    rec["program_sha256"] = row.get("program_sha256")
+    rec["toolchain"] = run["report"].get("toolchain")
     rec.update({k: row[k] for k in ("fits", "device_memory_bytes", "refused", "microbatches",
                                     "xla_over_model", "planner_over_compiled") if k in row})
     rec["total_bytes"] = row.get("compiled", {}).get("total_bytes")
@@ -94,6 +101,17 @@ def run_compile(args: list[str]) -> dict:
         rec["peak_memory_bytes"] = row["compiled"]["peak_memory_bytes"]
     rec["largest"] = [[g["op"], g["bytes"]] for g in row.get("peak", {}).get("largest", [])[:3]]
     return rec
+
+
+def lowered_program(args: list[str]) -> str | None:
+    """The sha256 of the program a compile command would compile, lowered only (seconds,
+    `python -m hldstudy.aot --lower-only`); None where it does not lower."""
+    run = run_aot([*args, "--lower-only"])
+    try:
+        (row,) = run["report"]["rows"]
+        return row["program_sha256"]
+    except (KeyError, TypeError, ValueError):
+        return None
 
 
 def _load(path: Path) -> dict[str, dict]:
@@ -110,25 +128,40 @@ def _most_microbatches(cell: dict) -> int:
     return cell["tokens_per_step"] // cell["seq_len"] // cell["devices"]
 
 
-def attach(cells: list[dict], records: dict[str, dict]) -> list[tuple[dict, str, list[str]]]:
+def _backend(args: list[str]) -> str:
+    return parse_target(args[args.index("--target") + 1]).backend
+
+
+def attach(cells: list[dict], records: dict[str, dict],
+           programs: dict[str, str | None] | None = None) -> list[tuple[dict, str, list[str]]]:
     """Each compiled cell's records under cell["compiled"][program] (a list: the compile at
     the planner's micro-batches, and where that one does not fit, another at one sequence
     per device: a train step's most micro-batches, a replica's smallest forward; a program
     is out of memory only when that one is too); the (cell, program, args) still
-    missing."""
+    missing. A record is current when it compiled the experiment file as it is, with this
+    host's tools, and (where `programs` has its command: the sha256 lowered now) the same
+    lowered program; a stale one goes under cell["stale"][program] as (record, why)."""
     missing = []
+    programs = programs or {}
 
-    def current(args):  # the record of this command for the file as it is now
+    def current(args, cell=None, program=None):  # this command's record, if still current
         rec = records.get(_key(args))
-        return rec if rec is not None and rec.get("config_sha256") == config_digest(args) \
-            else None
+        if rec is None:
+            return None
+        why = ("its experiment file changed" if rec.get("config_sha256") != config_digest(args)
+               else stale_reason(rec, toolchain(_backend(args)), programs.get(_key(args))))
+        if why is None:
+            return rec
+        if cell is not None:
+            cell.setdefault("stale", {})[program] = (rec, why)
+        return None
 
     for cell in cells:
         if (cell["pair"].split(" -> ")[0], cell["target"]) not in COMPILED:
             continue
-        cell["compiled"] = {}
+        cell["compiled"], cell["stale"] = {}, {}
         for program, args in compile_commands(cell).items():
-            rec = current(args)
+            rec = current(args, cell, program)
             if rec is None:
                 missing.append((cell, program, args))
                 continue
@@ -147,7 +180,7 @@ def attach(cells: list[dict], records: dict[str, dict]) -> list[tuple[dict, str,
                     continue
                 more = [a if not a.startswith("train.microbatches=") else
                         f"train.microbatches={most}" for a in args]
-            again = current(more)
+            again = current(more, cell, program)
             if again is None:
                 missing.append((cell, program, more))
             else:
@@ -177,6 +210,14 @@ def _compiled_cell(recs: list[dict] | None) -> str:
     return " / compiled " + "; ".join(out)
 
 
+def _stale_cell(stale: tuple[dict, str] | None) -> str:
+    """A stale record's figure, shown as such (the verdict stays the planner's)."""
+    if stale is None:
+        return ""
+    rec, why = stale
+    return f" / stale compile {_gib(rec.get('total_bytes'))} ({why})"
+
+
 def format_map(cells: list[dict]) -> str:
     lines = [
         "# The decision map: colocated or disaggregated, from the planner and the compiler",
@@ -192,7 +233,10 @@ def format_map(cells: list[dict]) -> str:
         "(`hldstudy.chips`, sources in docs/infrastructure.md). Cells marked *compiled* "
         "give the compiler's figure beside the planner's (`python -m hldstudy.aot` at the "
         "same micro-batches; the commands are in docs/decision_map.json); their verdict is "
-        "the compiler's.",
+        "the compiler's. A record that is not the compile of the program as this checkout "
+        "lowers it with this host's jax / libtpu / CUDA plugin (`hldstudy.aot.fingerprint`) "
+        "reads *stale compile*, with why: its figure is shown, its verdict is the "
+        "planner's until `--compile` compiles it again.",
         "",
         "| pair | target | colocated | disaggregated student | replicas | "
         "replica peak | network need / link | verdict |",
@@ -200,17 +244,20 @@ def format_map(cells: list[dict]) -> str:
     ]
     for c in cells:
         col, dis = c["colocated"], c["disaggregated"]
-        comp = c.get("compiled", {})
+        comp, stale = c.get("compiled", {}), c.get("stale", {})
         col_cell = (f"{'fits' if col['fits'] else '**OOM**'} {_gib(col['peak_bytes'])} "
-                    f"(mb {col['microbatches']}){_compiled_cell(comp.get('colocated'))}")
+                    f"(mb {col['microbatches']}){_compiled_cell(comp.get('colocated'))}"
+                    f"{_stale_cell(stale.get('colocated'))}")
         if not col["fits"]:
             col_cell += f"; largest: {col['largest'][0][0]} {_gib(col['largest'][0][1])}"
         dis_cell = (f"{'fits' if dis['student_fits'] else '**OOM**'} "
                     f"{_gib(dis['peak_bytes'])} (mb {dis['microbatches']})"
-                    f"{_compiled_cell(comp.get('disaggregated'))}")
+                    f"{_compiled_cell(comp.get('disaggregated'))}"
+                    f"{_stale_cell(stale.get('disaggregated'))}")
         rep_cell = (f"{'fits' if dis['replica_fits'] else '**OOM**'} "
                     f"{_gib(dis['replica_peak_bytes'])} ({dis['replica_batch']} seq per "
-                    f"forward){_compiled_cell(comp.get('replica'))}")
+                    f"forward){_compiled_cell(comp.get('replica'))}"
+                    f"{_stale_cell(stale.get('replica'))}")
         target = c["target"] + (" *compiled*" if comp else "")
         dis_verdict = "fits" if _fits(c, "disaggregated") else (
             dis["verdict"] if dis["verdict"] != "fits" else "OOM")
@@ -307,13 +354,20 @@ def main(argv: list[str]) -> int:
         targets = [(t, parse_target(t).chip, parse_target(t).n_devices) for t in TARGETS]
         cells = decision_map(PAIRS, targets, shape_of=plan_model)
         records = _load(records_path)
+        programs: dict[str, str | None] = {}
         missing = attach(cells, records)
-        if a.compile and missing:  # the compiler's extra, checked before minutes of work
-            for spec in sorted({args[args.index("--target") + 1] for _, _, args in missing}):
+        if a.compile:  # the compiler's extra, checked before minutes of work
+            for spec in sorted({t for _, t in COMPILED}):
                 check_installed(parse_target(spec))
-        done, failed = 0, []
+            # What the kept records compiled, lowered again now: a record of a program the
+            # code no longer builds is compiled again, an unchanged one is kept.
+            kept = [r["command"] for c in cells for recs in c.get("compiled", {}).values()
+                    for r in recs]
+            programs = {k: lowered_program(k.split()[3:]) for k in kept}
+            missing = attach(cells, records, programs)
+        done, failed, compiled = 0, [], set()
         while a.compile:  # a compile that does not fit may ask for one more
-            todo = [m for m in missing if _key(m[2]) not in failed]
+            todo = [m for m in missing if _key(m[2]) not in failed and _key(m[2]) not in compiled]
             if not todo:
                 break
             cell, program, args = todo[0]
@@ -328,9 +382,10 @@ def main(argv: list[str]) -> int:
                 failed.append(rec["command"])
                 continue
             records[rec["command"]] = rec
+            compiled.add(rec["command"])
             records_path.parent.mkdir(parents=True, exist_ok=True)
             write_json_atomic(records_path, {"compiled": list(records.values())})
-            missing = attach(cells, records)
+            missing = attach(cells, records, programs)
         if missing:
             print(f"{PROG}: {len(missing)} marked program(s) not compiled yet (--compile "
                   "compiles them)", file=sys.stderr)

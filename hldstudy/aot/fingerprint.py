@@ -1,0 +1,51 @@
+"""What decides a compiled program's figures, as a key a kept record is checked against:
+the lowered program (its text: shapes, shardings, kernels, everything the code that built
+it decided) and the versions of the tools that lowered and compiled it. A record whose
+key differs from the program as this checkout and this host's tools build it is stale:
+recompiled, or shown as stale, never read as current."""
+
+from __future__ import annotations
+
+import hashlib
+from importlib import metadata
+
+# The distributions whose versions decide what a compile for a backend reports: JAX's
+# lowering, XLA (jaxlib) and the target's compiler (libtpu; the CUDA plugin and its PJRT).
+TOOLCHAINS = {"tpu": ("jax", "jaxlib", "libtpu"),
+              "gpu": ("jax", "jaxlib", "jax-cuda12-plugin", "jax-cuda12-pjrt")}
+
+
+def toolchain(backend: str) -> dict[str, str | None]:
+    """{distribution: version, None where not installed} of `backend`'s tools here."""
+    out = {}
+    for name in TOOLCHAINS[backend]:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def program_sha256(lowered) -> str:
+    """sha256 of a `jax.stages.Lowered` program's text (StableHLO with its shardings)."""
+    return hashlib.sha256(lowered.as_text().encode()).hexdigest()
+
+
+def stale_reason(record: dict, tools: dict[str, str | None],
+                 program: str | None = None) -> str | None:
+    """Why `record` is not the compile of the program as it is now (None: it is): compiled
+    with other tools than `tools` (this host's, `toolchain`), or from another lowered
+    program than `program` (its `program_sha256` now, where it was lowered to check)."""
+    if "program_sha256" not in record or "toolchain" not in record:
+        return "kept without its program's hash and tool versions"
+    kept = record["toolchain"]
+    moved = [f"{k} {kept.get(k) or 'absent'} -> {v or 'absent'}"
+             for k, v in tools.items() if kept.get(k) != v]
+    if moved:
+        return "compiled with other tools (" + ", ".join(moved) + ")"
+    if program is not None and program != record["program_sha256"]:
+        return "the lowered program changed since it was compiled"
+    return None
+
+
+__all__ = ["TOOLCHAINS", "program_sha256", "stale_reason", "toolchain"]
