@@ -282,3 +282,19 @@ def test_the_study_step_on_v5p_and_the_planner_agree(capsys):
                      "--json"]) == 0
     (row,) = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"]
     assert row["fits"] and _within(row, 0.15), row
+
+
+def test_lower_only_gives_the_hash_the_compile_records(capsys):
+    """`--lower-only` (what the decision map checks a kept record against, in seconds)
+    lowers the very program the compile compiles: the same sha256 in both rows, and the
+    report names the tools (jax, jaxlib, libtpu) that a record is also keyed by."""
+    args = ["--config", "experiments/tiny_distill.py", "--teacher-preset", "tiny-teacher",
+            "--target", "v5e:2x4", "--parts", "train", "--json"]
+    assert aot_main(args) == 0
+    compiled = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert aot_main([*args, "--lower-only"]) == 0
+    lowered = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert [r["program_sha256"] for r in lowered["rows"]] == \
+        [r["program_sha256"] for r in compiled["rows"]]
+    assert compiled["toolchain"] == lowered["toolchain"]
+    assert compiled["toolchain"]["libtpu"] is not None
