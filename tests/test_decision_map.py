@@ -132,16 +132,27 @@ def test_records_are_reused_only_for_the_same_command():
     text = cmd.format_map(cells)
     assert "h100:8 *compiled*" in text and "compiled **50.0** (fits)" in text
     # A train step that does not fit at the planner's micro-batches is compiled again at the
-    # most (one sequence per device); it is out of memory only if that one is too.
-    oom = dict(rec, fits=False)
+    # next count in the planner's order (4 -> 8, not straight to the most); it is out of
+    # memory only if the last count is too. Fits reads the planner's rule: 90% of the
+    # device, so aot's "fits" at 96% (76 of 79.65 GiB) is out of memory here.
+    assert cell["colocated"]["microbatches"] == 4
+    oom = dict(rec, fits=True, total_bytes=76.3 * 2**30)
     missing = cmd.attach(cells, {rec["command"]: oom})
     again = [a for c, p, a in missing if c is cell and p == "colocated"]
-    assert again and "train.microbatches=32" in again[0]
+    assert again and "train.microbatches=8" in again[0]
     assert "colocated OOM" in cmd.format_map(cells).split(cell["target"] + " *compiled*")[1] \
         .splitlines()[0]
     missing = cmd.attach(cells, {rec["command"]: oom, cmd._key(again[0]): dict(
-        rec, command=cmd._key(again[0]), microbatches=32)})
+        rec, command=cmd._key(again[0]), microbatches=8)})
     assert cmd._fits(cell, "colocated") and len(cell["compiled"]["colocated"]) == 2
+    # A replica's next compile is its next smaller forward, in the same order: on v5p the
+    # 35B-A3B replica of 4 chips serves 64 sequences per forward, then 32; one sequence on
+    # one H100 is the last there is.
+    v5p = next(c for c in cells if c["pair"] == SMALL.name and c["target"] == "v5p:2x2x2")
+    rep_args = cmd.compile_commands(v5p)["replica"]
+    assert rep_args[-1] == "teacher.replica_batch=64"
+    assert cmd._next_args(v5p, "replica", rep_args)[-1] == "teacher.replica_batch=32"
+    assert cmd._next_args(cell, "replica", cmd.compile_commands(cell)["replica"]) is None
 
 
 def test_a_record_of_another_program_or_toolchain_is_not_current():

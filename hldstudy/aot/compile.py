@@ -31,7 +31,7 @@ from hldstudy.errors import RuntimeFault
 from hldstudy.flops.hlo_count import HloCount, hlo_flops
 from hldstudy.model.attention import resolve_implementation
 from hldstudy.model.transformer import Transformer
-from hldstudy.plan.step_memory import xla_memory
+from hldstudy.plan.step_memory import fits_device, xla_memory
 from hldstudy.teacher.base import method_needs
 from hldstudy.teacher.colocated import forward_config, teacher_forward_fn
 from hldstudy.teacher.microbatch import (
@@ -296,6 +296,8 @@ def compile_train(cfg: Config, teacher_model, method: str, stage: str, mesh,
     would use there: train.microbatches, or (0, auto) the fewest that fit the device
     (`microbatch_candidates`, fewest first, as `hldstudy.train.loop` compiles them)."""
     memory = device_memory(mesh.devices.flat[0])
+    with jax.set_mesh(mesh):
+        backend = traced_target()[0]
     candidates = microbatch_candidates(cfg.train.microbatches, cfg.data.batch_size,
                                        mesh.devices.size)
     for i, k in enumerate(candidates):
@@ -309,7 +311,7 @@ def compile_train(cfg: Config, teacher_model, method: str, stage: str, mesh,
                                    microbatches=k, sequences=cfg.data.batch_size,
                                    layout=layout)
         fits = lower_only or not step.refused and (
-            memory is None or step.memory["total_bytes"] <= memory)
+            memory is None or fits_device(step.memory, backend, memory))
         if fits or i == len(candidates) - 1:
             return step
     raise AssertionError("no micro-batch candidate")
@@ -363,7 +365,7 @@ def compile_teacher_forward(cfg: Config, teacher_model: ModelConfig, method: str
     return compiler_checked(
         candidates, compile_micro,
         lambda st: lower_only or memory is None or (
-            not st.refused and st.memory["total_bytes"] <= memory))[1]
+            not st.refused and fits_device(st.memory, backend, memory)))[1]
 
 
 def compile_eval(cfg: Config, method: str, teacher_model, mesh,

@@ -20,7 +20,12 @@ from hldstudy.aot.compile import Choices, CompiledStep, stage_names
 from hldstudy.aot.targets import Target
 from hldstudy.config import Config, ModelConfig
 from hldstudy.flops import step_flops
-from hldstudy.plan.step_memory import cohort_memory, predict_step_memory
+from hldstudy.plan.step_memory import (
+    cohort_memory,
+    compiled_peak,
+    fits_device,
+    predict_step_memory,
+)
 
 GiB = 2**30
 KEYS = ("argument_bytes", "output_bytes", "temp_bytes", "alias_bytes", "total_bytes")
@@ -152,7 +157,7 @@ def step_rows(cfg: Config, teacher_model, target: Target, choices: Choices, step
             if s.needs_bytes is not None:
                 row["compiled"] = {"total_bytes": s.needs_bytes}
         else:
-            row["fits"] = s.memory["total_bytes"] <= limit
+            row["fits"] = fits_device(s.memory, target.backend, limit)
         pred = s.planner  # a teacher replica's: the compile already asked the planner
         if s.kind == "train":
             kcfg = dataclasses.replace(cfg, train=dataclasses.replace(
@@ -188,20 +193,6 @@ def step_rows(cfg: Config, teacher_model, target: Target, choices: Choices, step
                 row["xla_over_model"] = xla / model
         rows.append(row)
     return rows
-
-
-def compiled_peak(compiled: dict, backend: str) -> float:
-    """The compiled program's peak, bytes per device, that the planner predicts. libtpu
-    ("tpu") reports its own (`peak_memory_bytes`: `memory_analysis().peak_memory_in_bytes`,
-    its buffer assignment's worst point, arguments included: the 123M KD step on v5p
-    18.83 GiB against the dumped live ranges' 18.75) and reserves its code generation's
-    allocations beyond it (the total, what `fits` reads: 21.41 there; the 9B DisaggKD
-    student 60.85 against 81.94). A refused compile's figure is the buffer assignment's
-    too (arguments + its temporaries). Elsewhere the total: XLA GPU's peak is within 2% of
-    it, XLA CPU's counts the arguments only."""
-    if backend == "tpu" and compiled.get("peak_memory_bytes"):
-        return compiled["peak_memory_bytes"]
-    return compiled["total_bytes"]
 
 
 def _g(x: float) -> str:

@@ -26,13 +26,13 @@ from pathlib import Path
 
 from hldstudy.aot.fingerprint import stale_reason, toolchain
 from hldstudy.aot.process import run_aot
-from hldstudy.aot.report import compiled_peak
 from hldstudy.aot.targets import check_installed, parse_target
 from hldstudy.cli_common import check_output_file
 from hldstudy.errors import InputError, RuntimeFault, user_errors
 from hldstudy.fileio import write_json_atomic, write_text_atomic
 from hldstudy.plan.decision_map import PAIRS, TARGETS, decision_map, slice_spec
 from hldstudy.plan.presets import plan_model
+from hldstudy.plan.step_memory import compiled_peak, fits_device
 
 PROG = "hldstudy plan --decision-map"
 RECORDS = "docs/decision_map.json"
@@ -124,27 +124,57 @@ def _load(path: Path) -> dict[str, dict]:
                          "another path, or move it away to compile afresh") from None
 
 
-def _most_microbatches(cell: dict) -> int:
-    return cell["tokens_per_step"] // cell["seq_len"] // cell["devices"]
-
-
 def _backend(args: list[str]) -> str:
     return parse_target(args[args.index("--target") + 1]).backend
 
 
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _next_args(cell: dict, program: str, args: list[str]) -> list[str] | None:
+    """The compile to try after `args`' did not fit, in the order the planner tries counts
+    (`plan.decision_map.map_cell`): a train step's next micro-batch count up, a replica's
+    next smaller forward (its next micro-batch count); None after the last."""
+    sequences = cell["tokens_per_step"] // cell["seq_len"]
+    knob = "teacher.replica_batch=" if program == "replica" else "train.microbatches="
+    now = int(next(a for a in args if a.startswith(knob)).split("=")[1])
+    if program == "replica":
+        micro = sequences // now
+        up = [m for m in _divisors(sequences // cell["disaggregated"]["replica_devices"])
+              if m > micro]
+        value = sequences // up[0] if up else None
+    else:
+        up = [k for k in _divisors(sequences // cell["devices"]) if k > now]
+        value = up[0] if up else None
+    return None if value is None else [f"{knob}{value}" if a.startswith(knob) else a
+                                       for a in args]
+
+
+def record_fits(rec: dict, cell: dict) -> bool | None:
+    """A compiled record's verdict under the map's one rule: its figure (`compiled_peak`,
+    `fits_device`) within the same usable share of the device as the planner's cells
+    (cell["limit_bytes"]); a refused compile does not fit; None for a failed one."""
+    if "error" in rec:
+        return None
+    if rec.get("refused") or not rec.get("total_bytes"):
+        return False
+    return fits_device(rec, parse_target(cell["target"]).backend, cell["limit_bytes"])
+
+
 def attach(cells: list[dict], records: dict[str, dict],
            programs: dict[str, str | None] | None = None) -> list[tuple[dict, str, list[str]]]:
-    """Each compiled cell's records under cell["compiled"][program] (a list: the compile at
-    the planner's micro-batches, and where that one does not fit, another at one sequence
-    per device: a train step's most micro-batches, a replica's smallest forward; a program
-    is out of memory only when that one is too); the (cell, program, args) still
-    missing. A record is current when it compiled the experiment file as it is, with this
-    host's tools, and (where `programs` has its command: the sha256 lowered now) the same
-    lowered program; a stale one goes under cell["stale"][program] as (record, why)."""
+    """Each compiled cell's records under cell["compiled"][program]: the compile at the
+    planner's micro-batches and, while one does not fit (`record_fits`), the next count in
+    the planner's order (`_next_args`), so a program is out of memory only when the last
+    count is too; the (cell, program, args) still missing. A record is current when it
+    compiled the experiment file as it is, with this host's tools, and (where `programs`
+    has its command: the sha256 lowered now) the same lowered program; a stale one goes
+    under cell["stale"][program] as (record, why)."""
     missing = []
     programs = programs or {}
 
-    def current(args, cell=None, program=None):  # this command's record, if still current
+    def current(args, cell, program):  # this command's record, if still current
         rec = records.get(_key(args))
         if rec is None:
             return None
@@ -152,8 +182,7 @@ def attach(cells: list[dict], records: dict[str, dict],
                else stale_reason(rec, toolchain(_backend(args)), programs.get(_key(args))))
         if why is None:
             return rec
-        if cell is not None:
-            cell.setdefault("stale", {})[program] = (rec, why)
+        cell["stale"][program] = (rec, why)
         return None
 
     for cell in cells:
@@ -161,30 +190,18 @@ def attach(cells: list[dict], records: dict[str, dict],
             continue
         cell["compiled"], cell["stale"] = {}, {}
         for program, args in compile_commands(cell).items():
-            rec = current(args, cell, program)
-            if rec is None:
-                missing.append((cell, program, args))
-                continue
-            cell["compiled"][program] = [rec]
-            if rec.get("fits") or "error" in rec:
-                continue
-            if program == "replica":  # one sequence per replica device
-                least = cell["disaggregated"]["replica_devices"]
-                if cell["disaggregated"]["replica_batch"] == least:
-                    continue
-                more = [a if not a.startswith("teacher.replica_batch=") else
-                        f"teacher.replica_batch={least}" for a in args]
-            else:
-                most = _most_microbatches(cell)
-                if cell[program]["microbatches"] == most:
-                    continue
-                more = [a if not a.startswith("train.microbatches=") else
-                        f"train.microbatches={most}" for a in args]
-            again = current(more, cell, program)
-            if again is None:
-                missing.append((cell, program, more))
-            else:
-                cell["compiled"][program].append(again)
+            chain = []
+            while args is not None:
+                rec = current(args, cell, program)
+                if rec is None:
+                    missing.append((cell, program, args))
+                    break
+                chain.append(rec)
+                if record_fits(rec, cell) is not False:
+                    break
+                args = _next_args(cell, program, args)
+            if chain:
+                cell["compiled"][program] = chain
     return missing
 
 
@@ -192,21 +209,28 @@ def _gib(x) -> str:
     return "-" if x is None else f"{x / GiB:.1f}"
 
 
-def _compiled_cell(recs: list[dict] | None) -> str:
+def _compiled_cell(recs: list[dict] | None, cell: dict) -> str:
+    """The compiled records' figures as the fits rule reads them (`compiled_peak`; libtpu's
+    total beside its peak), each with its verdict and, in a chain, its count."""
     if not recs:
         return ""
+    backend = parse_target(cell["target"]).backend
     out = []
     for rec in recs:
         if "error" in rec:
             out.append("error")
             continue
-        fits = "fits" if rec.get("fits") else "**OOM**"
+        fits = "fits" if record_fits(rec, cell) else "**OOM**"
         mb = ""
         if len(recs) > 1:
             batch = re.search(r"replica_batch=(\d+)", rec["command"])
             mb = (f" at {batch.group(1)} seq" if batch else
                   f" at mb {rec['microbatches']}" if "microbatches" in rec else "")
-        out.append(f"**{_gib(rec.get('total_bytes'))}** ({fits}{mb})")
+        figure = f"**{_gib(compiled_peak(rec, backend))}**" if rec.get("total_bytes") \
+            else "refused"
+        if rec.get("peak_memory_bytes") and backend == "tpu":
+            figure += f" peak, {_gib(rec['total_bytes'])} total"
+        out.append(f"{figure} ({fits}{mb})")
     return " / compiled " + "; ".join(out)
 
 
@@ -215,7 +239,7 @@ def _stale_cell(stale: tuple[dict, str] | None) -> str:
     if stale is None:
         return ""
     rec, why = stale
-    return f" / stale compile {_gib(rec.get('total_bytes'))} ({why})"
+    return f" / stale compile {_gib(rec.get('total_bytes'))} total ({why})"
 
 
 def format_map(cells: list[dict]) -> str:
@@ -233,7 +257,10 @@ def format_map(cells: list[dict]) -> str:
         "(`hldstudy.chips`, sources in docs/infrastructure.md). Cells marked *compiled* "
         "give the compiler's figure beside the planner's (`python -m hldstudy.aot` at the "
         "same micro-batches; the commands are in docs/decision_map.json); their verdict is "
-        "the compiler's. A record that is not the compile of the program as this checkout "
+        "the compiler's, under the same rule as the planner's: the compiled figure within "
+        "90% of the device (`hldstudy.plan.fits_device`: the total on a GPU, libtpu's own "
+        "peak on a TPU, the figure libtpu admits a program by), and where one count does "
+        "not fit, the next count in the planner's order is compiled. A record that is not the compile of the program as this checkout "
         "lowers it with this host's jax / libtpu / CUDA plugin (`hldstudy.aot.fingerprint`) "
         "reads *stale compile*, with why: its figure is shown, its verdict is the "
         "planner's until `--compile` compiles it again.",
@@ -246,17 +273,17 @@ def format_map(cells: list[dict]) -> str:
         col, dis = c["colocated"], c["disaggregated"]
         comp, stale = c.get("compiled", {}), c.get("stale", {})
         col_cell = (f"{'fits' if col['fits'] else '**OOM**'} {_gib(col['peak_bytes'])} "
-                    f"(mb {col['microbatches']}){_compiled_cell(comp.get('colocated'))}"
+                    f"(mb {col['microbatches']}){_compiled_cell(comp.get('colocated'), c)}"
                     f"{_stale_cell(stale.get('colocated'))}")
         if not col["fits"]:
             col_cell += f"; largest: {col['largest'][0][0]} {_gib(col['largest'][0][1])}"
         dis_cell = (f"{'fits' if dis['student_fits'] else '**OOM**'} "
                     f"{_gib(dis['peak_bytes'])} (mb {dis['microbatches']})"
-                    f"{_compiled_cell(comp.get('disaggregated'))}"
+                    f"{_compiled_cell(comp.get('disaggregated'), c)}"
                     f"{_stale_cell(stale.get('disaggregated'))}")
         rep_cell = (f"{'fits' if dis['replica_fits'] else '**OOM**'} "
                     f"{_gib(dis['replica_peak_bytes'])} ({dis['replica_batch']} seq per "
-                    f"forward){_compiled_cell(comp.get('replica'))}"
+                    f"forward){_compiled_cell(comp.get('replica'), c)}"
                     f"{_stale_cell(stale.get('replica'))}")
         target = c["target"] + (" *compiled*" if comp else "")
         dis_verdict = "fits" if _fits(c, "disaggregated") else (
@@ -277,8 +304,9 @@ def _fits(cell: dict, layout: str) -> bool:
     comp = cell.get("compiled", {})
 
     def compiled(program):
-        recs = [r for r in comp.get(program, []) if "fits" in r]
-        return any(r["fits"] for r in recs) if recs else None
+        verdicts = [v for v in (record_fits(r, cell) for r in comp.get(program, []))
+                    if v is not None]
+        return any(verdicts) if verdicts else None
 
     if layout == "colocated":
         got = compiled("colocated")

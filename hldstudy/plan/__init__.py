@@ -9,6 +9,8 @@ from hldstudy.plan.presets import plan_model
 from hldstudy.plan.step_memory import (
     VMAP_ACT_EXTRA,
     cohort_memory,
+    compiled_peak,
+    fits_device,
     largest_cohort,
     predict_step_memory,
     predict_teacher_forward_memory,
@@ -35,7 +37,7 @@ from hldstudy.plan.terms import (
 
 __all__ = [
     "COMPILERS", "DTYPE_BYTES", "GB", "VMAP_ACT_EXTRA", "PeakHabits", "PlanInputs", "PlanModel",
-    "cohort_memory", "dtype_bytes", "fanout_window_bytes", "fsdp_gather_bytes",
+    "cohort_memory", "compiled_peak", "dtype_bytes", "fits_device", "fanout_window_bytes", "fsdp_gather_bytes",
     "inference_activation_bytes", "largest_cohort", "layer_activation_bytes_per_token",
     "logits_bytes_fused", "logits_bytes_materialized", "network_bytes_per_step",
     "optimizer_bytes", "peak_habits", "plan", "plan_model", "predict_step_memory",

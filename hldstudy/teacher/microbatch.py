@@ -14,7 +14,7 @@ from hldstudy.config import ModelConfig
 from hldstudy.errors import ConfigError
 from hldstudy.mesh_axes import MESH_AXES
 from hldstudy.model.attention import resolve_implementation
-from hldstudy.plan import peak_habits, predict_teacher_forward_memory, xla_memory
+from hldstudy.plan import fits_device, peak_habits, predict_teacher_forward_memory, xla_memory
 
 
 def replica_devices(requested: int, devices) -> list:
@@ -181,9 +181,10 @@ def divisors_from(batch_size: int, start: int, multiple_of: int = 1) -> list[int
     return [b for b in range(start, 0, -1) if batch_size % b == 0 and b % multiple_of == 0]
 
 
-def compiled_fits(compiled, memory_bytes: int) -> bool:
-    """Whether a compiled program's buffers (`memory_analysis()`) fit `memory_bytes`."""
-    return xla_memory(compiled)["total_bytes"] <= memory_bytes
+def compiled_fits(compiled, memory_bytes: int, backend: str | None = None) -> bool:
+    """Whether a compiled program fits `memory_bytes` on `backend` (default: this process's
+    JAX backend), by the one rule (`hldstudy.plan.fits_device`)."""
+    return fits_device(xla_memory(compiled), backend or jax.default_backend(), memory_bytes)
 
 
 def compiler_checked(micro_batches, compile_micro, fits):
