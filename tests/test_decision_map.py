@@ -31,7 +31,7 @@ from hldstudy.plan.decision_map import (
 from hldstudy.plan.layouts import PlanInputs, plan, teacher_side_memory
 
 ROOT = Path(__file__).resolve().parent.parent
-SMALL, LARGE = PAIRS
+HLD, SMALL, LARGE = PAIRS  # the HLD study's pair, the two MoE pairs
 
 
 def _cells():
@@ -177,7 +177,7 @@ def test_a_record_of_another_program_or_toolchain_is_not_current():
         missing = cmd.attach(cells, {key: other}, programs)
         assert cell["compiled"] == {} and (cell, "colocated", args) in missing
         assert why in cell["stale"]["colocated"][1]
-        row = cmd.format_map(cells).split("| h100:8 |")[1].splitlines()[0]
+        row = cmd.format_map(cells).split(f"| {SMALL.name} | h100:8 |")[1].splitlines()[0]
         assert "stale compile 50.0" in row and why.split(" ->")[0] in row
         assert not cmd._fits(cell, "colocated") == cell["colocated"]["fits"] is False \
             or cmd._fits(cell, "colocated") == cell["colocated"]["fits"]  # the planner's
@@ -213,8 +213,28 @@ def test_the_pair_presets_are_the_experiment_files_models():
         cfg = load_experiment(ROOT / pair.config)
         assert cfg.teacher.preset == pair.teacher
         assert cfg.model == preset(pair.student, dtype="bfloat16", remat=True,
-                                   scan_layers=True, attention="auto")
+                                   scan_layers=True, attention=cfg.model.attention)
         assert cfg.data.batch_size * cfg.data.seq_len == pair.tokens_per_step
+        assert cfg.data.seq_len == pair.seq_len
+
+
+def test_the_seeds_first_branch_a_small_teacher_colocated():
+    """The seed's first branch has a pair: the HLD study's 3.4B teacher beside its 123M
+    student fits colocated (fused loss) on one node of every target, by the planner."""
+    cells = [c for c in _cells() if c["pair"] == HLD.name]
+    assert len(cells) == len(TARGETS)
+    assert all(c["colocated"]["fits"] for c in cells)
+    text = cmd.format_map(_cells())
+    assert f"- {HLD.name}: colocated fits on h100:8 (planner)" in text
+
+
+def test_a_pair_whose_vocabularies_differ_is_refused_by_name():
+    from hldstudy.plan.decision_map import MapPair
+
+    odd = MapPair("gemma3-1b", "paper-123m", "experiments/c4_123m_kd.py")
+    targets = [("h100:8", CHIPS["h100"], 8)]
+    with pytest.raises(ConfigError, match="gemma3-1b -> paper-123m.*vocabulary"):
+        decision_map((odd,), targets, shape_of=plan_model)
 
 
 def test_a_failed_compile_is_not_recorded_and_ends_in_one_line(tmp_path, capsys, monkeypatch):

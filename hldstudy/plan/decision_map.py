@@ -31,6 +31,10 @@ class MapPair:
 
 
 PAIRS = (
+    # The seed's first branch: a small teacher beside its student on one or two nodes, where
+    # colocated with the fused loss should do (the HLD study's own pair, 256 x 2048 tokens).
+    MapPair("paper-teacher-3.4b", "paper-123m", "experiments/c4_123m_kd.py",
+            tokens_per_step=524_288, seq_len=2048),
     MapPair("qwen3.5-35b-a3b", "qwen3.5-9b", "experiments/disaggkd_qwen35.py"),
     MapPair("qwen3.5-122b-a10b", "qwen3.5-35b-a3b", "experiments/disaggkd_qwen35_122b.py"),
 )
@@ -155,6 +159,10 @@ def decision_map(pairs=PAIRS, targets: tuple[tuple[str, Chip, int], ...] = (), *
     cells = []
     for pair in pairs:
         t, s = shape_of(pair.teacher), shape_of(pair.student)
+        if t.vocab_size != s.vocab_size:  # distillation matches the teacher's vocabulary
+            raise ConfigError("pair", f"{pair.name}: the teacher's vocabulary "
+                              f"({t.vocab_size:,}) is not the student's ({s.vocab_size:,})",
+                              "pair models that share a tokenizer")
         for spec, chip, n in targets:
             cell = map_cell(t, s, chip, n, tokens_per_step=pair.tokens_per_step,
                             seq_len=pair.seq_len, usable=usable, mfu=mfu)
