@@ -57,13 +57,15 @@ def test_cli_unknown_target_is_one_line_exit_2(capsys):
 
 
 @pytest.mark.skipif(HAVE_LIBTPU, reason="the aot extra is installed here (tests/test_aot_compile)")
-def test_cli_without_the_aot_extra_says_how_to_install_it(capsys):
+@pytest.mark.parametrize("target, compiler", [("v5e:2x4", "libtpu"),
+                                              ("h100:8", "CUDA plugin")])
+def test_cli_without_the_aot_extra_says_how_to_install_it(capsys, target, compiler):
     code, out = _run(capsys, "--config", "tiny_distill", "--teacher-preset", "tiny-teacher",
-                     "--target", "v5e:2x4")
+                     "--target", target)
     assert code == 2
     lines = out.err.strip().splitlines()
     assert len(lines) == 1, out.err
-    assert "libtpu" in lines[0] and "pip install -e '.[aot]'" in lines[0]
+    assert compiler in lines[0] and "pip install -e '.[aot]'" in lines[0]
 
 
 def test_cli_teacher_shape_missing_is_exit_2(capsys):

@@ -6,6 +6,7 @@ committed records."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -279,3 +280,18 @@ def test_the_planners_ratio_reads_libtpus_peak_and_the_gpus_total():
     cmd.attach(cells, records)
     spans = cmd.format_map(cells).split("where both sized the same program")[1]
     assert "colocated 0.50-1.00 (2)" in spans
+
+
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is not None,
+                    reason="the aot extra is installed here")
+def test_compile_without_the_compilers_is_one_line_and_writes_nothing(tmp_path, capsys):
+    """--compile on a host without libtpu / the CUDA plugin: refused before any work, in
+    one line naming the extra, with neither the map nor the records written."""
+    out, records = tmp_path / "map.md", tmp_path / "records.json"
+    with pytest.raises(SystemExit) as exit_:
+        plan_main(["--decision-map", "--compile", "--records", str(records),
+                   "--out", str(out)])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "pip install -e '.[aot]'" in err[0]
+    assert not out.exists() and not records.exists()

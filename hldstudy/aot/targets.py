@@ -90,7 +90,11 @@ def device_kind(c: Chip) -> str:
 
 
 def _need(module: str, what: str, target: Target) -> None:
-    if importlib.util.find_spec(module) is None:
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # its parent package (jax_plugins) is not installed either
+        found = False
+    if not found:
         raise InputError(f"compiling for {target.spec} needs {what}, which is not installed "
                          f"(the aot extra: {INSTALL_HINT})")
 
