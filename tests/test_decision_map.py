@@ -295,3 +295,23 @@ def test_compile_without_the_compilers_is_one_line_and_writes_nothing(tmp_path, 
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "pip install -e '.[aot]'" in err[0]
     assert not out.exists() and not records.exists()
+
+
+def test_speed_counts_every_device_and_names_the_faster_layout():
+    """Tokens/s per device: the step's tokens over its time over every device it holds (the
+    replicas' too when disaggregated); the faster layout among those that fit, with its
+    margin, marked an estimate; where one layout is out of memory the other is the answer."""
+    cells = _cells()
+    cell = next(c for c in cells if c["pair"] == SMALL.name and c["target"] == "h100:8")
+    col, dis = cell["colocated"], cell["disaggregated"]
+    assert col["tokens_per_s_per_device"] == pytest.approx(
+        cell["tokens_per_step"] / col["step_time_s"] / cell["devices"])
+    assert dis["tokens_per_s_per_device"] == pytest.approx(
+        cell["tokens_per_step"] / dis["step_time_s"] / dis["devices_total"])
+    margin = 100 * (col["tokens_per_s_per_device"] / dis["tokens_per_s_per_device"] - 1)
+    assert margin > 0 and cmd._faster(cell) == \
+        f"; faster: colocated by {margin:.0f}% (estimate, unproven)"
+    v5p = next(c for c in cells if c["pair"] == LARGE.name and c["target"] == "v5p:2x2x2")
+    assert not cmd._fits(v5p, "colocated") and cmd._fits(v5p, "disaggregated")
+    assert cmd._faster(v5p) == "; faster: disaggregated, the only one that fits"
+    assert "- Speed (the planner's estimate)" in cmd.format_map(cells)

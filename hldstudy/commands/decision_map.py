@@ -264,11 +264,16 @@ def format_map(cells: list[dict]) -> str:
         "not fit, the next count in the planner's order is compiled. A record that is not the compile of the program as this checkout "
         "lowers it with this host's jax / libtpu / CUDA plugin (`hldstudy.aot.fingerprint`) "
         "reads *stale compile*, with why: its figure is shown, its verdict is the "
-        "planner's until `--compile` compiles it again.",
+        "planner's until `--compile` compiles it again. Speed: the step's time and "
+        "tokens/s per device, every device counted (the replicas' too), from the "
+        "planner's FLOPs at 0.4 MFU on the chip's bf16 peak: an estimate, the same "
+        "efficiency for both layouts, so it tells only what the FLOPs and the replicas' "
+        "rounding tell; the faster layout among those that fit, with its margin.",
         "",
         "| pair | target | colocated | disaggregated student | replicas | "
-        "replica peak | network need / link | verdict |",
-        "|---|---|---|---|---|---|---|---|",
+        "replica peak | network need / link | step s, tokens/s/device (estimate) | "
+        "verdict |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for c in cells:
         col, dis = c["colocated"], c["disaggregated"]
@@ -290,13 +295,32 @@ def format_map(cells: list[dict]) -> str:
         dis_verdict = "fits" if _fits(c, "disaggregated") else (
             dis["verdict"] if dis["verdict"] != "fits" else "OOM")
         verdict = (f"colocated {'fits' if _fits(c, 'colocated') else 'OOM'}, "
-                   f"disaggregated {dis_verdict}" + (" (compiled)" if comp else ""))
+                   f"disaggregated {dis_verdict}" + (" (compiled)" if comp else "")
+                   + _faster(c))
+        speed = (f"col {col['step_time_s']:.2f} s, {col['tokens_per_s_per_device']:,.0f}; "
+                 f"dis {dis['step_time_s']:.2f} s, {dis['tokens_per_s_per_device']:,.0f}")
         lines.append(
             f"| {c['pair']} | {target} | {col_cell} | {dis_cell} | "
             f"{dis['replicas']} x {dis['replica_devices']} ({dis['devices_total']} devices) | "
-            f"{rep_cell} | {dis['need_gbps']:.2f} / {dis['link_gbps']:g} | {verdict} |")
+            f"{rep_cell} | {dis['need_gbps']:.2f} / {dis['link_gbps']:g} | {speed} | "
+            f"{verdict} |")
     lines += ["", _reading(cells)]
     return "\n".join(lines) + "\n"
+
+
+def _faster(cell: dict) -> str:
+    """'; faster: <layout> by N%' among the layouts that fit (tokens/s per device, the
+    planner's estimate: unproven until compiled programs time it), '' when none fits."""
+    rate = {lay: cell[lay]["tokens_per_s_per_device"] for lay in ("colocated", "disaggregated")
+            if _fits(cell, lay)}
+    if not rate:
+        return ""
+    best = max(rate, key=rate.get)
+    if len(rate) == 1:
+        return f"; faster: {best}, the only one that fits"
+    other = min(rate, key=rate.get)
+    return (f"; faster: {best} by {100 * (rate[best] / rate[other] - 1):.0f}% "
+            "(estimate, unproven)")
 
 
 def _fits(cell: dict, layout: str) -> bool:
@@ -342,6 +366,18 @@ def _reading(cells: list[dict]) -> str:
                    f"{named([c for c in mine if _fits(c, 'colocated')])}; out of memory "
                    f"colocated and fitting disaggregated on {named(decisive)}; out of memory "
                    f"both ways on {named(both_oom)}.")
+    both = [c for c in cells if _fits(c, "colocated") and _fits(c, "disaggregated")]
+    if both:
+        cost = [1 - c["disaggregated"]["tokens_per_s_per_device"]
+                / c["colocated"]["tokens_per_s_per_device"] for c in both]
+        out += ["", f"- Speed (the planner's estimate): where both layouts fit ({len(both)} "
+                f"cells), disaggregating costs {100 * min(cost):.0f}-{100 * max(cost):.0f}% "
+                "of the tokens/s per device, every device counted: at one MFU for both, "
+                "the layouts do nearly the same FLOPs, and the replicas, rounded up to "
+                "whole ones, sit partly idle. The seed's case for speed rests on what this "
+                "estimate cannot see (the teacher's forward at a higher efficiency on its "
+                "own devices, the student's step without the teacher's memory pressure); "
+                "that is for compiled programs' rooflines and a lent device to show."]
     ratios = {p: [] for p in _PLANNED}
     for c in cells:
         for program, recs in c.get("compiled", {}).items():

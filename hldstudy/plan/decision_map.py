@@ -122,7 +122,11 @@ def map_cell(teacher: ModelShape, student: ModelShape, chip: Chip, n_devices: in
         "colocated": {"fits": col["bytes_per_device"] <= limit, "microbatches": k_col,
                       "peak_bytes": col["bytes_per_device"],
                       "largest": _largest(col["breakdown"]),
-                      "step_time_s": col["step_time_s"]},
+                      "step_time_s": col["step_time_s"],
+                      # every device counted: here the target's, disaggregated the
+                      # replicas' too (the planner's FLOPs at `mfu`: an estimate)
+                      "tokens_per_s_per_device":
+                          tokens_per_step / col["step_time_s"] / n_devices},
         "disaggregated": {
             "fits": verdict == "fits", "verdict": verdict, "microbatches": k_dis,
             "peak_bytes": dis["bytes_per_device"], "student_fits": student_fits,
@@ -132,6 +136,8 @@ def map_cell(teacher: ModelShape, student: ModelShape, chip: Chip, n_devices: in
             "replica_peak_bytes": replica["peak_bytes"], "replica_fits": replica["fits"],
             "replicas": replicas, "devices_total": n_devices + replicas * r_dev,
             "step_time_s": step_time, "hidden_bytes_per_step": hidden,
+            "tokens_per_s_per_device":
+                tokens_per_step / step_time / (n_devices + replicas * r_dev),
             "need_gbps": need, "link_gbps": chip.scale_out_gbps},
     }
 
