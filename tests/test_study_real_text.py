@@ -135,6 +135,29 @@ def _seeds(gaps: dict[str, np.ndarray], base: float = 50.0, acc=None) -> pd.Data
     return pd.DataFrame(rows)
 
 
+def test_a_steps_time_is_saved_while_it_runs(tmp_path, monkeypatch):
+    """study.json's seconds[step] is rewritten while the step runs, so a sitting killed
+    mid-step (SIGKILL runs no `finally`) keeps its time up to the last tick, and a finished
+    step adds its whole time to what earlier sittings recorded."""
+    from hldstudy.study import real_text
+
+    monkeypatch.setattr(real_text, "TICK_S", 0.05)
+    study = real_text.Study(tmp_path, "smoke", progress=False)
+    record = tmp_path / real_text.STUDY_FILE
+    seen = []
+
+    def step():
+        time.sleep(0.3)  # several ticks
+        seen.append(json.loads(record.read_text())["seconds"]["confirmatory"])
+
+    study._timed("confirmatory", step)
+    assert 0.1 <= seen[0] <= 0.3
+    first = json.loads(record.read_text())["seconds"]["confirmatory"]
+    assert first >= 0.3
+    study._timed("confirmatory", lambda: time.sleep(0.1))  # a second sitting adds to it
+    assert json.loads(record.read_text())["seconds"]["confirmatory"] >= first + 0.1
+
+
 def test_claims_read_known_gaps_by_their_closed_forms():
     rng = np.random.default_rng(0)
     n = 10

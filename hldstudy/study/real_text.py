@@ -11,6 +11,7 @@ import dataclasses
 import json
 import math
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -35,6 +36,7 @@ STUDY_FILE = "study.json"
 EXPLORE_KD, EXPLORE_HLD = "explore/kd", "explore/hld"  # phase 1a's and 1b's runs
 PICKS_FILE = "picks.json"
 COHORT = 6  # phase 1a's whole KD grid is one cohort
+TICK_S = 60.0  # how often a running step's seconds are saved
 
 
 class Study:
@@ -68,13 +70,29 @@ class Study:
                 "size_spec": dataclasses.asdict(self.size), "seconds": {}}
 
     def _timed(self, step: str, fn):
-        t0 = time.time()
+        """Runs `fn`, adding its wall time to study.json's seconds[step]: rewritten every
+        TICK_S while it runs, so a sitting that is killed (no `finally` runs on SIGKILL)
+        loses at most TICK_S of its time, not all of it."""
+        base = self._record()["seconds"].get(step, 0.0)
+        t0, done = time.time(), threading.Event()
+
+        def save():
+            rec = self._record()
+            rec["seconds"][step] = round(base + time.time() - t0, 1)
+            write_json_atomic(self.dir / STUDY_FILE, rec)
+
+        def tick():
+            while not done.wait(TICK_S):
+                save()
+
+        ticker = threading.Thread(target=tick, name="study-clock", daemon=True)
+        ticker.start()
         try:
             return fn()
         finally:
-            rec = self._record()
-            rec["seconds"][step] = round(rec["seconds"].get(step, 0.0) + time.time() - t0, 1)
-            write_json_atomic(self.dir / STUDY_FILE, rec)
+            done.set()
+            ticker.join()
+            save()
 
     # -- steps -------------------------------------------------------------------------
 
