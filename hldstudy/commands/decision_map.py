@@ -5,15 +5,10 @@ compiled.
     hldstudy plan --decision-map --out docs/decision_map.md            # planner + records
     hldstudy plan --decision-map --compile --out docs/decision_map.md  # + compile the rest
 
-The compiled cells (`COMPILED`) run `python -m hldstudy.aot` in a process each (~15 GiB of
-RAM, minutes per program), kept in `--records` (rewritten atomically after each) by their
-command, the digest of the experiment file, the lowered program's sha256 and the tools'
-versions (`hldstudy.aot.fingerprint`): a planner change that moves a cell's micro-batches,
-an edited experiment file, code that lowers another program or another jax / libtpu /
-CUDA plugin makes a record stale. `--compile` lowers each recorded program first (seconds)
-and compiles again only what changed; without it a stale record is shown as stale, its
-verdict the planner's. A failed compile is not kept (exit 3). Notes: `docs/planner.md`,
-`plan/decision_map.py`."""
+The compiled cells (`COMPILED`) run `python -m hldstudy.aot` in a process each, kept in
+`--records` under a key of what decides the program (`hldstudy.aot.fingerprint`): a stale
+record is compiled again with `--compile`, else shown as stale. A failed compile is not
+kept (exit 3). Notes: `docs/planner.md`, `plan/decision_map.py`."""
 
 from __future__ import annotations
 
