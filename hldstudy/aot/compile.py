@@ -202,6 +202,7 @@ def _compile(name, kind, method, stage, jitted, args, mesh,
             lowered = jitted.trace(*args).lower()
             digest = program_sha256(lowered)
             if lower_only:
+                dump.cleanup()
                 return CompiledStep(name, kind, method, stage, {}, None,
                                     time.perf_counter() - t0, program_sha256=digest)
             compiled = lowered.compile({"xla_dump_to": dump.name, **DUMP_OPTIONS})
@@ -388,12 +389,12 @@ def compile_run(cfg: Config, teacher_model: ModelConfig | None, method: str, dev
                 *, cohort: int | None = None, mode: str = "vmap",
                 parts: tuple[str, ...] = ("train", "teacher", "eval"),
                 layout: str = "colocated", lower_only: bool = False) -> list[CompiledStep]:
-    """Every program of one run on `devices` (`lower_only`: lowered, not compiled): the train step of each stage of `method`
-    (the cohort step of K with `cohort`; its teacher in `layout`: its forward inside the
-    step, or its outputs streamed in), the teacher replica's forward (a method with a
-    teacher; on teacher.replica_devices of `devices`, as a replica runs it), and the eval
-    step. `cfg` and `teacher_model` come resolved for the target
-    (`resolve_for_target`)."""
+    """Every program of one run on `devices` (`lower_only`: lowered, not compiled): the
+    train step of each stage of `method` (the cohort step of K with `cohort`; its teacher
+    in `layout`: its forward inside the step, or its outputs streamed in), the teacher
+    replica's forward (a method with a teacher; on teacher.replica_devices of `devices`,
+    as a replica runs it), and the eval step. `cfg` and `teacher_model` come resolved for
+    the target (`resolve_for_target`)."""
     mesh = mesh_for(cfg, devices)
     spec = methods.get(method)
     out = []

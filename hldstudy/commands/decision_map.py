@@ -25,7 +25,7 @@ from hldstudy.aot.targets import check_installed, parse_target
 from hldstudy.cli_common import check_output_file
 from hldstudy.errors import InputError, RuntimeFault, user_errors
 from hldstudy.fileio import write_json_atomic, write_text_atomic
-from hldstudy.plan.decision_map import PAIRS, TARGETS, decision_map, slice_spec
+from hldstudy.plan.decision_map import PAIRS, TARGETS, decision_map, divisors, slice_spec
 from hldstudy.plan.presets import plan_model
 from hldstudy.plan.step_memory import compiled_peak, fits_device
 
@@ -61,6 +61,12 @@ def compile_commands(cell: dict) -> dict[str, list[str]]:
 
 def _key(args: list[str]) -> str:
     return " ".join(["python -m hldstudy.aot", *args])
+
+
+def _args(key: str) -> list[str]:
+    """The aot arguments of a record's command (`_key`'s inverse: its arguments have no
+    spaces)."""
+    return key.split()[len(_key([]).split()):]
 
 
 def config_digest(args: list[str]) -> str:
@@ -123,10 +129,6 @@ def _backend(args: list[str]) -> str:
     return parse_target(args[args.index("--target") + 1]).backend
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def _next_args(cell: dict, program: str, args: list[str]) -> list[str] | None:
     """The compile to try after `args`' did not fit, in the order the planner tries counts
     (`plan.decision_map.map_cell`): a train step's next micro-batch count up, a replica's
@@ -136,11 +138,11 @@ def _next_args(cell: dict, program: str, args: list[str]) -> list[str] | None:
     now = int(next(a for a in args if a.startswith(knob)).split("=")[1])
     if program == "replica":
         micro = sequences // now
-        up = [m for m in _divisors(sequences // cell["disaggregated"]["replica_devices"])
+        up = [m for m in divisors(sequences // cell["disaggregated"]["replica_devices"])
               if m > micro]
         value = sequences // up[0] if up else None
     else:
-        up = [k for k in _divisors(sequences // cell["devices"]) if k > now]
+        up = [k for k in divisors(sequences // cell["devices"]) if k > now]
         value = up[0] if up else None
     return None if value is None else [f"{knob}{value}" if a.startswith(knob) else a
                                        for a in args]
@@ -256,9 +258,10 @@ def format_map(cells: list[dict]) -> str:
         "the compiler's, under the same rule as the planner's: the compiled figure within "
         "90% of the device (`hldstudy.plan.fits_device`: the total on a GPU, libtpu's own "
         "peak on a TPU, the figure libtpu admits a program by), and where one count does "
-        "not fit, the next count in the planner's order is compiled. A record that is not the compile of the program as this checkout "
-        "lowers it with this host's jax / libtpu / CUDA plugin (`hldstudy.aot.fingerprint`) "
-        "reads *stale compile*, with why: its figure is shown, its verdict is the "
+        "not fit, the next count in the planner's order is compiled. A record that is not "
+        "the compile of the program as this checkout lowers it with this host's jax / "
+        "libtpu / CUDA plugin (`hldstudy.aot.fingerprint`) reads *stale compile*, with "
+        "why: its figure is shown, its verdict is the "
         "planner's until `--compile` compiles it again. Speed: the step's time and "
         "tokens/s per device, every device counted (the replicas' too), from the "
         "planner's FLOPs at 0.4 MFU on the chip's bf16 peak: an estimate, the same "
@@ -423,7 +426,7 @@ def main(argv: list[str]) -> int:
             # code no longer builds is compiled again, an unchanged one is kept.
             kept = [r["command"] for c in cells for recs in c.get("compiled", {}).values()
                     for r in recs]
-            programs = {k: lowered_program(k.split()[3:]) for k in kept}
+            programs = {k: lowered_program(_args(k)) for k in kept}
             missing = attach(cells, records, programs)
         done, failed, compiled = 0, [], set()
         while a.compile:  # a compile that does not fit may ask for one more

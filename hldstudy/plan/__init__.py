@@ -37,7 +37,8 @@ from hldstudy.plan.terms import (
 
 __all__ = [
     "COMPILERS", "DTYPE_BYTES", "GB", "VMAP_ACT_EXTRA", "PeakHabits", "PlanInputs", "PlanModel",
-    "cohort_memory", "compiled_peak", "dtype_bytes", "fits_device", "fanout_window_bytes", "fsdp_gather_bytes",
+    "cohort_memory", "compiled_peak", "dtype_bytes", "fanout_window_bytes", "fits_device",
+    "fsdp_gather_bytes",
     "inference_activation_bytes", "largest_cohort", "layer_activation_bytes_per_token",
     "logits_bytes_fused", "logits_bytes_materialized", "network_bytes_per_step",
     "optimizer_bytes", "peak_habits", "plan", "plan_model", "predict_step_memory",

@@ -59,7 +59,7 @@ def slice_spec(chip: Chip, n: int) -> str:
     return f"{chip.name}:{n}"
 
 
-def _divisors(n: int) -> list[int]:
+def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
@@ -90,7 +90,7 @@ def map_cell(teacher: ModelShape, student: ModelShape, chip: Chip, n_devices: in
                       tflops=chip.bf16_tflops, mfu=mfu, attention="flash", usable=usable)
     limit = chip.device_memory_bytes * usable
     runs = {k: plan(dataclasses.replace(base, grad_accum=k))
-            for k in _divisors(sequences // n_devices)}
+            for k in divisors(sequences // n_devices)}
 
     def fewest(layout: str) -> int:
         return next((k for k, r in runs.items() if r[layout]["bytes_per_device"] <= limit),
@@ -150,7 +150,7 @@ def _replica(base: PlanInputs, sequences: int, limit: float, counts: tuple[int, 
     for n in counts:
         if sequences % n:
             continue
-        for m in _divisors(sequences // n):
+        for m in divisors(sequences // n):
             peak = sum(teacher_side_memory(base, n, m).values())
             last = {"devices": n, "microbatches": m, "peak_bytes": peak, "fits": peak <= limit}
             if last["fits"]:

@@ -247,9 +247,9 @@ def compiled_peak(compiled: dict, backend: str) -> float:
     its buffer assignment's worst point, arguments included: the 123M KD step on v5p
     18.83 GiB against the dumped live ranges' 18.75) and reserves its code generation's
     allocations beyond it (the total: 21.41 there; the 9B DisaggKD student 60.85 against
-    81.94). A refused compile's figure is the buffer assignment's
-    too (arguments + its temporaries). Elsewhere the total: XLA GPU's peak is within 2% of
-    it, XLA CPU's counts the arguments only."""
+    81.94). A refused compile's figure is the buffer assignment's too (arguments + its
+    temporaries). Elsewhere the total: XLA GPU's peak is within 2% of it, XLA CPU's counts
+    the arguments only."""
     if backend == "tpu" and compiled.get("peak_memory_bytes"):
         return compiled["peak_memory_bytes"]
     return compiled["total_bytes"]
@@ -266,8 +266,6 @@ def fits_device(memory: dict, backend: str, limit: float) -> bool:
     GiB on a 95.74 GiB chip (peak 92.32). Whether such a program also runs is for a lent
     TPU to show."""
     return compiled_peak(memory, backend) <= limit
-
-
 
 
 def predict_teacher_forward_memory(teacher_model: ModelConfig, batch_size: int, seq_len: int,

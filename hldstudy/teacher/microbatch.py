@@ -181,10 +181,10 @@ def divisors_from(batch_size: int, start: int, multiple_of: int = 1) -> list[int
     return [b for b in range(start, 0, -1) if batch_size % b == 0 and b % multiple_of == 0]
 
 
-def compiled_fits(compiled, memory_bytes: int, backend: str | None = None) -> bool:
-    """Whether a compiled program fits `memory_bytes` on `backend` (default: this process's
-    JAX backend), by the one rule (`hldstudy.plan.fits_device`)."""
-    return fits_device(xla_memory(compiled), backend or jax.default_backend(), memory_bytes)
+def compiled_fits(compiled, memory_bytes: int) -> bool:
+    """Whether a program compiled for this process's backend fits `memory_bytes`, by the
+    one rule (`hldstudy.plan.fits_device`)."""
+    return fits_device(xla_memory(compiled), jax.default_backend(), memory_bytes)
 
 
 def compiler_checked(micro_batches, compile_micro, fits):
