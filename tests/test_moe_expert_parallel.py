@@ -6,6 +6,7 @@ included. conftest's 4 CPU devices."""
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -105,3 +106,30 @@ def test_the_moe_layer_goes_expert_parallel_under_an_expert_axis():
     with jax.set_mesh(mesh):
         hlo = jax.jit(run).lower(params, x).compile().as_text()
     assert "all-to-all" not in hlo
+
+
+def test_ragged_routes_each_batch_shard_on_its_own():
+    """Ragged (dropless) dispatch runs per batch shard wherever the traced mesh splits the
+    batch: each device sorts its own rows' expert ids (s32[B/4 T k], not the whole batch's
+    all-gathered), and the layer's output and gradients are the one-device layer's."""
+    cfg = dataclasses.replace(preset("tiny-qwen-moe"), moe_dispatch="ragged")
+    graphdef, params = nnx.split(MoE(cfg, nnx.Rngs(0)))
+    x = jax.random.normal(jax.random.PRNGKey(5), (B, T, cfg.d_model), jnp.float32)
+
+    def loss(params, x):
+        out, aux, _ = nnx.merge(graphdef, params)(x)
+        return jnp.sum(jnp.sin(out)) + aux
+
+    want, want_g = jax.jit(jax.value_and_grad(loss))(params, x)
+    mesh = _mesh(4, 1)
+    placed = jax.device_put(params, NamedSharding(mesh, P()))
+    rows = jax.device_put(x, NamedSharding(mesh, P("fsdp")))
+    fn = jax.jit(jax.value_and_grad(loss))
+    with jax.set_mesh(mesh):
+        got, got_g = fn(placed, rows)
+        hlo = fn.lower(placed, rows).compile().as_text()
+    sorts = re.findall(r"s32\[(\d+)\][^\n]*? sort\(", hlo)
+    assert sorts and {int(n) for n in sorts} == {B // 4 * T * cfg.experts_per_token}, sorts
+    assert float(got) == pytest.approx(float(want), rel=1e-5)
+    for g, w in zip(jax.tree.leaves(got_g), jax.tree.leaves(want_g), strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-5)

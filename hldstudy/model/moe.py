@@ -186,13 +186,17 @@ def resolve_dispatch(dispatch: str, d_model: int = 0, d_expert: int = 0,
     return resolved
 
 
-def _per_batch_shard(fn, x_BxTxD, experts_BxTxK, weights):
+def _per_batch_shard(fn, x_BxTxD, experts_BxTxK, weights, *, strict: bool):
     """`fn(x, experts, *weights)` on each device's own sequences where the traced mesh
-    splits the batch (XLA does not partition a Mosaic kernel; routing then stays on the
-    shard), the experts' weights gathered whole; as is elsewhere."""
+    splits the batch, the experts' weights gathered whole (as FSDP gathers any layer's):
+    routing, its sort and its grouped rows stay on the shard. Left to XLA's partitioner a
+    global sort all-gathers every row's expert ids (the 35B-A3B replica over v5p:2x2x2:
+    s32[8388608] per MoE layer, sorted on every device). A batch the devices do not divide
+    runs as one program, or (`strict`: the Mosaic kernels, which XLA does not partition)
+    is refused."""
     mesh, axes = traced_batch_axes()
     size = axes_size(mesh, axes)
-    if size <= 1:
+    if size <= 1 or (x_BxTxD.shape[0] % size and not strict):
         return fn(x_BxTxD, experts_BxTxK, *weights)
     if x_BxTxD.shape[0] % size:
         raise ConfigError("model.moe_dispatch", f"ragged on a Hopper GPU runs per batch shard, "
@@ -257,18 +261,20 @@ class MoE(nnx.Module):
                 routed = _on_batch_shards(routed)
             routed = routed.reshape(b * t, self.k, d)
             dropped_B = jnp.mean(dropped_BxT, axis=1)
-        elif hopper_kernels_run() and not own_matmul:  # ragged through the Mosaic kernels
+        else:  # ragged (dropless), per batch shard: the Mosaic kernels on Hopper, XLA's
+            # ragged_dot elsewhere; FP8 experts bring their own grouped matmul
             def per_shard(x_BxTxD, experts_BxTxK, *weights):
                 n = x_BxTxD.shape[0] * t
                 return grouped_swiglu(x_BxTxD.reshape(n, d), experts_BxTxK.reshape(n, -1),
                                       *weights).reshape(-1, t, self.k, d)
 
-            routed = _per_batch_shard(per_shard, x_MxD.reshape(b, t, d),
-                                      experts.reshape(b, t, -1), weights_in)
+            if own_matmul:
+                routed = grouped_swiglu(x_MxD, experts, *weights_in)
+            else:
+                routed = _per_batch_shard(per_shard, x_MxD.reshape(b, t, d),
+                                          experts.reshape(b, t, -1), weights_in,
+                                          strict=hopper_kernels_run())
             routed = routed.reshape(b * t, self.k, d)
-            dropped_B = jnp.zeros((b,), jnp.float32)
-        else:
-            routed = grouped_swiglu(x_MxD, experts, *weights_in)
             dropped_B = jnp.zeros((b,), jnp.float32)
         out = jnp.sum(routed * weights.astype(dt)[..., None], axis=1)
         if self.has_shared:
