@@ -33,6 +33,7 @@ def _run(capsys, *argv):
 @pytest.mark.parametrize("text,spec,topology", [
     ("v5e:2x4", "v5e:2x4", "2x4"), ("V4:2x2x1", "v4:2x2x1", "2x2x1"),
     ("h100:8", "h100:8", "1x1x8"), ("8xh100", "h100:8", "1x1x8"), ("a100", "a100:1", "1x1x1"),
+    ("h200:2x8", "h200:2x8", "1x2x8"),  # two hosts of 8: the step's collectives cross hosts
 ])
 def test_target_names(text, spec, topology):
     t = parse_target(text)
@@ -40,7 +41,8 @@ def test_target_names(text, spec, topology):
     assert t.chip is CHIPS[spec.split(":")[0]]
 
 
-@pytest.mark.parametrize("text", ["tpu9:2x2", "v5e", "v5e:8", "h100:0", "h100:two", "cpu:1"])
+@pytest.mark.parametrize("text", ["tpu9:2x2", "v5e", "v5e:8", "h100:0", "h100:two", "cpu:1",
+                                  "h100:0x8", "h100:2x"])
 def test_unknown_or_malformed_target_is_a_config_error(text):
     with pytest.raises(ConfigError, match="--target"):
         parse_target(text)
@@ -420,3 +422,33 @@ def test_the_planner_and_fits_read_one_figure_the_compilers_peak():
     gpu = dataclasses.replace(step, memory=dict(reserved, total_bytes=1.01 * h100))
     (row,) = step_rows(cfg, teacher, parse_target("h100:1"), choices, [gpu], 1, 1)
     assert not row["fits"]
+
+
+def test_planner_only_verdicts_read_the_validated_bands_pessimistic_end(monkeypatch):
+    """aot's row carries the planner's band (the compiled figure its figure implies, from
+    the validation list's span: `validated_band`) and its `planner_fits` reads the high
+    end: a planner figure under the device whose band's high end is over it does not
+    fit."""
+    import jax
+
+    from hldstudy.aot.compile import compile_train, mesh_for
+    from hldstudy.aot.report import step_rows
+    from hldstudy.plan import compilers
+
+    cfg, teacher = _tiny()
+    step = compile_train(cfg, teacher, "kd", "main", mesh_for(cfg, jax.devices()))
+    choices = Choices("dense", "dense", "xla", "vmap", ())
+    (row,) = step_rows(cfg, teacher, parse_target("h100:1"), choices, [step], 1, 1)
+    planned = row["planner"]["total_bytes"]
+    lo, hi = compilers.GPU.validated_band
+    assert row["planner_band"] == [planned * min(1, 1 / hi), planned * max(1, 1 / lo)]
+    # A band whose pessimistic end is 1.5x the figure, on a device between the two.
+    wide = dataclasses.replace(compilers.GPU, validated_band=(2 / 3, 1.0))
+    monkeypatch.setitem(compilers.COMPILERS, "gpu", wide)
+    device = 1.2 * planned
+    tight = dataclasses.replace(parse_target("h100:1"), chip=dataclasses.replace(
+        parse_target("h100:1").chip, device_memory_bytes=device))
+    (row,) = step_rows(cfg, teacher, tight, choices, [step], 1, 1)
+    assert row["planner"]["total_bytes"] < device < row["planner_band"][1]
+    assert row["planner_band"][1] == pytest.approx(1.5 * planned)
+    assert not row["planner_fits"]

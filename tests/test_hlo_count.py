@@ -167,3 +167,39 @@ def test_a_kernel_counts_the_flops_its_name_scope_declares():
     count = hlo_flops(text)
     assert count.flops == 65536 == 2 * 64 * 16 * 32
     assert count.uncounted_kernels == ["mosaic_gpu_v2"]
+
+
+def test_collectives_count_the_bytes_each_device_sends_and_what_crosses_hosts():
+    """An FSDP gradient on conftest's 4 CPU devices: the weight's all-gather sends (n-1)/n
+    of the gathered weight, the gradient's reduction 2 (n-1)/n of it (ring algorithms), a
+    loop's collectives times its trips; with 2 devices per host every group spans hosts,
+    with 4 (one host) none does. The group spellings XLA prints parse to the same groups."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from hldstudy.flops.hlo_count import _groups
+
+    mesh = jax.make_mesh((4,), ("fsdp",))
+    w = jax.device_put(jnp.ones((64, 32)), NamedSharding(mesh, P("fsdp")))
+    x = jax.device_put(jnp.ones((16, 64)), NamedSharding(mesh, P("fsdp")))
+
+    def grad(w, x):
+        return jax.grad(lambda w: jnp.sum(jnp.tanh(x @ w)))(w)
+
+    def looped(w, x):  # the same gradient summed over 3 trips of a loop
+        return jax.lax.fori_loop(0, 3, lambda i, g: g + grad(w, x * (i + 1)), jnp.zeros_like(w))
+
+    weight = 64 * 32 * 4
+    once = hlo_flops(_compiled(grad, w, x).as_text(), host_size=2)
+    sent = sum(once.collective_bytes.values())
+    assert once.collective_bytes.get("all-gather") == weight * 3 / 4
+    assert sent == weight * 3 / 4 + weight * 2 * 3 / 4  # the gradient, reduced whole
+    assert once.cross_host_bytes == sent
+    assert hlo_flops(_compiled(grad, w, x).as_text(), host_size=4).cross_host_bytes == 0
+    thrice = hlo_flops(_compiled(looped, w, x).as_text(), host_size=2)
+    # (the weight's gather is loop-invariant: XLA hoists it out, once)
+    assert thrice.collective_bytes["all-reduce"] == 3 * once.collective_bytes["all-reduce"]
+    assert _groups("replica_groups={{0,1},{2,3}}") == [[0, 1], [2, 3]]
+    assert _groups("replica_groups=[2,2]<=[4]") == [[0, 1], [2, 3]]
+    assert _groups("replica_groups=[2,2]<=[2,2]T(1,0)") == [[0, 2], [1, 3]]
+    assert _groups("replica_groups=mesh['a'=2,'b'=2] {'a'}") == [[0, 2], [1, 3]]

@@ -225,7 +225,7 @@ def _compile(name, kind, method, stage, jitted, args, mesh,
     finally:
         jax.config.update("jax_enable_compilation_cache", cached)
     flops = cost_analysis(compiled).get("flops") if _reports_flops(compiled) else None
-    hlo = hlo_flops(compiled.as_text())
+    hlo = hlo_flops(compiled.as_text(), host_size=nic_host_size(mesh))
     with dump:
         try:
             peak_bytes, groups = peak_groups(dump.name)
@@ -235,6 +235,17 @@ def _compile(name, kind, method, stage, jitted, args, mesh,
                         None if flops is None else float(flops), time.perf_counter() - t0,
                         peak_bytes=peak_bytes, peak=tuple(groups[:PEAK_GROUPS]), hlo=hlo,
                         program_sha256=digest)
+
+
+def nic_host_size(mesh) -> int:
+    """Devices per host whose collectives with other hosts cross the data-center network
+    (`hldstudy.flops.hlo_count`): a GPU mesh over several processes (h100:2x8: 8); 0 for one
+    host, and for a TPU slice, whose hosts' chips talk over ICI."""
+    devs = list(mesh.devices.flat)
+    hosts = {d.process_index for d in devs}
+    if devs[0].platform == "tpu" or len(hosts) <= 1:
+        return 0
+    return len(devs) // len(hosts)
 
 
 def _reports_flops(compiled) -> bool:
@@ -318,6 +329,15 @@ def compile_train(cfg: Config, teacher_model, method: str, stage: str, mesh,
     raise AssertionError("no micro-batch candidate")
 
 
+def replica_forward(cfg: Config, teacher_model: ModelConfig, method: str):
+    """(the teacher's forward config, what it serves): the hidden states every stage of
+    `method` asks a replica for (`method_needs`)."""
+    strategy = make_strategy(dataclasses.replace(
+        cfg, distill=dataclasses.replace(cfg.distill, method=method)), cfg.model,
+        teacher_model)
+    return forward_config(teacher_model, cfg.teacher), method_needs(strategy, teacher_model)
+
+
 def compile_teacher_forward(cfg: Config, teacher_model: ModelConfig, method: str,
                             devices, lower_only: bool = False) -> CompiledStep:
     """A teacher replica's forward as `hldstudy.teacher.serve` runs it: the hidden states
@@ -328,11 +348,7 @@ def compile_teacher_forward(cfg: Config, teacher_model: ModelConfig, method: str
     (teacher.replica_batch, or `replica_candidates` against the target chip's memory,
     checked by the target's compiler as the replica checks it: `compiler_checked`)."""
     spec = methods.get(method)
-    strategy = make_strategy(dataclasses.replace(
-        cfg, distill=dataclasses.replace(cfg.distill, method=spec.name)), cfg.model,
-        teacher_model)
-    needs = method_needs(strategy, teacher_model)
-    tcfg = forward_config(teacher_model, cfg.teacher)
+    tcfg, needs = replica_forward(cfg, teacher_model, spec.name)
     graphdef, params = nnx.split(nnx.eval_shape(lambda: _transformer(tcfg, 2)), nnx.Param)
     tdt = jnp.dtype(cfg.teacher.dtype)
     params = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, tdt), params)

@@ -20,6 +20,7 @@ from hldstudy.aot.compile import Choices, CompiledStep, stage_names
 from hldstudy.aot.targets import Target
 from hldstudy.config import Config, ModelConfig
 from hldstudy.flops import step_flops
+from hldstudy.plan.compilers import validation_band
 from hldstudy.plan.step_memory import (
     cohort_memory,
     compiled_peak,
@@ -128,6 +129,18 @@ def flops_note(cfg: Config, choices: Choices, steps=()) -> str:
     return "; ".join(notes)
 
 
+def planner_of(s: CompiledStep, cfg: Config, teacher_model, choices: Choices, n_devices: int,
+               fsdp: int, cohort: int | None, backend: str) -> dict[str, float] | None:
+    """The planner's figures for compiled (or lowered) step `s`: a train step's from its
+    config at its micro-batches, a replica's as its compile asked them; None for eval."""
+    if s.kind != "train":
+        return s.planner  # a teacher replica's: the compile already asked the planner
+    kcfg = dataclasses.replace(cfg, train=dataclasses.replace(
+        cfg.train, microbatches=s.microbatches))
+    return predicted_train_memory(kcfg, teacher_model, s.method, s.stage, n_devices, fsdp,
+                                  choices, cohort, backend, s.layout)
+
+
 def step_rows(cfg: Config, teacher_model, target: Target, choices: Choices, steps,
               n_devices: int, fsdp: int, cohort: int | None = None) -> list[dict]:
     """One JSON-ready row per compiled step: the compiler's figures, the planner's
@@ -158,15 +171,14 @@ def step_rows(cfg: Config, teacher_model, target: Target, choices: Choices, step
                 row["compiled"] = {"total_bytes": s.needs_bytes}
         else:
             row["fits"] = fits_device(s.memory, target.backend, limit)
-        pred = s.planner  # a teacher replica's: the compile already asked the planner
-        if s.kind == "train":
-            kcfg = dataclasses.replace(cfg, train=dataclasses.replace(
-                cfg.train, microbatches=s.microbatches))
-            pred = predicted_train_memory(kcfg, teacher_model, s.method, s.stage, n_devices,
-                                          fsdp, choices, cohort, target.backend, s.layout)
+        pred = planner_of(s, cfg, teacher_model, choices, n_devices, fsdp, cohort,
+                          target.backend)
         if pred is not None:
             row["planner"] = pred
-            row["planner_fits"] = pred["total_bytes"] <= limit
+            # what the compiled figure may be, from the planner's validation (bytes), and
+            # the planner's verdict read at its pessimistic end
+            row["planner_band"] = list(validation_band(pred["total_bytes"], target.backend))
+            row["planner_fits"] = row["planner_band"][1] <= limit
             if "total_bytes" in row["compiled"]:
                 row["planner_over_compiled"] = pred["total_bytes"] / max(
                     compiled_peak(row["compiled"], target.backend), 1)
@@ -177,6 +189,9 @@ def step_rows(cfg: Config, teacher_model, target: Target, choices: Choices, step
                 row["hlo_uncounted_kernels"] = dict(Counter(s.hlo.uncounted_kernels))
             if s.hlo.unknown_trip_loops:  # the TPU compiler records no trip counts
                 row["hlo_unknown_trip_loops"] = s.hlo.unknown_trip_loops
+            # bytes each device sends in collectives per call, and what crosses hosts
+            row["collective_bytes"] = s.hlo.collective_bytes
+            row["cross_host_bytes"] = s.hlo.cross_host_bytes
         # XLA's cost analysis where the compiler gives one (TPU) and the program has no
         # loops (it counts a loop's body once); else the count from the optimized HLO
         # (hldstudy.flops.hlo_count: loops times their trips; the XLA GPU compiler's only).

@@ -66,11 +66,13 @@ def parse_target(text: str, flag: str = "--target") -> Target:
         return Target(f"{name}:{count}", c, count, n)
     if count == "":
         count = "1"
-    if not count.isdigit() or int(count) < 1:
-        raise ConfigError(flag, f"{text!r}: the GPU count must be a whole number >= 1",
-                          f"e.g. {name}:8 or 8x{name}")
-    n = int(count)
-    return Target(f"{name}:{n}", c, f"1x1x{n}", n)
+    hosts, _, per_host = count.rpartition("x")  # h100:2x8: two hosts of 8 GPUs
+    if not (hosts or "1").isdigit() or not per_host.isdigit() or int(hosts or 1) < 1 \
+            or int(per_host) < 1:
+        raise ConfigError(flag, f"{text!r}: the GPU count must be a whole number >= 1, or "
+                          "hosts x GPUs per host", f"e.g. {name}:8, 8x{name} or {name}:2x8")
+    h, n = int(hosts or 1), int(per_host)
+    return Target(f"{name}:{h}x{n}" if h > 1 else f"{name}:{n}", c, f"1x{h}x{n}", h * n)
 
 
 def gpu_target_config(c: Chip) -> str:

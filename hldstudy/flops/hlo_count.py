@@ -14,6 +14,8 @@ import math
 import re
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from hldstudy.chips import KERNEL_FLOPS_SCOPE
 
 __all__ = ["HloCount", "hlo_flops"]
@@ -36,11 +38,31 @@ GEMM_TARGETS = ("__cublas$gemm", "__cublas$lt$matmul", "__cublas$lt$matmul$f8")
 NO_FLOPS = ("TopK", "Sharding", "SPMDFullToShardShape", "SPMDShardToFullShape")
 
 
+# Collectives and the bytes each device sends for one, per byte of its result, over a group
+# of n devices (ring algorithms, the bandwidth-optimal ones NCCL and the TPU ICI run):
+# all-gather (n-1)/n of its gathered result, reduce-scatter (n-1) x its shard (the input's
+# (n-1)/n), all-reduce 2 (n-1)/n, all-to-all (n-1)/n, a permute its whole result.
+COLLECTIVES = {
+    "all-gather": lambda n: (n - 1) / n, "reduce-scatter": lambda n: n - 1.0,
+    "all-reduce": lambda n: 2 * (n - 1) / n, "all-to-all": lambda n: (n - 1) / n,
+    "collective-permute": lambda n: 1.0,
+}
+_MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
+_GROUPS = re.compile(r"replica_groups=(\{\{[\d,{} ]*\}\}|\[[\d,]+\]<=\[[\d,]+\](?:T\([\d,]+\))?)")
+_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2, "s32": 4,
+          "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
+
+
 @dataclass
 class HloCount:
     """The count, and what it could not count (say so beside the figure)."""
 
     flops: float = 0.0
+    # Bytes each device sends in the program's collectives, by kind (loops times their
+    # trips), and the part whose groups span devices of more than one host (`host_size`
+    # devices per host, in device order): what crosses the data-center network.
+    collective_bytes: dict[str, float] = field(default_factory=dict)
+    cross_host_bytes: float = 0.0
     loops: int = 0                    # while loops met (each counted times its trips)
     unknown_trip_loops: int = 0       # loops without a known trip count (counted once)
     uncounted_kernels: list[str] = field(default_factory=list)  # custom calls with no cost
@@ -309,19 +331,84 @@ def _custom_flops(type_text, operands, attrs, shapes) -> float | None:
     return None
 
 
-def hlo_flops(hlo_text: str) -> HloCount:
-    """The program's FLOPs by the rules above (module docstring)."""
+def _groups(attrs: str) -> list[list[int]]:
+    """The device groups of a collective: listed ({{0,1},{2,3}}), as an iota ([2,4]<=[8],
+    optionally transposed: [2,4]<=[4,2]T(1,0)), or over axes of a device mesh
+    (mesh['a'=2,'b'=4] {'b'}: the devices in row-major order, a group along the named
+    axes)."""
+    mesh = _MESH_GROUPS.search(attrs)
+    if mesh is not None:
+        axes = re.findall(r"'([^']+)'=(\d+)", mesh.group(1))
+        names, sizes = [a for a, _ in axes], [int(n) for _, n in axes]
+        over = [names.index(a) for a in re.findall(r"'([^']+)'", mesh.group(2)) if a in names]
+        rest = [i for i in range(len(names)) if i not in over]
+        ids = np.arange(math.prod(sizes)).reshape(sizes).transpose(rest + over)
+        return ids.reshape(-1, math.prod(sizes[i] for i in over)).tolist()
+    m = _GROUPS.search(attrs)
+    if m is None:
+        return []
+    text = m.group(1)
+    if text.startswith("{"):
+        return [_dims(g) for g in re.findall(r"\{([\d,]+)\}", text)]
+    shape, rest = text[1:].split("]<=[", 1)
+    dims, _, perm = rest.partition("]")
+    ids = list(range(math.prod(_dims(dims))))
+    if perm.startswith("T("):
+        ids = np.arange(len(ids)).reshape(_dims(dims)).transpose(
+            _dims(perm[2:-1])).reshape(-1).tolist()
+    n_groups, size = _dims(shape)[0], math.prod(_dims(shape)[1:])
+    return [ids[i * size:(i + 1) * size] for i in range(n_groups)]
+
+
+def _collective(op: str, type_text: str, attrs: str, host_size: int):
+    """(kind, bytes a device sends, whether its groups cross hosts) of one collective, or
+    None for any other op."""
+    kind = op.removesuffix("-start")
+    if kind not in COLLECTIVES or op.endswith("-done"):
+        return None
+    arrays = list(_ARRAY.finditer(type_text))
+    if not arrays:
+        return None
+    last = arrays[-1]  # an async start's result is (operands..., result)
+    nbytes = _BYTES.get(last["dtype"], 4) * math.prod(_dims(last["dims"]))
+    groups = _groups(attrs)
+    n = len(groups[0]) if groups and groups[0] else 2
+    cross = any(len({d // host_size for d in g}) > 1 for g in groups) if host_size else False
+    if kind == "collective-permute":
+        pairs = re.search(r"source_target_pairs=\{([^}]*(?:\}[^}]*)*)\}", attrs)
+        ids = [int(x) for x in re.findall(r"\d+", pairs.group(1))] if pairs else []
+        cross = bool(host_size) and any(
+            a // host_size != b // host_size for a, b in zip(ids[::2], ids[1::2], strict=False))
+        n = 2
+    return kind, nbytes * COLLECTIVES[kind](max(n, 1)), cross
+
+
+def hlo_flops(hlo_text: str, host_size: int = 0) -> HloCount:
+    """The program's FLOPs by the rules above (module docstring), and the bytes its
+    collectives send per device (`host_size`: devices per host, 0 for one host)."""
     comps, entry, defs = _parse(hlo_text)
     count = HloCount()
-    memo: dict[str, float] = {}
+    memo: dict[str, tuple[float, dict, float]] = {}
 
-    def total(name: str, stack: tuple = ()) -> float:
+    def total(name: str, stack: tuple = ()) -> tuple[float, dict, float]:
         if name in memo:
             return memo[name]
         if name not in comps or name in stack:
-            return 0.0
-        flops = 0.0
+            return 0.0, {}, 0.0
+        flops, sent, cross = 0.0, {}, 0.0
+
+        def add(other, times=1):
+            nonlocal flops, cross
+            flops += times * other[0]
+            for k, v in other[1].items():
+                sent[k] = sent.get(k, 0.0) + times * v
+            cross += times * other[2]
+
         for op, type_text, operands, attrs, shapes in comps[name]:
+            coll = _collective(op, type_text, attrs, host_size)
+            if coll is not None:
+                sent[coll[0]] = sent.get(coll[0], 0.0) + coll[1]
+                cross += coll[1] if coll[2] else 0.0
             if op == "dot":
                 flops += _dot_flops(type_text, operands, attrs, shapes)
             elif op == "convolution":
@@ -343,19 +430,22 @@ def hlo_flops(hlo_text: str) -> HloCount:
                 if n is None:
                     count.unknown_trip_loops += 1
                     n = 1
-                flops += n * sum(total(c, stack + (name,)) for c in called.values())
+                for c in called.values():
+                    add(total(c, stack + (name,)), n)
                 continue
             branches = _BRANCHES.search(attrs)
             if branches:
-                flops += max((total(b.strip().lstrip("%"), stack + (name,))
-                              for b in branches.group(1).split(",") if b.strip()), default=0.0)
+                taken = [total(b.strip().lstrip("%"), stack + (name,))
+                         for b in branches.group(1).split(",") if b.strip()]
+                if taken:  # the costliest branch
+                    add(max(taken, key=lambda t: t[0]))
                 continue
             for called in _CALLED.findall(attrs):
-                flops += total(called, stack + (name,))
-        memo[name] = flops
-        return flops
+                add(total(called, stack + (name,)))
+        memo[name] = (flops, sent, cross)
+        return memo[name]
 
     if entry is None:
         return count
-    count.flops = total(entry)
+    count.flops, count.collective_bytes, count.cross_host_bytes = total(entry)
     return count
