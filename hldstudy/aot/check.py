@@ -11,7 +11,13 @@ from jax._src import xla_bridge
 
 from hldstudy.aot.compile import compile_run, resolve_for_target
 from hldstudy.aot.fingerprint import toolchain
-from hldstudy.aot.report import flops_note, format_table, largest_terms, step_rows
+from hldstudy.aot.report import (
+    flops_note,
+    format_table,
+    largest_terms,
+    planner_of,
+    step_rows,
+)
 from hldstudy.aot.targets import devices, parse_target
 from hldstudy.cli_common import EXPERIMENTS, find_builtin
 from hldstudy.config import apply_overrides, load_experiment, validate
@@ -112,11 +118,13 @@ def check_compile(cfg, method: str, teacher, target_text: str, *, cohort: int | 
     devs = devices(target)
     steps = compile_run(cfg, teacher, method, devs, cohort=cohort, mode=choices.cohort_mode,
                         parts=parts, layout=layout, lower_only=lower_only)
-    if lower_only:
-        return {"target": target.spec, "toolchain": toolchain(target.backend),
-                "rows": [{"step": s.name, "program_sha256": s.program_sha256} for s in steps],
-                "text": "\n".join(f"{s.program_sha256}  {s.name}" for s in steps)}
     fsdp = cfg.train.mesh_fsdp if cfg.train.mesh_fsdp > 0 else len(devs) // cfg.train.mesh_data
+    if lower_only:  # each program's hash and the planner's figures: no compiler's
+        rows = [{"step": s.name, "program_sha256": s.program_sha256,
+                 "planner": planner_of(s, cfg, teacher, choices, len(devs), fsdp, cohort,
+                                       target.backend)} for s in steps]
+        return {"target": target.spec, "toolchain": toolchain(target.backend), "rows": rows,
+                "text": "\n".join(f"{s.program_sha256}  {s.name}" for s in steps)}
     rows = step_rows(cfg, teacher, target, choices, steps, len(devs), fsdp, cohort)
     teacher_where = f", teacher {layout}" if methods.get(method).needs_teacher else ""
     head = (f"**{cfg.name}** ({method}{f', cohort of {cohort}' if cohort else ''}"

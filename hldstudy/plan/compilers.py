@@ -55,6 +55,11 @@ class PeakHabits:
     # 1.25x (the 9B Qwen3.5 student, recomputed products 19.02 + backward 4.12 GiB against
     # 18.50) and 1.22x (the 123M Gemma-style student, 8.59 against 7.06).
     block_backward_extra: float = 0.0
+    # The planner's figure over the compiled one (`step_memory.compiled_peak`), lowest and
+    # highest, on the programs of benchmarks/planner_validation.py's validation list for
+    # this compiler: programs no constant above was fitted on. (1, 1): no such list (XLA
+    # CPU's constants are pinned in-sample by tests/test_plan.py).
+    validated_band: tuple[float, float] = (1.0, 1.0)
 
 
 CPU = PeakHabits("cpu", grads_beside_activations=True, vmap_activation_extra=0.25,
@@ -65,12 +70,25 @@ CPU = PeakHabits("cpu", grads_beside_activations=True, vmap_activation_extra=0.2
 # dense attention's 0.30 was three score buffers of one micro-batch).
 GPU = dataclasses.replace(CPU, name="gpu", replica_forward_share=0.30,
                           replica_forward_share_flash=0.18, sharded_loop_weight_copy=1.0)
+# libtpu's replica shares: dense attention fitted on the 3.4B replica on one v5e; splash
+# ("flash") on the 35B-A3B replica over v5p:2x2x2 with ragged dispatch per batch shard
+# (peak 22.75 GiB; before routing stayed on the shard it was 45.72, the partitioner's global
+# sort of every MoE layer's expert ids).
 TPU = PeakHabits("tpu", grads_beside_activations=False, vmap_activation_extra=0.0,
                  teacher_forward_share=0.22, teacher_live_copies=0,
-                 replica_forward_share=0.55, scan_stack_extra_copies=1,
+                 replica_forward_share=0.55, replica_forward_share_flash=0.16,
+                 scan_stack_extra_copies=1,
                  block_backward_extra=0.23)
 
 COMPILERS = {h.name: h for h in (CPU, GPU, TPU)}
+
+
+def validation_band(planned_bytes: float, compiler: str) -> tuple[float, float]:
+    """(low, high): the compiled figure a planner figure implies on `compiler`, bytes: the
+    figure over its row's `validated_band`, widened to hold the figure itself. What reads
+    a planner-only verdict reads `high`, the pessimistic end."""
+    lo, hi = peak_habits(compiler).validated_band
+    return planned_bytes * min(1.0, 1.0 / hi), planned_bytes * max(1.0, 1.0 / lo)
 
 
 def peak_habits(compiler: str) -> PeakHabits:

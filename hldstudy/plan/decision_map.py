@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 
 from hldstudy.chips import Chip
 from hldstudy.errors import ConfigError
-from hldstudy.plan.layouts import PlanInputs, plan, teacher_side_memory
+from hldstudy.plan.compilers import validation_band
+from hldstudy.plan.layouts import PlanInputs, plan
 from hldstudy.plan.terms import GB
 from hldstudy.shapes import ModelShape
 
@@ -38,8 +40,9 @@ PAIRS = (
     MapPair("qwen3.5-35b-a3b", "qwen3.5-9b", "experiments/disaggkd_qwen35.py"),
     MapPair("qwen3.5-122b-a10b", "qwen3.5-35b-a3b", "experiments/disaggkd_qwen35_122b.py"),
 )
-# One node of each (8 GPUs; v5p:2x2x2 is two 4-chip hosts, 8 chips) and twice each.
-TARGETS = ("h100:8", "h200:8", "v5p:2x2x2", "h100:16", "h200:16", "v5p:2x2x4")
+# One node of each (8 GPUs; v5p:2x2x2 is two 4-chip hosts, 8 chips) and twice each: 16 GPUs
+# as two hosts of 8 (the collectives that cross the hosts then cross the NIC in the program).
+TARGETS = ("h100:8", "h200:8", "v5p:2x2x2", "h100:2x8", "h200:2x8", "v5p:2x2x4")
 # A replica's devices: powers of two (its micro-batch rows are dealt over them), from one
 # GPU; a TPU replica is a slice of its own, a whole host (v5p: 2x2x1) at the least.
 REPLICA_DEVICES = (1, 2, 4, 8, 16)
@@ -63,20 +66,29 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _largest(breakdown: dict[str, float], top: int = 2) -> list[list]:
-    return [[k, v] for k, v in sorted(breakdown.items(), key=lambda kv: -kv[1])[:top]]
+@dataclasses.dataclass(frozen=True)
+class CellSizes:
+    """The memory model a cell is sized with, bytes per device as the target's compiler
+    would schedule each program (`hldstudy.aot.planned`: the planner aot holds to the
+    compiler): `train(layout, microbatches)` the student's step, `replica(devices,
+    sequences per forward)` one replica's forward; `backend` the target compiler whose
+    validation band (`plan.compilers.validation_band`) a verdict reads."""
+
+    train: Callable[[str, int], float]
+    replica: Callable[[int, int], float]
+    backend: str
 
 
-def map_cell(teacher: ModelShape, student: ModelShape, chip: Chip, n_devices: int, *,
-             tokens_per_step: int, seq_len: int, usable: float = 0.9,
+def map_cell(teacher: ModelShape, student: ModelShape, chip: Chip, n_devices: int,
+             sizes: CellSizes, *, tokens_per_step: int, seq_len: int, usable: float = 0.9,
              mfu: float = 0.4) -> dict:
-    """One cell: both layouts on `n_devices` of `chip`, as the planner (`plan`) sizes them,
-    each at the fewest micro-batches that fit (the most when none does: its peak then says
-    by how much). The student trains in bf16 with float32 weights and Adam, remat on,
-    flash attention, FSDP over its devices; the replica serves the teacher in bf16 over the
-    fewest devices (`replica_device_counts`) that hold it, as many replicas as keep the student
-    busy. The stream crosses the data-center network: its need per device (the student's
-    inbound, a replica device's outbound) is held against `chip.scale_out_gbps`."""
+    """One cell: both layouts on `n_devices` of `chip`, sized by `sizes`, each at the
+    fewest micro-batches whose band's pessimistic end fits `usable` of the device (the
+    most when none does: its figure then says by how much); the replica over the fewest
+    devices (`replica_device_counts`) that hold the teacher's forward, as many replicas as
+    keep the student busy. Times and the stream's need from the planner's FLOPs
+    (`plan.layouts.plan`) at `mfu`: the stream's need per device (the student's inbound,
+    a replica device's outbound) is held against `chip.scale_out_gbps`."""
     if not (chip.bf16_tflops and chip.scale_out_gbps):
         raise ConfigError("target", f"{chip.name} has no compute or link figures in "
                           "hldstudy.chips", "choose a chip with them: h100, h200 or v5p")
@@ -84,21 +96,28 @@ def map_cell(teacher: ModelShape, student: ModelShape, chip: Chip, n_devices: in
     if tokens_per_step % seq_len or sequences % n_devices:
         raise ConfigError("tokens_per_step", f"{tokens_per_step} tokens of {seq_len} do not "
                           f"split into whole sequences over {n_devices} devices")
+    limit = chip.device_memory_bytes * usable
+
+    def fits(nbytes: float) -> bool:  # the band's pessimistic end within the limit
+        return validation_band(nbytes, sizes.backend)[1] <= limit
+
+    def fewest(layout: str) -> tuple[int, float]:
+        counts = divisors(sequences // n_devices)
+        for k in counts:
+            nbytes = sizes.train(layout, k)
+            if fits(nbytes):
+                return k, nbytes
+        return counts[-1], nbytes
+
+    (k_col, col_bytes), (k_dis, dis_bytes) = fewest("colocated"), fewest("disaggregated")
     base = PlanInputs(teacher=teacher, student=student, tokens_per_step=tokens_per_step,
                       devices=n_devices, hbm_gb=chip.device_memory_bytes / GB,
                       link_gbps=chip.scale_out_gbps, seq_len=seq_len, remat=True,
                       tflops=chip.bf16_tflops, mfu=mfu, attention="flash", usable=usable)
-    limit = chip.device_memory_bytes * usable
-    runs = {k: plan(dataclasses.replace(base, grad_accum=k))
-            for k in divisors(sequences // n_devices)}
-
-    def fewest(layout: str) -> int:
-        return next((k for k, r in runs.items() if r[layout]["bytes_per_device"] <= limit),
-                    max(runs))
-
-    k_col, k_dis = fewest("colocated"), fewest("disaggregated")
-    col, dis = runs[k_col]["colocated"], runs[k_dis]["disaggregated"]
-    replica = _replica(base, sequences, limit, replica_device_counts(chip))
+    col = plan(dataclasses.replace(base, grad_accum=k_col))["colocated"]
+    run = plan(dataclasses.replace(base, grad_accum=k_dis))
+    dis = run["disaggregated"]
+    replica = _replica(sizes, sequences, fits, replica_device_counts(chip))
     # Teacher devices that keep up with the student (the planner's count at one step's
     # FLOPs), in whole replicas.
     keep_up = dis["teacher_devices_for_throughput"]
@@ -106,9 +125,9 @@ def map_cell(teacher: ModelShape, student: ModelShape, chip: Chip, n_devices: in
     replicas = max(1, math.ceil(keep_up / r_dev))
     teacher_time = dis["teacher_step_time_s"] * n_devices / (replicas * r_dev)
     step_time = max(dis["student_step_time_s"], teacher_time)
-    hidden = runs[k_dis]["network_bytes_per_step"]["hidden"]
+    hidden = run["network_bytes_per_step"]["hidden"]
     need = 8 * hidden / min(n_devices, replicas * r_dev) / step_time / 1e9
-    student_fits = dis["bytes_per_device"] <= limit
+    student_fits = fits(dis_bytes)
     if not (student_fits and replica["fits"]):
         verdict = "out of memory"
     elif need > chip.scale_out_gbps:
@@ -118,10 +137,10 @@ def map_cell(teacher: ModelShape, student: ModelShape, chip: Chip, n_devices: in
     return {
         "devices": n_devices, "device_memory_bytes": chip.device_memory_bytes,
         "tokens_per_step": tokens_per_step, "seq_len": seq_len,
-        "limit_bytes": limit, "usable": usable,
-        "colocated": {"fits": col["bytes_per_device"] <= limit, "microbatches": k_col,
-                      "peak_bytes": col["bytes_per_device"],
-                      "largest": _largest(col["breakdown"]),
+        "limit_bytes": limit, "usable": usable, "backend": sizes.backend,
+        "colocated": {"fits": fits(col_bytes), "microbatches": k_col,
+                      "peak_bytes": col_bytes,
+                      "band_bytes": list(validation_band(col_bytes, sizes.backend)),
                       "step_time_s": col["step_time_s"],
                       # every device counted: here the target's, disaggregated the
                       # replicas' too (the planner's FLOPs at `mfu`: an estimate)
@@ -129,11 +148,12 @@ def map_cell(teacher: ModelShape, student: ModelShape, chip: Chip, n_devices: in
                           tokens_per_step / col["step_time_s"] / n_devices},
         "disaggregated": {
             "fits": verdict == "fits", "verdict": verdict, "microbatches": k_dis,
-            "peak_bytes": dis["bytes_per_device"], "student_fits": student_fits,
-            "largest": _largest(dis["breakdown"]),
+            "peak_bytes": dis_bytes, "student_fits": student_fits,
+            "band_bytes": list(validation_band(dis_bytes, sizes.backend)),
             "replica_devices": r_dev, "replica_microbatches": replica["microbatches"],
             "replica_batch": sequences // replica["microbatches"],
             "replica_peak_bytes": replica["peak_bytes"], "replica_fits": replica["fits"],
+            "replica_band_bytes": list(validation_band(replica["peak_bytes"], sizes.backend)),
             "replicas": replicas, "devices_total": n_devices + replicas * r_dev,
             "step_time_s": step_time, "hidden_bytes_per_step": hidden,
             "tokens_per_s_per_device":
@@ -142,7 +162,7 @@ def map_cell(teacher: ModelShape, student: ModelShape, chip: Chip, n_devices: in
     }
 
 
-def _replica(base: PlanInputs, sequences: int, limit: float, counts: tuple[int, ...]) -> dict:
+def _replica(sizes: CellSizes, sequences: int, fits, counts: tuple[int, ...]) -> dict:
     """The fewest replica devices of `counts` that hold the teacher's forward, at the fewest
     micro-batches (its step's sequences dealt over the devices); the most devices at the
     most micro-batches when none does."""
@@ -151,17 +171,19 @@ def _replica(base: PlanInputs, sequences: int, limit: float, counts: tuple[int, 
         if sequences % n:
             continue
         for m in divisors(sequences // n):
-            peak = sum(teacher_side_memory(base, n, m).values())
-            last = {"devices": n, "microbatches": m, "peak_bytes": peak, "fits": peak <= limit}
+            peak = sizes.replica(n, sequences // m)
+            last = {"devices": n, "microbatches": m, "peak_bytes": peak, "fits": fits(peak)}
             if last["fits"]:
                 return last
     return last
 
 
 def decision_map(pairs=PAIRS, targets: tuple[tuple[str, Chip, int], ...] = (), *,
-                 shape_of=None, usable: float = 0.9, mfu: float = 0.4) -> list[dict]:
+                 shape_of=None, sizes_of=None, usable: float = 0.9,
+                 mfu: float = 0.4) -> list[dict]:
     """Every (pair, target) cell: `targets` as (spec, chip, devices); `shape_of(preset)` the
-    planner's shape of a model preset (`hldstudy.plan.plan_model`)."""
+    planner's shape of a model preset (`hldstudy.plan.plan_model`), `sizes_of(pair, spec)`
+    the cell's CellSizes."""
     cells = []
     for pair in pairs:
         t, s = shape_of(pair.teacher), shape_of(pair.student)
@@ -170,8 +192,9 @@ def decision_map(pairs=PAIRS, targets: tuple[tuple[str, Chip, int], ...] = (), *
                               f"({t.vocab_size:,}) is not the student's ({s.vocab_size:,})",
                               "pair models that share a tokenizer")
         for spec, chip, n in targets:
-            cell = map_cell(t, s, chip, n, tokens_per_step=pair.tokens_per_step,
-                            seq_len=pair.seq_len, usable=usable, mfu=mfu)
+            cell = map_cell(t, s, chip, n, sizes_of(pair, spec),
+                            tokens_per_step=pair.tokens_per_step, seq_len=pair.seq_len,
+                            usable=usable, mfu=mfu)
             cell.update({"pair": pair.name, "config": pair.config, "target": spec,
                          "chip": chip.name})
             cells.append(cell)
