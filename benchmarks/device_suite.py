@@ -444,6 +444,8 @@ def jax_aot(p: dict, dry: bool) -> dict:
     from hldstudy.aot.report import predicted_train_memory
     from hldstudy.aot.targets import parse_target
     from hldstudy.chips import for_device_kind
+    from hldstudy.flops import step_flops
+    from hldstudy.plan.decision_map import ESTIMATE_MFU
     from hldstudy.plan.step_memory import xla_memory
 
     case = p["aot"]
@@ -483,6 +485,12 @@ def jax_aot(p: dict, dry: bool) -> dict:
            "peak_bytes": stats.get("peak_bytes_in_use"), "bytes_before_run": before,
            "planner": predicted_train_memory(cfg, teacher, method, stage, 1, 1, choices),
            "device_memory_bytes": target.chip.device_memory_bytes}
+    # The decision map's time for this step: its FLOPs at the map's MFU on the chip's peak
+    # (docs/decision_map.md's speed column), beside the measured time.
+    if target.chip.bf16_tflops:
+        flops = step_flops(cfg, method, stage, teacher).hardware_flops("colocated")
+        row["estimate_step_s"] = flops / (target.chip.bf16_tflops * 1e12 * ESTIMATE_MFU)
+        row["estimate_mfu"] = ESTIMATE_MFU
     if proc is not None:
         out, err = proc.communicate(timeout=max(60.0, DEADLINE[0] - time.time()))
         if proc.returncode in (0, 3):
@@ -719,6 +727,10 @@ def write_report(out: dict, out_dir: Path, stem: str) -> str:
             lines += ["", f"Measured: peak {_gib(ao.get('peak_bytes'))} GiB in use on the device "
                       f"(of {_gib(ao['device_memory_bytes'])}), step {1e3 * ao['step_s']:.1f} ms "
                       f"(median), compile {ao['compile_s']:.0f} s."
+                      + (f" The decision map's estimate for this step (its FLOPs at "
+                         f"{ao['estimate_mfu']:.0%} MFU): {1e3 * ao['estimate_step_s']:.1f} ms, "
+                         f"measured / estimate {ao['step_s'] / ao['estimate_step_s']:.2f}."
+                         if "estimate_step_s" in ao else "")
                       + (f" Compile-only: {ao['aot_error']}." if "aot_error" in ao else ""), ""]
         else:
             lines += [f"{ao.get('error') or ao.get('skipped')}", ""]

@@ -236,12 +236,15 @@ def test_the_pair_presets_are_the_experiment_files_models():
 
 def test_the_seeds_first_branch_a_small_teacher_colocated():
     """The seed's first branch has a pair: the HLD study's 3.4B teacher beside its 123M
-    student fits colocated (fused loss) on one node of every target, by the planner."""
+    student fits colocated (fused loss) on one node of every target, by the planner, and
+    the page reads it as that branch, with the faster layout."""
     cells = [c for c in _cells() if c["pair"] == HLD.name]
     assert len(cells) == len(TARGETS)
     assert all(c["colocated"]["fits"] for c in cells)
     text = cmd.format_map(_cells())
-    assert f"- {HLD.name}: colocated fits on h100:8 (planner)" in text
+    line = next(ln for ln in text.splitlines() if f"({HLD.name})" in ln)
+    assert line.startswith(f"- *{HLD.branch}*") and "colocated fits on h100:8" in line
+    assert "Faster (estimate): colocated on h100:8" in line
 
 
 def test_a_pair_whose_vocabularies_differ_is_refused_by_name():

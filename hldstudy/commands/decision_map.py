@@ -294,8 +294,12 @@ HEADER = (
     "8), each pair's tokens per step (1M for the MoE pairs, 256 x 2048 for the HLD "
     "study's); the teacher in bf16. Disaggregated: the student on the target, the "
     "teacher on replicas of their own (`k x R`: k replicas of R devices, as many as keep "
-    "the student busy). Network: the stream's need per device (Gbps) against the "
-    "data-center link (`hldstudy.chips`, sources in docs/infrastructure.md). A compiled "
+    "the student busy). Network, Gbps per device against the data-center link "
+    "(`hldstudy.chips`, sources in docs/infrastructure.md): the stream's need (in brackets "
+    "what the teacher's logits would need instead), and each layout's own collectives "
+    "that cross hosts on the same NIC, from its compiled HLO (`hldstudy.flops.hlo_count`: "
+    "bytes each device sends, ring algorithms; one host's and a TPU slice's stay on NVLink "
+    "or ICI: 0; `-` not compiled). A compiled "
     "figure (`python -m hldstudy.aot` at the same micro-batches; the commands are in "
     "docs/decision_map.json) is read by the same rule, within 90% of the device "
     "(`hldstudy.plan.fits_device`: the total on a GPU, libtpu's own peak on a TPU, the "
@@ -329,6 +333,28 @@ def _coverage(cell: dict) -> str:
     return f"; partly compiled ({', '.join(missing)}: {NOT_COMPILED})"
 
 
+def _collectives_gbps(cell: dict, program: str, step_time: float) -> float | None:
+    """Gbps per device of a compiled train step's collectives that cross hosts (its HLO's
+    `cross_host_bytes` per step over the step's time); None where not compiled."""
+    recs = [r for r in cell.get("compiled", {}).get(program, [])
+            if record_fits(r, cell) and "cross_host_bytes" in r]
+    return None if not recs else 8 * recs[0]["cross_host_bytes"] / step_time / 1e9
+
+
+def _network(cell: dict) -> str:
+    """The NIC's need per device against the link: the stream's (hidden states; logits
+    instead beside it), and each layout's own collectives that cross hosts, from its
+    compiled HLO."""
+    col, dis = cell["colocated"], cell["disaggregated"]
+    parts = [f"stream {dis['need_gbps']:.2f} (logits {dis['logits_need_gbps']:,.0f})"]
+    for layout, step in (("colocated", col["step_time_s"]),
+                         ("disaggregated", dis["step_time_s"])):
+        got = _collectives_gbps(cell, layout, step)
+        short = "col" if layout == "colocated" else "dis"
+        parts.append(f"{short} collectives {'-' if got is None else f'{got:.1f}'}")
+    return "; ".join(parts) + f" / {dis['link_gbps']:g}"
+
+
 def format_map(cells: list[dict]) -> str:
     lines = ["# The decision map: colocated or disaggregated, from the planner and the compiler",
              "", HEADER, "",
@@ -360,25 +386,30 @@ def format_map(cells: list[dict]) -> str:
         lines.append(
             f"| {c['pair']} | {c['target']} | {col_cell} | {dis_cell} | "
             f"{dis['replicas']} x {dis['replica_devices']} ({dis['devices_total']} devices) | "
-            f"{rep_cell} | {dis['need_gbps']:.2f} / {dis['link_gbps']:g} | {speed} | "
+            f"{rep_cell} | {_network(c)} | {speed} | "
             f"{verdict} |")
     lines += ["", _reading(cells)]
     return "\n".join(lines) + "\n"
 
 
+def _best(cell: dict) -> str | None:
+    """The layout with more tokens/s per device among those that fit (None: neither)."""
+    rate = {lay: cell[lay]["tokens_per_s_per_device"] for lay in ("colocated", "disaggregated")
+            if _fits(cell, lay)}
+    return max(rate, key=rate.get) if rate else None
+
+
 def _faster(cell: dict) -> str:
     """'; faster: <layout> by N%' among the layouts that fit (tokens/s per device, the
     planner's estimate: unproven until compiled programs time it), '' when none fits."""
-    rate = {lay: cell[lay]["tokens_per_s_per_device"] for lay in ("colocated", "disaggregated")
-            if _fits(cell, lay)}
-    if not rate:
+    best = _best(cell)
+    if best is None:
         return ""
-    best = max(rate, key=rate.get)
-    if len(rate) == 1:
+    other = "disaggregated" if best == "colocated" else "colocated"
+    if not _fits(cell, other):
         return f"; faster: {best}, the only one that fits"
-    other = min(rate, key=rate.get)
-    return (f"; faster: {best} by {100 * (rate[best] / rate[other] - 1):.0f}% "
-            "(estimate, unproven)")
+    rate = cell[best]["tokens_per_s_per_device"] / cell[other]["tokens_per_s_per_device"]
+    return f"; faster: {best} by {100 * (rate - 1):.0f}% (estimate, unproven)"
 
 
 def _fits(cell: dict, layout: str) -> bool:
@@ -420,10 +451,14 @@ def _reading(cells: list[dict]) -> str:
         decisive = [c for c in mine if not _fits(c, "colocated") and _fits(c, "disaggregated")]
         both_oom = [c for c in mine if not _fits(c, "colocated")
                     and not _fits(c, "disaggregated")]
-        out.append(f"- {pair.name}: colocated fits on "
+        faster = {lay: [c["target"] for c in mine if _best(c) == lay]
+                  for lay in ("colocated", "disaggregated")}
+        out.append(f"- *{pair.branch}* ({pair.name}): colocated fits on "
                    f"{named([c for c in mine if _fits(c, 'colocated')])}; out of memory "
                    f"colocated and fitting disaggregated on {named(decisive)}; out of memory "
-                   f"both ways on {named(both_oom)}.")
+                   f"both ways on {named(both_oom)}. Faster (estimate): colocated on "
+                   f"{', '.join(faster['colocated']) or 'no target'}; disaggregated on "
+                   f"{', '.join(faster['disaggregated']) or 'no target'}.")
     both = [c for c in cells if _fits(c, "colocated") and _fits(c, "disaggregated")]
     if both:
         cost = [1 - c["disaggregated"]["tokens_per_s_per_device"]

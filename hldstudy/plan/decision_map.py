@@ -26,6 +26,7 @@ class MapPair:
     config: str           # the experiment file its compiled cells compile
     tokens_per_step: int = 1_048_576
     seq_len: int = 4096
+    branch: str = ""      # the branch of the seed's rule the pair stands for
 
     @property
     def name(self) -> str:
@@ -36,9 +37,13 @@ PAIRS = (
     # The seed's first branch: a small teacher beside its student on one or two nodes, where
     # colocated with the fused loss should do (the HLD study's own pair, 256 x 2048 tokens).
     MapPair("paper-teacher-3.4b", "paper-123m", "experiments/c4_123m_kd.py",
-            tokens_per_step=524_288, seq_len=2048),
-    MapPair("qwen3.5-35b-a3b", "qwen3.5-9b", "experiments/disaggkd_qwen35.py"),
-    MapPair("qwen3.5-122b-a10b", "qwen3.5-35b-a3b", "experiments/disaggkd_qwen35_122b.py"),
+            tokens_per_step=524_288, seq_len=2048,
+            branch="a small teacher on one or two nodes: colocated with the fused loss "
+                   "should suffice"),
+    MapPair("qwen3.5-35b-a3b", "qwen3.5-9b", "experiments/disaggkd_qwen35.py",
+            branch="a teacher that fits beside its student: disaggregate where it is faster"),
+    MapPair("qwen3.5-122b-a10b", "qwen3.5-35b-a3b", "experiments/disaggkd_qwen35_122b.py",
+            branch="a teacher too large to sit beside its student: disaggregate"),
 )
 # One node of each (8 GPUs; v5p:2x2x2 is two 4-chip hosts, 8 chips) and twice each: 16 GPUs
 # as two hosts of 8 (the collectives that cross the hosts then cross the NIC in the program).
@@ -46,6 +51,10 @@ TARGETS = ("h100:8", "h200:8", "v5p:2x2x2", "h100:2x8", "h200:2x8", "v5p:2x2x4")
 # A replica's devices: powers of two (its micro-batch rows are dealt over them), from one
 # GPU; a TPU replica is a slice of its own, a whole host (v5p: 2x2x1) at the least.
 REPLICA_DEVICES = (1, 2, 4, 8, 16)
+# The model FLOPs utilisation the map's times assume, for student and replica alike: an
+# estimate until a lent device measures a step (benchmarks/device_suite.py sets its
+# measured time beside this one).
+ESTIMATE_MFU = 0.4
 
 
 def replica_device_counts(chip: Chip) -> tuple[int, ...]:
@@ -81,7 +90,7 @@ class CellSizes:
 
 def map_cell(teacher: ModelShape, student: ModelShape, chip: Chip, n_devices: int,
              sizes: CellSizes, *, tokens_per_step: int, seq_len: int, usable: float = 0.9,
-             mfu: float = 0.4) -> dict:
+             mfu: float = ESTIMATE_MFU) -> dict:
     """One cell: both layouts on `n_devices` of `chip`, sized by `sizes`, each at the
     fewest micro-batches whose band's pessimistic end fits `usable` of the device (the
     most when none does: its figure then says by how much); the replica over the fewest
@@ -127,6 +136,9 @@ def map_cell(teacher: ModelShape, student: ModelShape, chip: Chip, n_devices: in
     step_time = max(dis["student_step_time_s"], teacher_time)
     hidden = run["network_bytes_per_step"]["hidden"]
     need = 8 * hidden / min(n_devices, replicas * r_dev) / step_time / 1e9
+    # What streaming the teacher's logits instead would need (the alternative the seed
+    # argues against): the vocabulary's width per token, not the hidden state's.
+    logits_need = need * run["network_bytes_per_step"]["logits_over_hidden"]
     student_fits = fits(dis_bytes)
     if not (student_fits and replica["fits"]):
         verdict = "out of memory"
@@ -158,7 +170,8 @@ def map_cell(teacher: ModelShape, student: ModelShape, chip: Chip, n_devices: in
             "step_time_s": step_time, "hidden_bytes_per_step": hidden,
             "tokens_per_s_per_device":
                 tokens_per_step / step_time / (n_devices + replicas * r_dev),
-            "need_gbps": need, "link_gbps": chip.scale_out_gbps},
+            "need_gbps": need, "logits_need_gbps": logits_need,
+            "link_gbps": chip.scale_out_gbps},
     }
 
 
@@ -180,7 +193,7 @@ def _replica(sizes: CellSizes, sequences: int, fits, counts: tuple[int, ...]) ->
 
 def decision_map(pairs=PAIRS, targets: tuple[tuple[str, Chip, int], ...] = (), *,
                  shape_of=None, sizes_of=None, usable: float = 0.9,
-                 mfu: float = 0.4) -> list[dict]:
+                 mfu: float = ESTIMATE_MFU) -> list[dict]:
     """Every (pair, target) cell: `targets` as (spec, chip, devices); `shape_of(preset)` the
     planner's shape of a model preset (`hldstudy.plan.plan_model`), `sizes_of(pair, spec)`
     the cell's CellSizes."""
