@@ -35,6 +35,7 @@ class Chip:
     devices_per_node: int = 0  # devices of one host / node (what "two nodes" doubles)
     scale_up_gbps: float = 0.0   # inbound per device inside a slice / node: ICI, NVLink
     scale_out_gbps: float = 0.0  # inbound per device between nodes: DCN, InfiniBand NIC
+    hbm_gbytes_per_s: float = 0.0  # HBM bandwidth (GB/s): the roofline's memory bound
     # An sm_90 GPU (warpgroup MMA): JAX's Mosaic GPU grouped matmuls run there
     # (hldstudy.model.grouped_matmul).
     hopper: bool = False
@@ -44,13 +45,16 @@ CHIPS: dict[str, Chip] = {c.name: c for c in (
     Chip("v4", "tpu", int(15.25 * GiB), 16 * MiB, 16 * MiB, False),
     Chip("v5e", "tpu", int(15.75 * GiB), 128 * MiB, 16 * MiB, False),
     Chip("v5p", "tpu", int(95.74 * GiB), 64 * MiB, 16 * MiB, False, bf16_tflops=459.0,
-         devices_per_node=4, scale_up_gbps=4800.0, scale_out_gbps=50.0),
+         devices_per_node=4, scale_up_gbps=4800.0, scale_out_gbps=50.0,
+         hbm_gbytes_per_s=2765.0),
     Chip("v6e", "tpu", int(31.25 * GiB), 128 * MiB, 32 * MiB, False),
     Chip("a100", "cuda", 40960 * MiB, 163 * KiB, 0, False),
     Chip("h100", "cuda", 81559 * MiB, 227 * KiB, 0, True, bf16_tflops=989.0,
-         devices_per_node=8, scale_up_gbps=3600.0, scale_out_gbps=400.0, hopper=True),
+         devices_per_node=8, scale_up_gbps=3600.0, scale_out_gbps=400.0, hopper=True,
+         hbm_gbytes_per_s=3350.0),
     Chip("h200", "cuda", 143771 * MiB, 227 * KiB, 0, True, bf16_tflops=989.0,
-         devices_per_node=8, scale_up_gbps=3600.0, scale_out_gbps=400.0, hopper=True),
+         devices_per_node=8, scale_up_gbps=3600.0, scale_out_gbps=400.0, hopper=True,
+         hbm_gbytes_per_s=4800.0),
 )}
 
 

@@ -203,3 +203,22 @@ def test_collectives_count_the_bytes_each_device_sends_and_what_crosses_hosts():
     assert _groups("replica_groups=[2,2]<=[4]") == [[0, 1], [2, 3]]
     assert _groups("replica_groups=[2,2]<=[2,2]T(1,0)") == [[0, 2], [1, 3]]
     assert _groups("replica_groups=mesh['a'=2,'b'=2] {'a'}") == [[0, 2], [1, 3]]
+
+
+def test_the_roofline_is_each_kernel_at_its_bound_one_after_another():
+    """A matmul then an elementwise fusion: the matmul at the peak's FLOP rate (its bytes
+    take less), the fusion at the HBM bandwidth (its reads and writes, its intermediates on
+    chip); a loop's body times its trips; no chip given, no roofline."""
+    a = b = jnp.ones((1024, 1024))
+    text = _compiled(lambda a, b: jnp.tanh(a @ b) + 1, a, b).as_text()
+    peak, hbm = 1e12, 1e11
+    got = hlo_flops(text, peak_flops=peak, hbm_bytes_per_s=hbm).roofline_s
+    matrix = 1024 * 1024 * 4
+    assert got == pytest.approx(2 * 1024**3 / peak + 2 * matrix / hbm)
+    assert hlo_flops(text).roofline_s == 0.0
+
+    def looped(a, b):
+        return jax.lax.fori_loop(0, 4, lambda i, x: jnp.tanh(x @ b), a)
+
+    four = hlo_flops(_compiled(looped, a, b).as_text(), peak_flops=peak, hbm_bytes_per_s=hbm)
+    assert four.roofline_s >= 4 * 2 * 1024**3 / peak

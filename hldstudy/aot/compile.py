@@ -23,7 +23,7 @@ from hldstudy import sharding as mesh_lib
 from hldstudy.aot.fingerprint import program_sha256
 from hldstudy.aot.peak import DUMP_OPTIONS, PeakGroup, peak_groups
 from hldstudy.aot.targets import Target, device_kind
-from hldstudy.chips import traced_target
+from hldstudy.chips import for_device_kind, traced_target
 from hldstudy.config import Config, ModelConfig
 from hldstudy.distill import methods
 from hldstudy.distill.base import make_strategy
@@ -225,7 +225,10 @@ def _compile(name, kind, method, stage, jitted, args, mesh,
     finally:
         jax.config.update("jax_enable_compilation_cache", cached)
     flops = cost_analysis(compiled).get("flops") if _reports_flops(compiled) else None
-    hlo = hlo_flops(compiled.as_text(), host_size=nic_host_size(mesh))
+    chip = for_device_kind(mesh.devices.flat[0].device_kind)
+    hlo = hlo_flops(compiled.as_text(), host_size=nic_host_size(mesh),
+                    peak_flops=(chip.bf16_tflops * 1e12) if chip else 0.0,
+                    hbm_bytes_per_s=(chip.hbm_gbytes_per_s * 1e9) if chip else 0.0)
     with dump:
         try:
             peak_bytes, groups = peak_groups(dump.name)

@@ -192,6 +192,8 @@ def step_rows(cfg: Config, teacher_model, target: Target, choices: Choices, step
             # bytes each device sends in collectives per call, and what crosses hosts
             row["collective_bytes"] = s.hlo.collective_bytes
             row["cross_host_bytes"] = s.hlo.cross_host_bytes
+            if s.hlo.roofline_s:  # the ideal time on the target's chip (hlo_count)
+                row["roofline_s"] = s.hlo.roofline_s
         # XLA's cost analysis where the compiler gives one (TPU) and the program has no
         # loops (it counts a loop's body once); else the count from the optimized HLO
         # (hldstudy.flops.hlo_count: loops times their trips; the XLA GPU compiler's only).

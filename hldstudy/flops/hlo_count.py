@@ -63,6 +63,11 @@ class HloCount:
     # devices per host, in device order): what crosses the data-center network.
     collective_bytes: dict[str, float] = field(default_factory=dict)
     cross_host_bytes: float = 0.0
+    # An ideal roofline of the program on a chip (`peak_flops`, `hbm_bytes_per_s` given):
+    # every executed instruction (a fusion whole, its intermediates on chip) takes the
+    # larger of its FLOPs at the peak and its bytes in and out at the HBM bandwidth, one
+    # after another, loops times their trips; collectives are not in it (the network's).
+    roofline_s: float = 0.0
     loops: int = 0                    # while loops met (each counted times its trips)
     unknown_trip_loops: int = 0       # loops without a known trip count (counted once)
     uncounted_kernels: list[str] = field(default_factory=list)  # custom calls with no cost
@@ -111,6 +116,46 @@ def _operand_shapes(operands: str, shapes: dict[str, list[int]]) -> list[list[in
     return out
 
 
+def _type_bytes(type_text: str) -> float:
+    """Bytes of every array in an instruction's result type (a tuple's summed)."""
+    return float(sum(_BYTES.get(m["dtype"], 4) * math.prod(_dims(m["dims"]))
+                     for m in _ARRAY.finditer(type_text)))
+
+
+# Instructions that move no bytes through HBM themselves (their operands' bytes are counted
+# where they are read): aliases, tuples, ids; loops and calls count their bodies.
+_NO_TRAFFIC = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "after-all",
+               "partition-id", "replica-id", "opt-barrier", "while", "conditional", "call",
+               "add-dependency"}
+
+
+def _io_bytes(type_text: str, operands: str, shapes: dict) -> float:
+    """What an executed instruction reads and writes: its operands' bytes and its result's
+    (a fusion's intermediates stay on chip)."""
+    known = shapes.get("#bytes", {})
+    read = 0.0
+    for part in (p.strip() for p in _names_typed(operands)):
+        if " " in part and _ARRAY.search(part.rsplit(" ", 1)[0]):
+            read += _type_bytes(part.rsplit(" ", 1)[0])
+        else:
+            read += known.get(part.rsplit(" ", 1)[-1].lstrip("%"), 0.0)
+    return read + _type_bytes(type_text)
+
+
+def _names_typed(operands: str) -> list[str]:
+    out, depth, start = [], 0, 0
+    for i, ch in enumerate(operands):
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            out.append(operands[start:i])
+            start = i + 1
+    out.append(operands[start:])
+    return [p for p in out if p.strip()]
+
+
 def _parse(hlo_text: str):
     """{computation: [(op, type, operands, attrs, own shapes map)]}, the entry's name, and
     {computation: {instruction: (op, operands, attrs)}} with the root under "ROOT"."""
@@ -136,6 +181,7 @@ def _parse(hlo_text: str):
         dims = _first_array(m["type"])
         if dims is not None:
             shapes[m["name"]] = dims
+        shapes.setdefault("#bytes", {})[m["name"]] = _type_bytes(m["type"])
         comps[current].append((m["op"], m["type"], operands, attrs, shapes))
         defs[current][m["name"]] = (m["op"], operands, attrs)
         if line.lstrip().startswith("ROOT"):
@@ -383,32 +429,48 @@ def _collective(op: str, type_text: str, attrs: str, host_size: int):
     return kind, nbytes * COLLECTIVES[kind](max(n, 1)), cross
 
 
-def hlo_flops(hlo_text: str, host_size: int = 0) -> HloCount:
-    """The program's FLOPs by the rules above (module docstring), and the bytes its
-    collectives send per device (`host_size`: devices per host, 0 for one host)."""
+def hlo_flops(hlo_text: str, host_size: int = 0, peak_flops: float = 0.0,
+              hbm_bytes_per_s: float = 0.0) -> HloCount:
+    """The program's FLOPs by the rules above (module docstring), the bytes its collectives
+    send per device (`host_size`: devices per host, 0 for one host) and, given a chip's
+    peak FLOP/s and HBM bandwidth, its ideal roofline time (`HloCount.roofline_s`)."""
     comps, entry, defs = _parse(hlo_text)
     count = HloCount()
-    memo: dict[str, tuple[float, dict, float]] = {}
+    memo: dict[str, tuple[float, dict, float, float]] = {}
+    roofline = peak_flops > 0 and hbm_bytes_per_s > 0
 
-    def total(name: str, stack: tuple = ()) -> tuple[float, dict, float]:
+    def total(name: str, stack: tuple = ()) -> tuple[float, dict, float, float]:
         if name in memo:
             return memo[name]
         if name not in comps or name in stack:
-            return 0.0, {}, 0.0
-        flops, sent, cross = 0.0, {}, 0.0
+            return 0.0, {}, 0.0, 0.0
+        flops, sent, cross, seconds = 0.0, {}, 0.0, 0.0
 
-        def add(other, times=1):
-            nonlocal flops, cross
+        def add(other, times=1, own_time=True):
+            nonlocal flops, cross, seconds
             flops += times * other[0]
             for k, v in other[1].items():
                 sent[k] = sent.get(k, 0.0) + times * v
             cross += times * other[2]
+            seconds += times * other[3] if own_time else 0.0
 
         for op, type_text, operands, attrs, shapes in comps[name]:
+            before = flops
             coll = _collective(op, type_text, attrs, host_size)
             if coll is not None:
                 sent[coll[0]] = sent.get(coll[0], 0.0) + coll[1]
                 cross += coll[1] if coll[2] else 0.0
+            elif roofline and op not in _NO_TRAFFIC and not op.endswith("-done") \
+                    and op != "fusion":
+                seconds += _io_bytes(type_text, operands, shapes) / hbm_bytes_per_s
+            if op == "fusion":  # one kernel: its FLOPs and its bytes in and out
+                inner = [total(c, stack + (name,)) for c in _CALLED.findall(attrs)]
+                for t in inner:
+                    add(t, own_time=False)
+                if roofline:
+                    seconds += max((flops - before) / peak_flops,
+                                   _io_bytes(type_text, operands, shapes) / hbm_bytes_per_s)
+                continue
             if op == "dot":
                 flops += _dot_flops(type_text, operands, attrs, shapes)
             elif op == "convolution":
@@ -420,6 +482,10 @@ def hlo_flops(hlo_text: str, host_size: int = 0) -> HloCount:
                     count.uncounted_kernels.append(target.group(1) if target else "?")
                 elif f is not None:
                     flops += f
+            if roofline and flops > before:  # a dot, convolution or kernel: compute-bound
+                # where its FLOPs take longer than its bytes (counted above)
+                io = _io_bytes(type_text, operands, shapes) / hbm_bytes_per_s
+                seconds += max(0.0, (flops - before) / peak_flops - io)
             if op == "while":
                 called = dict(re.findall(r"\b(body|condition)=%?([\w.\-]+)", attrs))
                 trips = _TRIPS.search(attrs)
@@ -442,10 +508,10 @@ def hlo_flops(hlo_text: str, host_size: int = 0) -> HloCount:
                 continue
             for called in _CALLED.findall(attrs):
                 add(total(called, stack + (name,)))
-        memo[name] = (flops, sent, cross)
+        memo[name] = (flops, sent, cross, seconds)
         return memo[name]
 
     if entry is None:
         return count
-    count.flops, count.collective_bytes, count.cross_host_bytes = total(entry)
+    count.flops, count.collective_bytes, count.cross_host_bytes, count.roofline_s = total(entry)
     return count
