@@ -244,7 +244,7 @@ def test_the_seeds_first_branch_a_small_teacher_colocated():
     text = cmd.format_map(_cells())
     line = next(ln for ln in text.splitlines() if f"({HLD.name})" in ln)
     assert line.startswith(f"- *{HLD.branch}*") and "colocated fits on h100:8" in line
-    assert "Faster (estimate): colocated on h100:8" in line
+    assert "Faster: colocated on h100:8" in line
 
 
 def test_a_pair_whose_vocabularies_differ_is_refused_by_name():
@@ -333,3 +333,30 @@ def test_speed_counts_every_device_and_names_the_faster_layout():
     alone = dict(cell, colocated=dict(col, fits=False))  # colocated out of memory
     assert cmd._faster(alone) == "; faster: disaggregated, the only one that fits"
     assert "- Speed (the planner's estimate)" in cmd.format_map(cells)
+
+
+def test_compiled_rooflines_time_the_layouts_and_decide_the_faster():
+    """Where a cell's programs are compiled, speed is their roofline: the colocated step's
+    time; disaggregated, the student's step beside one replica's time per served step,
+    with as many replicas as keep the student fed (ceil of the ratio), every device
+    counted; the verdict's faster layout then reads the roofline, not the estimate."""
+    cells = _cells()
+    cell = next(c for c in cells if c["pair"] == SMALL.name and c["target"] == "h100:8")
+    cmds = cmd.compile_commands(cell)
+    recs = {p: _record(a, fits=True, total_bytes=2**30, roofline_s=t, cross_host_bytes=0.0)
+            for (p, a), t in zip(cmds.items(), (2.0, 1.0, 2.5), strict=True)}
+    cmd.attach(cells, {r["command"]: r for r in recs.values()})
+    roof = cmd.roofline(cell)
+    tokens, r_dev = cell["tokens_per_step"], cell["disaggregated"]["replica_devices"]
+    assert roof["colocated"]["tokens_per_s_per_device"] == tokens / 2.0 / 8
+    dis = roof["disaggregated"]
+    assert (dis["replicas"], dis["step_s"]) == (3, 1.0)  # 2.5 s a step: three keep up
+    assert dis["tokens_per_s_per_device"] == tokens / 1.0 / (8 + 3 * r_dev)
+    rate = {"colocated": tokens / 16, "disaggregated": dis["tokens_per_s_per_device"]}
+    best = max(rate, key=rate.get)
+    assert cmd._faster(cell).startswith(f"; faster: {best} by") and "(roofline)" in \
+        cmd._faster(cell)
+    row = next(ln for ln in cmd.format_map(cells).splitlines()
+               if ln.startswith(f"| {SMALL.name} | h100:8 |"))
+    assert "**roofline**: col 2.00 s" in row and "col collectives 0.0" in row
+    assert "(compiled)" in row

@@ -17,6 +17,7 @@ import dataclasses
 import functools
 import hashlib
 import json
+import math
 import re
 import sys
 from pathlib import Path
@@ -139,7 +140,8 @@ def run_compile(args: list[str]) -> dict:
     rec["toolchain"] = run["report"].get("toolchain")
     rec.update({k: row[k] for k in ("fits", "device_memory_bytes", "refused", "microbatches",
                                     "xla_over_model", "planner_over_compiled",
-                                    "collective_bytes", "cross_host_bytes") if k in row})
+                                    "collective_bytes", "cross_host_bytes", "roofline_s",
+                                    "xla_flops", "hlo_unknown_trip_loops") if k in row})
     rec["total_bytes"] = row.get("compiled", {}).get("total_bytes")
     if row.get("compiled", {}).get("peak_memory_bytes"):
         rec["peak_memory_bytes"] = row["compiled"]["peak_memory_bytes"]
@@ -341,6 +343,65 @@ def _collectives_gbps(cell: dict, program: str, step_time: float) -> float | Non
     return None if not recs else 8 * recs[0]["cross_host_bytes"] / step_time / 1e9
 
 
+def _fitting(cell: dict, program: str) -> dict | None:
+    """The compiled record the cell's verdict reads for a program: the first that fits."""
+    return next((r for r in cell.get("compiled", {}).get(program, [])
+                 if record_fits(r, cell)), None)
+
+
+def roofline(cell: dict) -> dict | None:
+    """Speed from the compiled programs where they have a roofline (`roofline_s`: each
+    kernel at its FLOP or HBM bound, `hldstudy.flops.hlo_count`): the colocated step's
+    time and tokens/s per device; disaggregated, the student's step, one replica's time
+    per served step, the replicas that keep the student fed, and tokens/s per device with
+    every device counted. None where neither layout's programs are compiled; "unknown
+    trip" loops (counted once: a lower bound) are counted."""
+    tokens, n = cell["tokens_per_step"], cell["devices"]
+    out, loops = {}, 0
+    col = _fitting(cell, "colocated")
+    if col and col.get("roofline_s"):
+        out["colocated"] = {"step_s": col["roofline_s"],
+                            "tokens_per_s_per_device": tokens / col["roofline_s"] / n}
+        loops += col.get("hlo_unknown_trip_loops", 0)
+    student, replica = _fitting(cell, "disaggregated"), _fitting(cell, "replica")
+    if student and replica and student.get("roofline_s") and replica.get("roofline_s"):
+        t_s, t_r = student["roofline_s"], replica["roofline_s"]
+        r_dev = cell["disaggregated"]["replica_devices"]
+        replicas = max(1, math.ceil(t_r / t_s - 1e-9))
+        step = max(t_s, t_r / replicas)
+        out["disaggregated"] = {"step_s": step, "student_s": t_s, "replica_s": t_r,
+                                "replicas": replicas, "devices_total": n + replicas * r_dev,
+                                "tokens_per_s_per_device": tokens / step / (n + replicas * r_dev)}
+        loops += student.get("hlo_unknown_trip_loops", 0) + \
+            replica.get("hlo_unknown_trip_loops", 0)
+    if not out:
+        return None
+    out["unknown_trip_loops"] = loops
+    return out
+
+
+def _speed(cell: dict) -> str:
+    """The planner's estimate, and the compiled programs' roofline where there is one."""
+    col, dis = cell["colocated"], cell["disaggregated"]
+    text = (f"estimate: col {col['step_time_s']:.2f} s, {col['tokens_per_s_per_device']:,.0f}; "
+            f"dis {dis['step_time_s']:.2f} s, {dis['tokens_per_s_per_device']:,.0f}")
+    roof = roofline(cell)
+    if roof is None:
+        return text
+    parts = []
+    if "colocated" in roof:
+        r = roof["colocated"]
+        parts.append(f"col {r['step_s']:.2f} s, {r['tokens_per_s_per_device']:,.0f}")
+    if "disaggregated" in roof:
+        r = roof["disaggregated"]
+        parts.append(f"dis {r['step_s']:.2f} s (replica {r['replica_s']:.2f} s a step: "
+                     f"{r['replicas']} x {cell['disaggregated']['replica_devices']} keep up), "
+                     f"{r['tokens_per_s_per_device']:,.0f}")
+    loops = (f"; {roof['unknown_trip_loops']} loops of unknown trips counted once"
+             if roof["unknown_trip_loops"] else "")
+    return text + "; **roofline**: " + "; ".join(parts) + loops
+
+
 def _network(cell: dict) -> str:
     """The NIC's need per device against the link: the stream's (hidden states; logits
     instead beside it), and each layout's own collectives that cross hosts, from its
@@ -359,8 +420,7 @@ def format_map(cells: list[dict]) -> str:
     lines = ["# The decision map: colocated or disaggregated, from the planner and the compiler",
              "", HEADER, "",
              "| pair | target | colocated | disaggregated student | replicas | "
-             "replica | network need / link | step s, tokens/s/device (estimate) | "
-             "verdict |",
+             "replica | network need / link | step s, tokens/s/device | verdict |",
              "|---|---|---|---|---|---|---|---|---|"]
     for c in cells:
         col, dis = c["colocated"], c["disaggregated"]
@@ -381,8 +441,7 @@ def format_map(cells: list[dict]) -> str:
             dis["verdict"] if dis["verdict"] != "fits" else "OOM")
         verdict = (f"colocated {'fits' if _fits(c, 'colocated') else 'OOM'}, "
                    f"disaggregated {dis_verdict}{_faster(c)}{_coverage(c)}")
-        speed = (f"col {col['step_time_s']:.2f} s, {col['tokens_per_s_per_device']:,.0f}; "
-                 f"dis {dis['step_time_s']:.2f} s, {dis['tokens_per_s_per_device']:,.0f}")
+        speed = _speed(c)
         lines.append(
             f"| {c['pair']} | {c['target']} | {col_cell} | {dis_cell} | "
             f"{dis['replicas']} x {dis['replica_devices']} ({dis['devices_total']} devices) | "
@@ -392,24 +451,34 @@ def format_map(cells: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _rates(cell: dict) -> tuple[dict[str, float], str]:
+    """Tokens/s per device of the layouts that fit, and whose: the compiled programs'
+    roofline where it has both layouts (or the only one that fits), else the planner's
+    estimate."""
+    fit = [lay for lay in ("colocated", "disaggregated") if _fits(cell, lay)]
+    roof = roofline(cell) or {}
+    if fit and all(lay in roof for lay in fit):
+        return {lay: roof[lay]["tokens_per_s_per_device"] for lay in fit}, "roofline"
+    return {lay: cell[lay]["tokens_per_s_per_device"] for lay in fit}, "estimate, unproven"
+
+
 def _best(cell: dict) -> str | None:
     """The layout with more tokens/s per device among those that fit (None: neither)."""
-    rate = {lay: cell[lay]["tokens_per_s_per_device"] for lay in ("colocated", "disaggregated")
-            if _fits(cell, lay)}
+    rate, _ = _rates(cell)
     return max(rate, key=rate.get) if rate else None
 
 
 def _faster(cell: dict) -> str:
-    """'; faster: <layout> by N%' among the layouts that fit (tokens/s per device, the
-    planner's estimate: unproven until compiled programs time it), '' when none fits."""
-    best = _best(cell)
-    if best is None:
+    """'; faster: <layout> by N% (whose figures)' among the layouts that fit, '' when none
+    fits."""
+    rate, whose = _rates(cell)
+    if not rate:
         return ""
-    other = "disaggregated" if best == "colocated" else "colocated"
-    if not _fits(cell, other):
+    best = max(rate, key=rate.get)
+    if len(rate) == 1:
         return f"; faster: {best}, the only one that fits"
-    rate = cell[best]["tokens_per_s_per_device"] / cell[other]["tokens_per_s_per_device"]
-    return f"; faster: {best} by {100 * (rate - 1):.0f}% (estimate, unproven)"
+    other = min(rate, key=rate.get)
+    return f"; faster: {best} by {100 * (rate[best] / rate[other] - 1):.0f}% ({whose})"
 
 
 def _fits(cell: dict, layout: str) -> bool:
@@ -456,7 +525,7 @@ def _reading(cells: list[dict]) -> str:
         out.append(f"- *{pair.branch}* ({pair.name}): colocated fits on "
                    f"{named([c for c in mine if _fits(c, 'colocated')])}; out of memory "
                    f"colocated and fitting disaggregated on {named(decisive)}; out of memory "
-                   f"both ways on {named(both_oom)}. Faster (estimate): colocated on "
+                   f"both ways on {named(both_oom)}. Faster: colocated on "
                    f"{', '.join(faster['colocated']) or 'no target'}; disaggregated on "
                    f"{', '.join(faster['disaggregated']) or 'no target'}.")
     both = [c for c in cells if _fits(c, "colocated") and _fits(c, "disaggregated")]
