@@ -17,6 +17,8 @@ from hldstudy.aot.fingerprint import toolchain
 from hldstudy.aot.targets import parse_target
 from hldstudy.chips import CHIPS
 from hldstudy.commands import decision_map as cmd
+from hldstudy.commands import decision_map_page as page
+from hldstudy.commands import decision_map_records as store
 from hldstudy.commands.plan import main as plan_main
 from hldstudy.config import load_experiment
 from hldstudy.errors import ConfigError
@@ -42,8 +44,8 @@ def _cells():
 
 def _record(args, **figures):
     """A record as `run_compile` keeps one: this host's tools, a lowered program's hash."""
-    return {"command": cmd._key(args), "config_sha256": cmd.config_digest(args),
-            "program_sha256": "a" * 64, "toolchain": toolchain(cmd._backend(args)), **figures}
+    return {"command": store.command_key(args), "config_sha256": store.config_digest(args),
+            "program_sha256": "a" * 64, "toolchain": toolchain(store.backend_of(args)), **figures}
 
 
 @pytest.mark.parametrize("pair, target", [(SMALL, "h100:8"), (LARGE, "v5p:2x2x2"),
@@ -113,7 +115,7 @@ def test_a_chip_without_link_figures_is_refused_by_name():
 
 def test_compile_commands_carry_the_planners_choices():
     cell = next(c for c in _cells() if c["pair"] == LARGE.name and c["target"] == "v5p:2x2x2")
-    cmds = cmd.compile_commands(cell)
+    cmds = store.compile_commands(cell)
     assert cmds["colocated"][cmds["colocated"].index("--set") + 1] == \
         f"train.microbatches={cell['colocated']['microbatches']}"
     assert "disaggregated" in cmds["disaggregated"] and "train" in cmds["disaggregated"]
@@ -128,19 +130,19 @@ def test_compile_commands_carry_the_planners_choices():
 def test_records_are_reused_only_for_the_same_command():
     cells = _cells()
     cell = next(c for c in cells if c["pair"] == SMALL.name and c["target"] == "h100:8")
-    args = cmd.compile_commands(cell)["colocated"]
+    args = store.compile_commands(cell)["colocated"]
     rec = _record(args, fits=True, total_bytes=50 * 2**30)
     # A record of the experiment file as it was before an edit is not this file's compile.
     edited = dict(rec, config_sha256="0" * 64)
-    missing = cmd.attach(cells, {rec["command"]: edited})
+    missing = store.attach(cells, {rec["command"]: edited})
     assert cell["compiled"] == {} and (cell, "colocated", args) in missing
     stale = dict(rec, command=rec["command"].replace("train.microbatches=", "train.microbatches=9"))
-    missing = cmd.attach(cells, {rec["command"]: rec, stale["command"]: stale})
+    missing = store.attach(cells, {rec["command"]: rec, stale["command"]: stale})
     assert cell["compiled"] == {"colocated": [rec]}
     assert (cell, "colocated", args) not in missing
     assert sum(1 for c, _, _ in missing if c is cell) == 2  # disaggregated, replica
     assert len(missing) == 3 * len(cells) - 1  # every cell's three programs are compiled
-    text = cmd.format_map(cells)
+    text = page.format_map(cells)
     row = next(ln for ln in text.splitlines() if ln.startswith(f"| {SMALL.name} | h100:8 |"))
     assert "compiled **50.0** (fits)" in row
     assert "partly compiled (disaggregated, replica: planner only: not compiled yet)" in row
@@ -150,25 +152,25 @@ def test_records_are_reused_only_for_the_same_command():
     # device, so aot's "fits" at 96% (76 of 79.65 GiB) is out of memory here.
     assert cell["colocated"]["microbatches"] == 4
     oom = dict(rec, fits=True, total_bytes=76.3 * 2**30)
-    missing = cmd.attach(cells, {rec["command"]: oom})
+    missing = store.attach(cells, {rec["command"]: oom})
     again = [a for c, p, a in missing if c is cell and p == "colocated"]
     assert again and "train.microbatches=8" in again[0]
-    row = next(ln for ln in cmd.format_map(cells).splitlines()
+    row = next(ln for ln in page.format_map(cells).splitlines()
                if ln.startswith(f"| {SMALL.name} | h100:8 |"))
     assert "colocated OOM" in row
-    missing = cmd.attach(cells, {rec["command"]: oom, cmd._key(again[0]): dict(
-        rec, command=cmd._key(again[0]), microbatches=8)})
-    assert cmd._fits(cell, "colocated") and len(cell["compiled"]["colocated"]) == 2
+    missing = store.attach(cells, {rec["command"]: oom, store.command_key(again[0]): dict(
+        rec, command=store.command_key(again[0]), microbatches=8)})
+    assert page._fits(cell, "colocated") and len(cell["compiled"]["colocated"]) == 2
     # A replica's next compile is its next smaller forward, in the same order (the step's
     # 256 sequences dealt over the replica's devices: 4 on v5p, 2 then 1 per device
     # per forward ...); one sequence per device is the last there is.
     v5p = next(c for c in cells if c["pair"] == SMALL.name and c["target"] == "v5p:2x2x2")
-    rep_args = cmd.compile_commands(v5p)["replica"]
+    rep_args = store.compile_commands(v5p)["replica"]
     batch = v5p["disaggregated"]["replica_batch"]
     assert rep_args[-1] == f"teacher.replica_batch={batch}" and batch > 4
-    assert cmd._next_args(v5p, "replica", rep_args)[-1] == f"teacher.replica_batch={batch // 2}"
+    assert store.next_args(v5p, "replica", rep_args)[-1] == f"teacher.replica_batch={batch // 2}"
     last = [a if not a.startswith("teacher.") else "teacher.replica_batch=4" for a in rep_args]
-    assert cmd._next_args(v5p, "replica", last) is None
+    assert store.next_args(v5p, "replica", last) is None
 
 
 def test_a_record_of_another_program_or_toolchain_is_not_current():
@@ -177,10 +179,10 @@ def test_a_record_of_another_program_or_toolchain_is_not_current():
     asked for again and shown as stale with why, its figure out of the verdict."""
     cells = _cells()
     cell = next(c for c in cells if c["pair"] == SMALL.name and c["target"] == "h100:8")
-    args = cmd.compile_commands(cell)["colocated"]
+    args = store.compile_commands(cell)["colocated"]
     rec = _record(args, fits=True, total_bytes=50 * 2**30)
     key = rec["command"]
-    cmd.attach(cells, {key: rec}, {key: "a" * 64})
+    store.attach(cells, {key: rec}, {key: "a" * 64})
     assert cell["compiled"] == {"colocated": [rec]} and cell["stale"] == {}
     for other, programs, why in [
             (rec, {key: "b" * 64}, "the lowered program changed"),
@@ -190,13 +192,13 @@ def test_a_record_of_another_program_or_toolchain_is_not_current():
              {}, "jax-cuda12-plugin 0.0.1 -> "),
             ({k: v for k, v in rec.items() if k != "program_sha256"}, {},
              "without its program's hash")]:
-        missing = cmd.attach(cells, {key: other}, programs)
+        missing = store.attach(cells, {key: other}, programs)
         assert cell["compiled"] == {} and (cell, "colocated", args) in missing
         assert why in cell["stale"]["colocated"][1]
-        row = cmd.format_map(cells).split(f"| {SMALL.name} | h100:8 |")[1].splitlines()[0]
+        row = page.format_map(cells).split(f"| {SMALL.name} | h100:8 |")[1].splitlines()[0]
         assert "stale compile 50.0" in row and why.split(" ->")[0] in row
-        assert not cmd._fits(cell, "colocated") == cell["colocated"]["fits"] is False \
-            or cmd._fits(cell, "colocated") == cell["colocated"]["fits"]  # the planner's
+        assert not page._fits(cell, "colocated") == cell["colocated"]["fits"] is False \
+            or page._fits(cell, "colocated") == cell["colocated"]["fits"]  # the planner's
 
 
 def test_the_committed_map_is_what_the_command_writes(tmp_path, capsys):
@@ -208,7 +210,7 @@ def test_the_committed_map_is_what_the_command_writes(tmp_path, capsys):
     assert all("error" not in r for r in records)
     # Every marked program has a record: current, or shown as stale with why.
     cells = _cells()
-    missing = cmd.attach(cells, {r["command"]: r for r in records})
+    missing = store.attach(cells, {r["command"]: r for r in records})
     assert all(program in cell["stale"] for cell, program, _ in missing)
 
 
@@ -241,7 +243,7 @@ def test_the_seeds_first_branch_a_small_teacher_colocated():
     cells = [c for c in _cells() if c["pair"] == HLD.name]
     assert len(cells) == len(TARGETS)
     assert all(c["colocated"]["fits"] for c in cells)
-    text = cmd.format_map(_cells())
+    text = page.format_map(_cells())
     line = next(ln for ln in text.splitlines() if f"({HLD.name})" in ln)
     assert line.startswith(f"- *{HLD.branch}*") and "colocated fits on h100:8" in line
     assert "Faster: colocated on h100:8" in line
@@ -266,7 +268,7 @@ def test_a_failed_compile_is_not_recorded_and_ends_in_one_line(tmp_path, capsys,
     def fake_compile(args):  # a test double: the real one runs python -m hldstudy.aot
         calls.append(args)
         if len(calls) == 1:
-            return {"command": cmd._key(args), "exit": 1, "seconds": 0.1, "error": "killed"}
+            return {"command": store.command_key(args), "exit": 1, "seconds": 0.1, "error": "killed"}
         return _record(args, exit=0, seconds=0.1, fits=True, total_bytes=2**30, largest=[])
 
     monkeypatch.setattr(cmd, "run_compile", fake_compile)
@@ -276,9 +278,9 @@ def test_a_failed_compile_is_not_recorded_and_ends_in_one_line(tmp_path, capsys,
                    "--out", str(tmp_path / "map.md")])
     assert exit_.value.code == 3
     kept = json.loads(records.read_text())["compiled"]
-    programs = {cmd._key(a) for c in _cells() for a in cmd.compile_commands(c).values()}
+    programs = {store.command_key(a) for c in _cells() for a in store.compile_commands(c).values()}
     assert len(kept) == len(calls) - 1 == len(programs) - 1  # one compile per program
-    assert cmd._key(calls[0]) not in {r["command"] for r in kept}
+    assert store.command_key(calls[0]) not in {r["command"] for r in kept}
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("hldstudy plan --decision-map: error: 1 compile(s) failed")
     assert (tmp_path / "map.md").exists()
@@ -292,12 +294,12 @@ def test_the_planners_ratio_reads_libtpus_peak_and_the_gpus_total():
     records = {}
     for target in ("v5p:2x2x2", "h100:8"):
         cell = next(c for c in cells if c["pair"] == SMALL.name and c["target"] == target)
-        args = cmd.compile_commands(cell)["colocated"]
+        args = store.compile_commands(cell)["colocated"]
         planned = cell["colocated"]["peak_bytes"]
-        records[cmd._key(args)] = _record(args, fits=True, total_bytes=2 * planned,
+        records[store.command_key(args)] = _record(args, fits=True, total_bytes=2 * planned,
                                           peak_memory_bytes=planned)
-    cmd.attach(cells, records)
-    spans = cmd.format_map(cells).split("where both sized the same program")[1]
+    store.attach(cells, records)
+    spans = page.format_map(cells).split("where both sized the same program")[1]
     assert "colocated 0.50-1.00 (2)" in spans
 
 
@@ -328,11 +330,11 @@ def test_speed_counts_every_device_and_names_the_faster_layout():
     assert dis["tokens_per_s_per_device"] == pytest.approx(
         cell["tokens_per_step"] / dis["step_time_s"] / dis["devices_total"])
     margin = 100 * (col["tokens_per_s_per_device"] / dis["tokens_per_s_per_device"] - 1)
-    assert margin > 0 and cmd._faster(cell) == \
+    assert margin > 0 and page._faster(cell) == \
         f"; faster: colocated by {margin:.0f}% (estimate, unproven)"
     alone = dict(cell, colocated=dict(col, fits=False))  # colocated out of memory
-    assert cmd._faster(alone) == "; faster: disaggregated, the only one that fits"
-    assert "- Speed (the planner's estimate)" in cmd.format_map(cells)
+    assert page._faster(alone) == "; faster: disaggregated, the only one that fits"
+    assert "- Speed (the planner's estimate)" in page.format_map(cells)
 
 
 def test_compiled_rooflines_time_the_layouts_and_decide_the_faster():
@@ -342,11 +344,11 @@ def test_compiled_rooflines_time_the_layouts_and_decide_the_faster():
     counted; the verdict's faster layout then reads the roofline, not the estimate."""
     cells = _cells()
     cell = next(c for c in cells if c["pair"] == SMALL.name and c["target"] == "h100:8")
-    cmds = cmd.compile_commands(cell)
+    cmds = store.compile_commands(cell)
     recs = {p: _record(a, fits=True, total_bytes=2**30, roofline_s=t, cross_host_bytes=0.0)
             for (p, a), t in zip(cmds.items(), (2.0, 1.0, 2.5), strict=True)}
-    cmd.attach(cells, {r["command"]: r for r in recs.values()})
-    roof = cmd.roofline(cell)
+    store.attach(cells, {r["command"]: r for r in recs.values()})
+    roof = page.roofline(cell)
     tokens, r_dev = cell["tokens_per_step"], cell["disaggregated"]["replica_devices"]
     assert roof["colocated"]["tokens_per_s_per_device"] == tokens / 2.0 / 8
     dis = roof["disaggregated"]
@@ -354,9 +356,9 @@ def test_compiled_rooflines_time_the_layouts_and_decide_the_faster():
     assert dis["tokens_per_s_per_device"] == tokens / 1.0 / (8 + 3 * r_dev)
     rate = {"colocated": tokens / 16, "disaggregated": dis["tokens_per_s_per_device"]}
     best = max(rate, key=rate.get)
-    assert cmd._faster(cell).startswith(f"; faster: {best} by") and "(roofline)" in \
-        cmd._faster(cell)
-    row = next(ln for ln in cmd.format_map(cells).splitlines()
+    assert page._faster(cell).startswith(f"; faster: {best} by") and "(roofline)" in \
+        page._faster(cell)
+    row = next(ln for ln in page.format_map(cells).splitlines()
                if ln.startswith(f"| {SMALL.name} | h100:8 |"))
     assert "**roofline**: col 2.00 s" in row and "col collectives 0.0" in row
     assert "(compiled)" in row
