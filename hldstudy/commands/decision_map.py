@@ -119,7 +119,11 @@ def main(argv: list[str]) -> int:
             missing = attach(cells, records, programs)
         done, failed, compiled = 0, [], set()
         while a.compile:  # a compile that does not fit may ask for one more
-            todo = [m for m in missing if command_key(m[2]) not in failed and command_key(m[2]) not in compiled]
+            # One node's cells first (what a sitting should settle before two nodes'), in
+            # the map's order within each.
+            todo = sorted((m for m in missing if command_key(m[2]) not in failed
+                           and command_key(m[2]) not in compiled),
+                          key=lambda m: m[0]["devices"])
             if not todo:
                 break
             cell, program, args = todo[0]
