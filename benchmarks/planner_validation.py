@@ -30,7 +30,7 @@ from hldstudy.aot.fingerprint import stale_reason, toolchain
 from hldstudy.aot.process import run_aot
 from hldstudy.aot.targets import parse_target
 from hldstudy.fileio import write_json_atomic, write_text_atomic
-from hldstudy.plan.compilers import COMPILERS
+from hldstudy.plan.compilers import COMPILERS, PROGRAM_KINDS
 from hldstudy.plan.step_memory import compiled_peak
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -142,14 +142,23 @@ def read_program(name: str, args: list[str], kept: dict, compile_missing: bool) 
             "compiled_on": rec["compiled_on"], "load_at_start": rec["load_at_start"]}
 
 
+def kind_of(args: list[str]) -> str:
+    """The planner's kind of program (`hldstudy.plan.compilers.PROGRAM_KINDS`)."""
+    return "replica" if args[args.index("--parts") + 1] == "teacher" else "train"
+
+
 def bands(rows: list[dict]) -> dict[str, dict]:
-    """Per compiler, the validation programs' planner / compiled span (their residuals)."""
+    """Per compiler and kind of program ("gpu train", ...), the validation programs'
+    planner / compiled span (their residuals)."""
     out = {}
     for backend in ("gpu", "tpu"):
-        ratios = [r["ratio"] for r in rows if r["backend"] == backend and "ratio" in r]
-        if ratios:
-            out[backend] = {"low": min(ratios), "high": max(ratios), "programs": len(ratios),
-                            "within_15": all(0.85 <= x <= 1.15 for x in ratios)}
+        for kind in PROGRAM_KINDS:
+            ratios = [r["ratio"] for r in rows if r["backend"] == backend and "ratio" in r
+                      and kind_of(r["args"]) == kind]
+            if ratios:
+                out[f"{backend} {kind}"] = {
+                    "low": min(ratios), "high": max(ratios), "programs": len(ratios),
+                    "within_15": all(0.85 <= x <= 1.15 for x in ratios)}
     return out
 
 
@@ -178,14 +187,17 @@ def markdown(fit: list[dict], val: list[dict], band: dict) -> str:
            "figure `fits` reads (`hldstudy.plan.compiled_peak`: libtpu's peak on a TPU, "
            "the total on a GPU); planner: aot's (`hldstudy.aot.report`), as the code reads "
            "it now. A row without a figure was not compiled from the program as this "
-           "checkout lowers it, and says why.", "", "## Fit list (in-sample)", "",
+           "checkout lowers it, and says why. The load beside a compile is the machine's "
+           "when it began; it does not change a compile's figures (they are the "
+           "compiler's, not timings).", "", "## Fit list (in-sample)", "",
            *table(fit), "", "## Validation list (not fitted on)", "", *table(val), "",
-           "## Validation band per compiler", "",
-           "| compiler | programs | planner / compiled, lowest | highest | all within 15% | "
-           "band in hldstudy.plan.compilers |", "|---|---:|---:|---:|---|---|"]
-    for backend, b in band.items():
-        kept = COMPILERS[backend].validated_band
-        out.append(f"| {backend} | {b['programs']} | {b['low']:.3f} | {b['high']:.3f} | "
+           "## Validation band per compiler and kind of program", "",
+           "| compiler, programs | validated on | planner / compiled, lowest | highest | "
+           "all within 15% | band in hldstudy.plan.compilers |", "|---|---:|---:|---:|---|---|"]
+    for name, b in band.items():
+        backend, kind = name.split()
+        kept = dict(COMPILERS[backend].validated_band).get(kind, (1.0, 1.0))
+        out.append(f"| {name} | {b['programs']} | {b['low']:.3f} | {b['high']:.3f} | "
                    f"{'yes' if b['within_15'] else 'no'} | "
                    f"{kept[0]:.3f}-{kept[1]:.3f} |")
     out += ["", "Where a compiler's validation programs leave 0.85-1.15, the planner carries "

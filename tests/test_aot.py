@@ -440,10 +440,10 @@ def test_planner_only_verdicts_read_the_validated_bands_pessimistic_end(monkeypa
     choices = Choices("dense", "dense", "xla", "vmap", ())
     (row,) = step_rows(cfg, teacher, parse_target("h100:1"), choices, [step], 1, 1)
     planned = row["planner"]["total_bytes"]
-    lo, hi = compilers.GPU.validated_band
+    lo, hi = dict(compilers.GPU.validated_band).get("train", (1.0, 1.0))
     assert row["planner_band"] == [planned * min(1, 1 / hi), planned * max(1, 1 / lo)]
     # A band whose pessimistic end is 1.5x the figure, on a device between the two.
-    wide = dataclasses.replace(compilers.GPU, validated_band=(2 / 3, 1.0))
+    wide = dataclasses.replace(compilers.GPU, validated_band=(("train", (2 / 3, 1.0)),))
     monkeypatch.setitem(compilers.COMPILERS, "gpu", wide)
     device = 1.2 * planned
     tight = dataclasses.replace(parse_target("h100:1"), chip=dataclasses.replace(

@@ -177,7 +177,9 @@ def step_rows(cfg: Config, teacher_model, target: Target, choices: Choices, step
             row["planner"] = pred
             # what the compiled figure may be, from the planner's validation (bytes), and
             # the planner's verdict read at its pessimistic end
-            row["planner_band"] = list(validation_band(pred["total_bytes"], target.backend))
+            row["planner_band"] = list(validation_band(
+                pred["total_bytes"], target.backend,
+                "replica" if s.kind == "teacher" else "train"))
             row["planner_fits"] = row["planner_band"][1] <= limit
             if "total_bytes" in row["compiled"]:
                 row["planner_over_compiled"] = pred["total_bytes"] / max(

@@ -107,8 +107,8 @@ def map_cell(teacher: ModelShape, student: ModelShape, chip: Chip, n_devices: in
                           f"split into whole sequences over {n_devices} devices")
     limit = chip.device_memory_bytes * usable
 
-    def fits(nbytes: float) -> bool:  # the band's pessimistic end within the limit
-        return validation_band(nbytes, sizes.backend)[1] <= limit
+    def fits(nbytes: float, kind: str = "train") -> bool:  # the band's pessimistic end
+        return validation_band(nbytes, sizes.backend, kind)[1] <= limit
 
     def fewest(layout: str) -> tuple[int, float]:
         counts = divisors(sequences // n_devices)
@@ -165,7 +165,8 @@ def map_cell(teacher: ModelShape, student: ModelShape, chip: Chip, n_devices: in
             "replica_devices": r_dev, "replica_microbatches": replica["microbatches"],
             "replica_batch": sequences // replica["microbatches"],
             "replica_peak_bytes": replica["peak_bytes"], "replica_fits": replica["fits"],
-            "replica_band_bytes": list(validation_band(replica["peak_bytes"], sizes.backend)),
+            "replica_band_bytes": list(validation_band(replica["peak_bytes"], sizes.backend,
+                                                       "replica")),
             "replicas": replicas, "devices_total": n_devices + replicas * r_dev,
             "step_time_s": step_time, "hidden_bytes_per_step": hidden,
             "tokens_per_s_per_device":
@@ -185,7 +186,8 @@ def _replica(sizes: CellSizes, sequences: int, fits, counts: tuple[int, ...]) ->
             continue
         for m in divisors(sequences // n):
             peak = sizes.replica(n, sequences // m)
-            last = {"devices": n, "microbatches": m, "peak_bytes": peak, "fits": fits(peak)}
+            last = {"devices": n, "microbatches": m, "peak_bytes": peak,
+                    "fits": fits(peak, "replica")}
             if last["fits"]:
                 return last
     return last
