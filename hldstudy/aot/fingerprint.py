@@ -34,13 +34,16 @@ def program_sha256(lowered) -> str:
 def stale_reason(record: dict, tools: dict[str, str | None],
                  program: str | None = None) -> str | None:
     """Why `record` is not the compile of the program as it is now (None: it is): compiled
-    with other tools than `tools` (this host's, `toolchain`), or from another lowered
+    with other versions than `tools` has (this host's, `toolchain`; a tool absent here
+    cannot say otherwise), or from another lowered
     program than `program` (its `program_sha256` now, where it was lowered to check)."""
     if "program_sha256" not in record or "toolchain" not in record:
         return "kept without its program's hash and tool versions"
     kept = record["toolchain"]
-    moved = [f"{k} {kept.get(k) or 'absent'} -> {v or 'absent'}"
-             for k, v in tools.items() if kept.get(k) != v]
+    # A tool this host lacks (no libtpu / CUDA plugin: it cannot compile for the target)
+    # cannot contradict the record; a different installed version does.
+    moved = [f"{k} {kept.get(k) or 'absent'} -> {v}"
+             for k, v in tools.items() if v is not None and kept.get(k) != v]
     if moved:
         return "compiled with other tools (" + ", ".join(moved) + ")"
     if program is not None and program != record["program_sha256"]:
