@@ -505,18 +505,11 @@ def test_the_tpu_row_follows_libtpus_train_steps(config, overrides, target, micr
     row of hldstudy.plan.compilers), unrolled and scanned, solo and a cohort of 4, one
     micro-batch and four, colocated and disaggregated, within 15% of libtpu's peak."""
     from hldstudy.aot.check import load_run
-    from hldstudy.aot.compile import resolve_for_target, stage_names
-    from hldstudy.aot.report import predicted_train_memory
+    from hldstudy.aot.planned import planned_train
     from hldstudy.aot.targets import parse_target
 
     root = Path(__file__).resolve().parent.parent
     cfg, method, teacher = load_run(str(root / config), overrides, None, None)
-    tgt = parse_target(target)
-    cfg, teacher, choices = resolve_for_target(cfg, teacher, tgt)
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, microbatches=micro))
-    fsdp = cfg.train.mesh_fsdp if cfg.train.mesh_fsdp > 0 else \
-        tgt.n_devices // cfg.train.mesh_data
-    stage = stage_names(cfg, method, teacher)[0]
-    pred = predicted_train_memory(cfg, teacher, method, stage, tgt.n_devices, fsdp, choices,
-                                  cohort, "tpu", layout)
+    pred = planned_train(cfg, teacher, method, parse_target(target), layout, cohort)
     assert pred["total_bytes"] / 2**30 == pytest.approx(compiled, rel=0.15)

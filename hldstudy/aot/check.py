@@ -14,6 +14,7 @@ from hldstudy.aot.fingerprint import toolchain
 from hldstudy.aot.report import (
     flops_note,
     format_table,
+    fsdp_size,
     largest_terms,
     planner_of,
     step_rows,
@@ -118,7 +119,7 @@ def check_compile(cfg, method: str, teacher, target_text: str, *, cohort: int | 
     devs = devices(target)
     steps = compile_run(cfg, teacher, method, devs, cohort=cohort, mode=choices.cohort_mode,
                         parts=parts, layout=layout, lower_only=lower_only)
-    fsdp = cfg.train.mesh_fsdp if cfg.train.mesh_fsdp > 0 else len(devs) // cfg.train.mesh_data
+    fsdp = fsdp_size(cfg, len(devs))
     if lower_only:  # each program's hash and the planner's figures: no compiler's
         rows = [{"step": s.name, "program_sha256": s.program_sha256,
                  "planner": planner_of(s, cfg, teacher, choices, len(devs), fsdp, cohort,

@@ -5,7 +5,7 @@ as the figure aot prints beside a compile (`report.planner_of`)."""
 from __future__ import annotations
 
 from hldstudy.aot.compile import replica_forward, resolve_for_target, stage_names
-from hldstudy.aot.report import predicted_train_memory
+from hldstudy.aot.report import fsdp_size, predicted_train_memory
 from hldstudy.aot.targets import Target
 from hldstudy.config import Config, ModelConfig
 from hldstudy.teacher.microbatch import replica_forward_memory
@@ -19,7 +19,7 @@ def planned_train(cfg: Config, teacher_model: ModelConfig | None, method: str, t
     a compile."""
     cfg, teacher_model, choices = resolve_for_target(cfg, teacher_model, target)
     n = target.n_devices
-    fsdp = cfg.train.mesh_fsdp if cfg.train.mesh_fsdp > 0 else n // cfg.train.mesh_data
+    fsdp = fsdp_size(cfg, n)
     stage = stage_names(cfg, method, teacher_model)[0]
     return predicted_train_memory(cfg, teacher_model, method, stage, n, fsdp, choices, cohort,
                                   target.backend, layout)

@@ -41,6 +41,12 @@ def per_device_config(cfg: Config, n_devices: int) -> Config:
         cfg.data, batch_size=max(1, cfg.data.batch_size // n_devices)))
 
 
+def fsdp_size(cfg: Config, n_devices: int) -> int:
+    """The FSDP axis the planner divides sharded terms by: train.mesh_fsdp, or (auto) the
+    devices the data axis leaves."""
+    return cfg.train.mesh_fsdp if cfg.train.mesh_fsdp > 0 else n_devices // cfg.train.mesh_data
+
+
 def predicted_train_memory(cfg: Config, teacher_model: ModelConfig | None, method: str,
                            stage: str, n_devices: int, fsdp: int, choices: Choices,
                            cohort: int | None = None, compiler: str = "cpu",

@@ -114,9 +114,10 @@ def _coverage(cell: dict) -> str:
 def _collectives_gbps(cell: dict, program: str, step_time: float) -> float | None:
     """Gbps per device of a compiled train step's collectives that cross hosts (its HLO's
     `cross_host_bytes` per step over the step's time); None where not compiled."""
-    recs = [r for r in cell.get("compiled", {}).get(program, [])
-            if record_fits(r, cell) and "cross_host_bytes" in r]
-    return None if not recs else 8 * recs[0]["cross_host_bytes"] / step_time / 1e9
+    rec = _fitting(cell, program)
+    if rec is None or "cross_host_bytes" not in rec:
+        return None
+    return 8 * rec["cross_host_bytes"] / step_time / 1e9
 
 
 def _fitting(cell: dict, program: str) -> dict | None:

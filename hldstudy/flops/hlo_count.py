@@ -98,18 +98,7 @@ def _split_operands(rest: str) -> tuple[str, str]:
 def _operand_shapes(operands: str, shapes: dict[str, list[int]]) -> list[list[int] | None]:
     """Each operand's dims: printed with its type (`f32[8,16]{1,0} %x`) or by name."""
     out = []
-    depth, start = 0, 0
-    parts = []
-    for i, ch in enumerate(operands):
-        if ch in "([{":
-            depth += 1
-        elif ch in ")]}":
-            depth -= 1
-        elif ch == "," and depth == 0:
-            parts.append(operands[start:i])
-            start = i + 1
-    parts.append(operands[start:])
-    for part in (p.strip() for p in parts if p.strip()):
+    for part in (p.strip() for p in _top_level_parts(operands)):
         typed = _first_array(part.rsplit(" ", 1)[0]) if " " in part else None
         name = part.rsplit(" ", 1)[-1].lstrip("%")
         out.append(typed if typed is not None else shapes.get(name))
@@ -134,7 +123,7 @@ def _io_bytes(type_text: str, operands: str, shapes: dict) -> float:
     (a fusion's intermediates stay on chip)."""
     known = shapes.get("#bytes", {})
     read = 0.0
-    for part in (p.strip() for p in _names_typed(operands)):
+    for part in (p.strip() for p in _top_level_parts(operands)):
         if " " in part and _ARRAY.search(part.rsplit(" ", 1)[0]):
             read += _type_bytes(part.rsplit(" ", 1)[0])
         else:
@@ -142,7 +131,8 @@ def _io_bytes(type_text: str, operands: str, shapes: dict) -> float:
     return read + _type_bytes(type_text)
 
 
-def _names_typed(operands: str) -> list[str]:
+def _top_level_parts(operands: str) -> list[str]:
+    """An operand list split at its top-level commas (a printed type's own commas kept)."""
     out, depth, start = [], 0, 0
     for i, ch in enumerate(operands):
         if ch in "([{":
