@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from hldstudy.aot.fingerprint import toolchain
+from hldstudy.aot.fingerprint import source_sha256, toolchain
 from hldstudy.aot.targets import parse_target
 from hldstudy.chips import CHIPS
 from hldstudy.commands import decision_map as cmd
@@ -45,7 +45,8 @@ def _cells():
 def _record(args, **figures):
     """A record as `run_compile` keeps one: this host's tools, a lowered program's hash."""
     return {"command": store.command_key(args), "config_sha256": store.config_digest(args),
-            "program_sha256": "a" * 64, "toolchain": toolchain(store.backend_of(args)), **figures}
+            "program_sha256": "a" * 64, "toolchain": toolchain(store.backend_of(args)),
+            "source_sha256": source_sha256(), **figures}
 
 
 @pytest.mark.parametrize("pair, target", [(SMALL, "h100:8"), (LARGE, "v5p:2x2x2"),
@@ -170,8 +171,12 @@ def test_records_are_reused_only_for_the_same_command():
     rep_args = store.compile_commands(v5p)["replica"]
     batch = v5p["disaggregated"]["replica_batch"]
     assert rep_args[-1] == f"teacher.replica_batch={batch}" and batch > 4
+    # over the four chips of the slice the map counts for it (the file's own replica runs
+    # on one device: the program and the map's count of devices would disagree)
+    assert rep_args[-4:-2] == ["--set", "teacher.replica_devices=4"]
     assert store.next_args(v5p, "replica", rep_args)[-1] == f"teacher.replica_batch={batch // 2}"
-    last = [a if not a.startswith("teacher.") else "teacher.replica_batch=4" for a in rep_args]
+    last = [a if not a.startswith("teacher.replica_batch=") else "teacher.replica_batch=4"
+            for a in rep_args]
     assert store.next_args(v5p, "replica", last) is None
 
 
@@ -208,6 +213,39 @@ def test_a_record_of_another_program_or_toolchain_is_not_current():
         assert "stale compile 50.0" in row and why.split(" ->")[0] in row
         assert not page._fits(cell, "colocated") == cell["colocated"]["fits"] is False \
             or page._fits(cell, "colocated") == cell["colocated"]["fits"]  # the planner's
+
+
+def test_a_record_is_lowered_again_only_where_the_code_changed(monkeypatch):
+    """--compile checks each kept record against the program as this checkout lowers it:
+    a record compiled by this very source is that program (no lowering: minutes for a 35B
+    GPU program); another source's is lowered, and stamped with this source only when its
+    program is the same, so a changed program stays stale."""
+    cells = _cells()
+    cell = next(c for c in cells if c["pair"] == SMALL.name and c["target"] == "h100:8")
+    cmds = store.compile_commands(cell)
+    same = _record(cmds["colocated"], fits=True, total_bytes=2**30,
+                   source_sha256=source_sha256())
+    unchanged = _record(cmds["disaggregated"], fits=True, total_bytes=2**30,
+                        source_sha256="0" * 64)
+    changed = _record(cmds["replica"], fits=True, total_bytes=2**30, source_sha256="0" * 64)
+    records = {r["command"]: r for r in (same, unchanged, changed)}
+    lowered = {unchanged["command"]: "a" * 64, changed["command"]: "b" * 64}
+    asked, saves = [], []
+
+    def lower(args):  # what `python -m hldstudy.aot --lower-only` would hash
+        asked.append(store.command_key(args))
+        return lowered[store.command_key(args)]
+
+    monkeypatch.setattr(store, "lowered_program", lower)
+    store.attach(cells, records)
+    programs = store.programs_now(cells, records, lambda: saves.append(1))
+    assert sorted(asked) == sorted(lowered) and same["command"] not in asked
+    assert programs == {same["command"]: "a" * 64, **lowered}
+    assert unchanged["source_sha256"] == source_sha256() and saves == [1]
+    assert changed["source_sha256"] == "0" * 64
+    store.attach(cells, records, programs)
+    assert set(cell["compiled"]) == {"colocated", "disaggregated"}
+    assert "the lowered program changed" in cell["stale"]["replica"][1]
 
 
 def test_the_committed_map_is_what_the_command_writes(tmp_path, capsys):

@@ -10,7 +10,7 @@ import jax
 from jax._src import xla_bridge
 
 from hldstudy.aot.compile import compile_run, resolve_for_target
-from hldstudy.aot.fingerprint import toolchain
+from hldstudy.aot.fingerprint import source_sha256, toolchain
 from hldstudy.aot.report import (
     flops_note,
     format_table,
@@ -125,6 +125,7 @@ def check_compile(cfg, method: str, teacher, target_text: str, *, cohort: int | 
                  "planner": planner_of(s, cfg, teacher, choices, len(devs), fsdp, cohort,
                                        target.backend)} for s in steps]
         return {"target": target.spec, "toolchain": toolchain(target.backend), "rows": rows,
+                "source_sha256": source_sha256(),
                 "text": "\n".join(f"{s.program_sha256}  {s.name}" for s in steps)}
     rows = step_rows(cfg, teacher, target, choices, steps, len(devs), fsdp, cohort)
     teacher_where = f", teacher {layout}" if methods.get(method).needs_teacher else ""
@@ -137,7 +138,7 @@ def check_compile(cfg, method: str, teacher, target_text: str, *, cohort: int | 
     report = {"target": target.spec, "device_kind": devs[0].device_kind, "devices": len(devs),
               "config": cfg.name, "method": method, "cohort": cohort, "layout": layout,
               "choices": dataclasses.asdict(choices), "rows": rows, "text": text,
-              "toolchain": toolchain(target.backend)}
+              "toolchain": toolchain(target.backend), "source_sha256": source_sha256()}
     over = [r for r in rows if not r["fits"]]
     if over:
         r = over[0]

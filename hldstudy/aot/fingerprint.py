@@ -2,12 +2,16 @@
 the lowered program (its text: shapes, shardings, kernels, everything the code that built
 it decided) and the versions of the tools that lowered and compiled it. A record whose
 key differs from the program as this checkout and this host's tools build it is stale:
-recompiled, or shown as stale, never read as current."""
+recompiled, or shown as stale, never read as current. The package's source hash says
+when a record needs no lowering to be checked: the same code, command, experiment file
+and tools lower the same program."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from importlib import metadata
+from pathlib import Path
 
 # The distributions whose versions decide what a compile for a backend reports: JAX's
 # lowering, XLA (jaxlib) and the target's compiler (libtpu; the CUDA plugin and its PJRT).
@@ -31,6 +35,19 @@ def program_sha256(lowered) -> str:
     return hashlib.sha256(lowered.as_text().encode()).hexdigest()
 
 
+@functools.cache
+def source_sha256() -> str:
+    """sha256 of the hldstudy package's source (each .py file under it, by path): the code
+    that lowers a program. A record compiled by the same source needs no lowering to be
+    checked (minutes for a 35B GPU program: Mosaic kernels); another source's is lowered
+    again and compared by its program's hash."""
+    root = Path(__file__).resolve().parents[1]
+    h = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        h.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
 def stale_reason(record: dict, tools: dict[str, str | None],
                  program: str | None = None) -> str | None:
     """Why `record` is not the compile of the program as it is now (None: it is): compiled
@@ -51,4 +68,4 @@ def stale_reason(record: dict, tools: dict[str, str | None],
     return None
 
 
-__all__ = ["TOOLCHAINS", "program_sha256", "stale_reason", "toolchain"]
+__all__ = ["TOOLCHAINS", "program_sha256", "source_sha256", "stale_reason", "toolchain"]

@@ -26,10 +26,9 @@ from hldstudy.cli_common import check_output_file
 from hldstudy.commands.decision_map_page import format_map
 from hldstudy.commands.decision_map_records import (
     attach,
-    command_args,
     command_key,
     load_records,
-    lowered_program,
+    programs_now,
     run_compile,
 )
 from hldstudy.errors import ConfigError, RuntimeFault, user_errors
@@ -74,11 +73,46 @@ def cell_sizes(pair: MapPair, spec: str) -> CellSizes:
 
     def replica(devices: int, per_forward: int) -> float:
         run = dataclasses.replace(cfg, teacher=dataclasses.replace(
-            cfg.teacher, replica_batch=per_forward))
+            cfg.teacher, replica_batch=per_forward, replica_devices=devices))
         return planned_replica(run, teacher, method,
                                parse_target(slice_spec(target.chip, devices)))["total_bytes"]
 
     return CellSizes(train, replica, target.backend)
+
+
+def _compile_missing(cells: list[dict], records: dict[str, dict], programs: dict,
+                     records_path: Path, failed: list[str]) -> None:
+    """Compiles the cells' programs without a current record (`attach`), one process each,
+    one node's cells first (what a sitting should settle before two nodes'), in the map's
+    order within each; each record written as it comes, so an interrupted sitting keeps
+    what it compiled. A program that does not fit asks for the next count (`attach`); a
+    failed compile is not kept (listed in `failed`, tried again next time)."""
+    done, compiled = 0, set()
+    while True:
+        todo = sorted((m for m in attach(cells, records, programs)
+                       if command_key(m[2]) not in failed and command_key(m[2]) not in compiled),
+                      key=lambda m: m[0]["devices"])
+        if not todo:
+            return
+        cell, program, args = todo[0]
+        done += 1
+        print(f"[{done}, {len(todo)} to go] compiling {cell['pair']} on "
+              f"{cell['target']}: {program} ({args[-1]})", file=sys.stderr, flush=True)
+        rec = run_compile(args)
+        print(f"    {rec.get('seconds')} s: " + (rec.get("error") or (
+            f"{(rec.get('total_bytes') or 0) / GiB:.1f} GiB per device, "
+            f"{'fits' if rec.get('fits') else 'does not fit'}")), file=sys.stderr, flush=True)
+        if "error" in rec:
+            failed.append(rec["command"])
+            continue
+        records[rec["command"]] = rec
+        compiled.add(rec["command"])
+        _save(records_path, records)
+
+
+def _save(records_path: Path, records: dict[str, dict]) -> None:
+    records_path.parent.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(records_path, {"compiled": list(records.values())})
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -107,41 +141,17 @@ def main(argv: list[str]) -> int:
         cells = decision_map(PAIRS, targets, shape_of=plan_model, sizes_of=cell_sizes)
         records = load_records(records_path)
         programs: dict[str, str | None] = {}
-        missing = attach(cells, records)
+        failed: list[str] = []
         if a.compile:  # the compiler's extra, checked before minutes of work
             for spec in sorted({c["target"] for c in cells}):
                 check_installed(parse_target(spec))
-            # What the kept records compiled, lowered again now: a record of a program the
-            # code no longer builds is compiled again, an unchanged one is kept.
-            kept = [r["command"] for c in cells for recs in c.get("compiled", {}).values()
-                    for r in recs]
-            programs = {k: lowered_program(command_args(k)) for k in kept}
-            missing = attach(cells, records, programs)
-        done, failed, compiled = 0, [], set()
-        while a.compile:  # a compile that does not fit may ask for one more
-            # One node's cells first (what a sitting should settle before two nodes'), in
-            # the map's order within each.
-            todo = sorted((m for m in missing if command_key(m[2]) not in failed
-                           and command_key(m[2]) not in compiled),
-                          key=lambda m: m[0]["devices"])
-            if not todo:
-                break
-            cell, program, args = todo[0]
-            done += 1
-            print(f"[{done}, {len(todo)} to go] compiling {cell['pair']} on "
-                  f"{cell['target']}: {program} ({args[-1]})", file=sys.stderr, flush=True)
-            rec = run_compile(args)
-            print(f"    {rec.get('seconds')} s: " + (rec.get("error") or (
-                f"{(rec.get('total_bytes') or 0) / GiB:.1f} GiB per device, "
-                f"{'fits' if rec.get('fits') else 'does not fit'}")), file=sys.stderr, flush=True)
-            if "error" in rec:  # not kept: a failed compile is tried again next time
-                failed.append(rec["command"])
-                continue
-            records[rec["command"]] = rec
-            compiled.add(rec["command"])
-            records_path.parent.mkdir(parents=True, exist_ok=True)
-            write_json_atomic(records_path, {"compiled": list(records.values())})
-            missing = attach(cells, records, programs)
+            # The programs without a record first (no lowering needed to know), then the
+            # kept records checked against the program as this checkout lowers it (lowered
+            # again only where the code changed since: `programs_now`), the stale compiled.
+            _compile_missing(cells, records, programs, records_path, failed)
+            programs = programs_now(cells, records, lambda: _save(records_path, records))
+            _compile_missing(cells, records, programs, records_path, failed)
+        missing = attach(cells, records, programs)
         if missing:
             print(f"{PROG}: {len(missing)} marked program(s) not compiled yet (--compile "
                   "compiles them)", file=sys.stderr)

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 from pathlib import Path
 
-from hldstudy.aot.fingerprint import stale_reason, toolchain
+from hldstudy.aot.fingerprint import source_sha256, stale_reason, toolchain
 from hldstudy.aot.process import run_aot
 from hldstudy.aot.targets import parse_target
 from hldstudy.errors import InputError
@@ -32,9 +33,12 @@ def compile_commands(cell: dict) -> dict[str, list[str]]:
         "disaggregated": base + ["--target", cell["target"], "--layout", "disaggregated",
                                  "--parts", "train", "--set",
                                  f"train.microbatches={dis['microbatches']}"],
+        # the replica over every device of its slice, as the map counts them (a file's
+        # own teacher.replica_devices may name fewer: one GPU, where a TPU host has four)
         "replica": base + ["--target", slice_spec(chip, dis["replica_devices"]),
-                           "--layout", "disaggregated", "--parts", "teacher", "--set",
-                           f"teacher.replica_batch={dis['replica_batch']}"],
+                           "--layout", "disaggregated", "--parts", "teacher",
+                           "--set", f"teacher.replica_devices={dis['replica_devices']}",
+                           "--set", f"teacher.replica_batch={dis['replica_batch']}"],
     }
 
 
@@ -74,6 +78,7 @@ def run_compile(args: list[str]) -> dict:
         return rec
     rec["program_sha256"] = row.get("program_sha256")
     rec["toolchain"] = run["report"].get("toolchain")
+    rec["source_sha256"] = run["report"].get("source_sha256")
     rec.update({k: row[k] for k in ("fits", "device_memory_bytes", "refused", "microbatches",
                                     "xla_over_model", "planner_over_compiled",
                                     "collective_bytes", "cross_host_bytes", "roofline_s",
@@ -94,6 +99,31 @@ def lowered_program(args: list[str]) -> str | None:
         return row["program_sha256"]
     except (KeyError, TypeError, ValueError):
         return None
+
+
+def programs_now(cells: list[dict], records: dict[str, dict],
+                 save=lambda: None) -> dict[str, str | None]:
+    """The sha256 of the program each record the cells read (`attach`) compiled, as this
+    checkout builds it now: the record's own where this source compiled it
+    (`source_sha256`: the same code lowers the same program), else lowered again
+    (`lowered_program`, with progress: minutes for a 35B GPU program); a record found
+    the same program is stamped with this source and `save`d, so it is not lowered again."""
+    kept = [r for c in cells for recs in c.get("compiled", {}).values() for r in recs]
+    now = source_sha256()
+    programs, lower = {}, []
+    for rec in kept:
+        if rec.get("source_sha256") == now and rec.get("program_sha256"):
+            programs[rec["command"]] = rec["program_sha256"]
+        elif rec["command"] not in lower:
+            lower.append(rec["command"])
+    for i, key in enumerate(lower, 1):
+        print(f"[lowering {i} of {len(lower)}: the code changed since] {key}",
+              file=sys.stderr, flush=True)
+        programs[key] = lowered_program(command_args(key))
+        if programs[key] == records[key].get("program_sha256"):
+            records[key]["source_sha256"] = now
+            save()
+    return programs
 
 
 def load_records(path: Path) -> dict[str, dict]:
@@ -183,4 +213,5 @@ def attach(cells: list[dict], records: dict[str, dict],
 
 
 __all__ = ["attach", "command_args", "command_key", "compile_commands", "config_digest",
-           "load_records", "lowered_program", "next_args", "record_fits", "run_compile"]
+           "load_records", "lowered_program", "next_args", "programs_now", "record_fits",
+           "run_compile"]
