@@ -130,7 +130,7 @@ def _set(*kvs):
 
 
 PLAN = ["--teacher", "gemma3-4b", "--student", "gemma3-270m", "--tokens-per-step", "65536",
-        "--devices", "8", "--hbm", "80", "--link", "100"]
+        "--devices", "8", "--link", "100"]
 
 
 def _plan(*extra, needles):
@@ -254,20 +254,18 @@ CASES: list[Case] = [
     Case("sweep", ["{tmp}/sweep.py", "--set", "train.b2=1.5"], ("train.b2", "[0, 1)")),
     Case("sweep", ["{tmp}/adir"], ("adir", "is a directory")),
     # --- the planner's inputs ---
-    _plan("--hbm", "inf", needles=["--hbm", "finite"]),
-    _plan("--hbm", "nan", needles=["--hbm", "finite"]),
-    _plan("--hbm", "0", needles=["--hbm", "> 0"]),
+    _plan("--link", "inf", needles=["--link", "finite"]),
+    _plan("--link", "nan", needles=["--link", "finite"]),
     _plan("--mfu", "5", needles=["--mfu", "(0, 1]"]),
-    _plan("--usable", "2", needles=["--usable", "(0, 1]"]),
     _plan("--devices", "0", needles=["--devices", ">= 1"]),
     _plan("--devices", "-8", needles=["--devices", ">= 1"]),
     _plan("--link", "0", needles=["--link", "> 0"]),
     _plan("--link", "-1", needles=["--link", "> 0"]),
     _plan("--tokens-per-step", "0", needles=["--tokens-per-step", ">= 1"]),
     _plan("--tflops", "inf", needles=["--tflops", "finite"]),
-    _plan("--ring", "-1", needles=["--ring", ">= 0"]),
+    _plan("--hidden-layers", "-1", needles=["--hidden-layers", ">= 0"]),
     _plan("--teacher-devices", "0", needles=["--teacher-devices", ">= 1"]),
-    _plan("--param-bytes", "0", needles=["--param-bytes"]),
+    _plan("--grad-accum", "0", needles=["--grad-accum"]),
     # --- the FLOP CLI ---
     _flops("--budget", "-1", needles=["--budget", "> 0"]),
     _flops("--budget", "1", needles=["--budget", "no steps"]),
@@ -359,7 +357,7 @@ def test_at_least_sixty_cases():
 PROCESS_CASES = [
     Case("train", ["--config", "{tmp}/adir"], ("--config", "is a directory")),
     Case("train", ["--config", TINY, "--set", "train.b2=1.5"], ("train.b2",)),
-    Case("plan", [*PLAN[:-4], "--hbm", "inf", "--link", "100"], ("--hbm", "finite")),
+    Case("plan", [*PLAN[:-2], "--link", "inf"], ("--link", "finite")),
     Case("flops", ["--config", "{tmp}/exp.py", "--budget", "-1"], ("--budget",)),
     Case("analysis", ["{tmp}/existing_run", "--out", "{tmp}/afile.txt"], ("--out", "is a file")),
 ]

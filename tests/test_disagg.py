@@ -354,9 +354,8 @@ def test_planner_network_bytes_equal_bytes_sent(env, method):
     planned = plan(PlanInputs(
         teacher=PlanModel.from_model_config(tmodel, "teacher"),
         student=PlanModel.from_model_config(cfg.model, "student"), tokens_per_step=tokens,
-        devices=1, hbm_gb=80, link_gbps=100, seq_len=cfg.data.seq_len, hidden_layers=extra,
-        compute_dtype="float32", teacher_dtype="float32", stream_dtype="float32",
-        ring=cfg.teacher.ring_size))["network_bytes_per_step"]
+        devices=1, link_gbps=100, seq_len=cfg.data.seq_len, hidden_layers=extra,
+        stream_dtype="float32"))["network_bytes_per_step"]
     assert planned == network_bytes_per_step(tokens, 1 + extra, tmodel.d_model, VOCAB, 4)
     assert sent == cfg.train.steps * planned["hidden"]  # tensor payload the replicas sent
 

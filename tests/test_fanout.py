@@ -285,7 +285,7 @@ def test_the_planner_has_the_window_memory():
 
     assert fanout_window_bytes(4, 1000, 2, 2560, 2) == 4 * 1000 * 2 * 2560 * 2
     p = PlanInputs(teacher=plan_model("gemma3-4b"), student=plan_model("gemma3-270m"),
-                   tokens_per_step=8192, devices=8, hbm_gb=80, link_gbps=100, hidden_layers=1)
+                   tokens_per_step=8192, devices=8, link_gbps=100, hidden_layers=1)
     r = plan(p)
     assert r["disaggregated"]["fanout_window_bytes"] == 0
     assert "fan-out window" not in format_markdown(r)
@@ -533,7 +533,7 @@ def test_three_trainer_processes_share_one_forward_per_step(
     try:
         for name, cfg in members.items():  # the colocated references, while the replica starts
             Trainer(cfg, tmp_path / name / "colocated", devices=jax.devices()[:1]).run()
-        replica.ready("cohort hldc-c,kd-a,kd-b window 3)")
+        replica.ready("cohort hldc-c,kd-a,kd-b window 3, forward")
         procs = [_member(tmp_path, name, cfg, replica.address) for name, cfg in members.items()]
         for name, p in zip(members, procs, strict=True):
             assert p.wait(600) == 0, (tmp_path / f"{name}.log").read_text()[-3000:]

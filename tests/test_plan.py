@@ -1,4 +1,5 @@
-"""Memory / network planner: hand-computed terms, verdicts, CLI, and XLA's memory analysis."""
+"""The planner: time / network from presets (hand-computed), the one memory model (aot's
+planner) against XLA's memory analysis, and the CLI."""
 
 import dataclasses
 import json
@@ -20,15 +21,13 @@ from hldstudy.plan import (
     plan,
     plan_model,
     predict_step_memory,
-    ring_bytes,
-    weights_bytes,
     xla_memory,
 )
 
 
 def inputs(**kw):
     base = dict(teacher=plan_model("gemma3-4b"), student=plan_model("gemma3-270m"),
-                tokens_per_step=65536, devices=8, hbm_gb=80, link_gbps=100, seq_len=4096)
+                tokens_per_step=65536, devices=8, link_gbps=100, seq_len=4096)
     base.update(kw)
     return PlanInputs(**base)
 
@@ -36,8 +35,6 @@ def inputs(**kw):
 def test_dense_params_match_the_model_count():
     for name in ("gemma3-270m", "gemma3-1b", "gemma3-4b", "tiny"):
         assert plan_model(name).total_params() == count_params(preset(name))["total"]
-    m = plan_model("gemma3-270m")
-    assert weights_bytes(m, 4, 8) == count_params(preset("gemma3-270m"))["total"] * 4 / 8
 
 
 def test_qwen35_presets_are_the_real_shapes():
@@ -62,13 +59,12 @@ def test_qwen35_presets_are_the_real_shapes():
 
 
 def test_qwen35_terms_count_deltanet_and_experts():
-    """FSDP gathers the largest block with all its experts; a DeltaNet layer's activations
+    """A block's parameters count all its experts; a DeltaNet layer's activations
     hold its conv channels, chunk rows and per-chunk states, not attention scores; the
     recurrent state of a served sequence is float32 [Hv, K, V] + the conv's last inputs."""
     from hldstudy.plan.terms import (
         deltanet_activation_bytes_per_token,
         deltanet_state_bytes,
-        fsdp_gather_bytes,
         layer_activation_bytes_per_token,
     )
 
@@ -77,8 +73,6 @@ def test_qwen35_terms_count_deltanet_and_experts():
     full_block = (3 * d * f * e + 3 * d * 512 + d + d * e + 2 * d
                   + 2 * d * 16 * 256 + 2 * d * 2 * 256 + d * 16 * 256 + 2 * 256)
     assert moe.block_params(3) == full_block
-    assert fsdp_gather_bytes(moe, 2, 8) == 2 * max(moe.block_params(0), full_block) * 2
-    assert fsdp_gather_bytes(moe, 2, 1) == 0
     linear = layer_activation_bytes_per_token(moe, 4096, 2, "flash", layer=0)
     full = layer_activation_bytes_per_token(moe, 4096, 2, "flash", layer=3)
     assert linear - full == pytest.approx(
@@ -90,8 +84,7 @@ def test_qwen35_terms_count_deltanet_and_experts():
     assert deltanet_state_bytes(moe, 1, 2) == state
 
 
-def test_ring_logits_network_by_hand():
-    assert ring_bytes(4, 8192, 2, 2560, 2) == 4 * 8192 * 2 * 2560 * 2
+def test_logits_network_by_hand():
     assert logits_bytes_materialized(8192, 262144) == 3 * 8192 * 262144 * 4
     assert logits_bytes_materialized(8192, 262144, with_teacher=False) == 2 * 8192 * 262144 * 4
     fused = logits_bytes_fused(8192, 262144, 640, 256, 512)
@@ -103,48 +96,18 @@ def test_ring_logits_network_by_hand():
     assert net3["logits_over_hidden"] == pytest.approx(262144 / (3 * 2560))
 
 
-def test_plan_terms_and_verdicts():
+def test_plan_times_and_link():
     r = plan(inputs())
-    col, dis = r["colocated"], r["disaggregated"]
-    s = plan_model("gemma3-270m")
-    assert col["breakdown"]["student_optimizer"] == 2 * s.total_params() * 4 / 8
-    assert dis["breakdown"]["ring"] == 4 * 8192 * 1 * 2560 * 2
-    assert dis["breakdown"]["teacher_head"] == 262208 * 2560 * 2 / 8
-    assert "teacher_weights" in col["breakdown"] and "teacher_weights" not in dis["breakdown"]
-    assert col["bytes_per_device"] == pytest.approx(sum(col["breakdown"].values()))
-    assert col["verdict"] == dis["verdict"] == "fits"
+    dis = r["disaggregated"]
+    assert set(r["colocated"]) == {"step_time_s"}  # memory is aot's planner's alone
+    assert not dis["network_bound"]
     # Link requirement = hidden bytes per device / trainer step time.
     t_step = dis["student_step_time_s"]
     assert r["required_link_gbps"] == pytest.approx(
         r["network_bytes_per_step"]["hidden"] / 8 * 8 / t_step / 1e9)
     assert r["required_link_gbps_if_logits"] / r["required_link_gbps"] == pytest.approx(102.4, rel=0.01)
-    # A thin link stalls the ring; a huge ring or a small HBM runs out of memory.
-    assert plan(inputs(link_gbps=1))["disaggregated"]["verdict"] == "network-bound"
-    assert plan(inputs(ring=2000))["disaggregated"]["verdict"] == "out of memory"
-    assert plan(inputs(hbm_gb=4))["colocated"]["verdict"] == "out of memory"
-
-
-def test_fused_loss_and_remat_shrink_memory():
-    mat = plan(inputs(student=plan_model("gemma3-1b"), tokens_per_step=131072,
-                      loss="materialized"))
-    fused = plan(inputs(student=plan_model("gemma3-1b"), tokens_per_step=131072))
-    assert mat["colocated"]["verdict"] == "out of memory"
-    assert fused["colocated"]["verdict"] == "fits"
-    # Fused: chunk workspace + the d_s x V float32 head-gradient accumulator only.
-    assert mat["colocated"]["breakdown"]["logits_peak"] > 40 * fused["colocated"]["breakdown"]["logits_peak"]
-    remat = plan(inputs(remat=True))
-    assert (remat["colocated"]["breakdown"]["student_activations"]
-            < plan(inputs())["colocated"]["breakdown"]["student_activations"] / 5)
-
-
-def test_moe_teacher_colocated_ooms_disaggregated_fits():
-    p = inputs(teacher=plan_model("qwen3.5-35b-a3b"), student=plan_model("qwen3.5-9b"),
-               tokens_per_step=131072, devices=4, remat=True, hidden_layers=0)
-    r = plan(p)
-    assert r["colocated"]["verdict"] == "out of memory"
-    assert r["disaggregated"]["verdict"] == "fits"
-    assert r["disaggregated"]["teacher_breakdown"]["teacher_weights"] == pytest.approx(
-        plan_model("qwen3.5-35b-a3b").total_params() * 2 / 4)
+    # A thin link stalls the stream.
+    assert plan(inputs(link_gbps=1))["disaggregated"]["network_bound"]
 
 
 def test_bad_inputs():
@@ -158,20 +121,46 @@ def test_bad_inputs():
 
 def test_cli_json(capsys):
     assert main(["--teacher", "gemma3-4b", "--student", "gemma3-270m", "--tokens-per-step",
-                 "65536", "--devices", "8", "--hbm", "80", "--link", "100", "--json"]) == 0
+                 "65536", "--devices", "8", "--link", "100", "--json"]) == 0
     r = json.loads(capsys.readouterr().out)
-    for key in ("bytes_per_device", "verdict"):
-        assert key in r["colocated"] and key in r["disaggregated"]
-    assert "teacher_bytes_per_device" in r["disaggregated"]
+    assert "step_time_s" in r["colocated"] and "network_bound" in r["disaggregated"]
     assert set(r["network_bytes_per_step"]) >= {"hidden", "logits"}
     assert r["required_link_gbps"] > 0
     assert main(["--teacher", "qwen3.5-35b-a3b", "--student", "qwen3.5-9b", "--tokens-per-step",
-                 "65536", "--devices", "4", "--hbm", "80", "--link", "100", "--remat"]) == 0
-    assert "| verdict |" in capsys.readouterr().out
+                 "65536", "--devices", "4", "--link", "100", "--remat"]) == 0
+    out = capsys.readouterr().out
+    assert "| verdict |" in out and "hldstudy plan --config EXP --target T" in out
     with pytest.raises(SystemExit) as e:
         main(["--teacher", "nope", "--student", "tiny", "--tokens-per-step", "8",
-              "--devices", "1", "--hbm", "1", "--link", "1"])
+              "--devices", "1", "--link", "1"])
     assert e.value.code == 2
+
+
+def test_a_runs_memory_is_aots_planner_on_its_experiment_file(capsys):
+    """`hldstudy plan --config EXP --target T` is the run's cell of the decision map: its
+    figures are the ones the map prints for the same file and target (aot's planner, the one
+    memory model), with a verdict per layout."""
+    from hldstudy.commands.decision_map import cell_sizes
+    from hldstudy.plan.decision_map import PAIRS
+
+    assert main(["--config", "experiments/disaggkd_qwen35.py", "--target", "h100:8",
+                 "--json"]) == 0
+    cell = json.loads(capsys.readouterr().out)
+    sizes = cell_sizes(PAIRS[1], "h100:8")
+    for layout in ("colocated", "disaggregated"):
+        k = cell[layout]["microbatches"]
+        assert cell[layout]["peak_bytes"] == pytest.approx(sizes.train(layout, k))
+    dis = cell["disaggregated"]
+    assert dis["replica_peak_bytes"] == pytest.approx(
+        sizes.replica(dis["replica_devices"], dis["replica_batch"]))
+    assert main(["--config", "experiments/c4_123m_kd.py", "--target", "v5p:2x2x2"]) == 0
+    row = capsys.readouterr().out.splitlines()[2]
+    assert row.startswith("| c4-123m-kd (kd) | v5p:2x2x2 |") and "colocated fits" in row
+    with pytest.raises(SystemExit) as bad:
+        main(["--config", "experiments/c4_123m_kd.py", "--target", "h100:8", "--method",
+              "baseline"])
+    assert bad.value.code == 2
+    assert "trains without a teacher" in capsys.readouterr().err
 
 
 # Planner vs XLA's memory_analysis() of a compiled (donated) baseline train step.
@@ -244,24 +233,11 @@ def test_predict_step_memory_teacher_layouts():
 def test_teacher_throughput():
     r = plan(inputs())  # a 4B teacher forward costs more than training a 270M student
     dis = r["disaggregated"]
-    assert dis["teacher_bound"] and dis["teacher_devices_needed"] > 8
+    assert dis["teacher_bound"] and dis["teacher_devices_for_throughput"] > 8
     assert dis["step_time_s"] == dis["teacher_step_time_s"]
-    more = plan(inputs(teacher_devices=dis["teacher_devices_needed"]))["disaggregated"]
+    more = plan(inputs(teacher_devices=dis["teacher_devices_for_throughput"]))["disaggregated"]
     assert not more["teacher_bound"]
     assert more["teacher_step_time_s"] <= more["student_step_time_s"]
-
-
-def test_teacher_devices_for_memory():
-    r = plan(inputs(teacher=plan_model("qwen3.5-35b-a3b"), student=plan_model("qwen3.5-9b"),
-                    tokens_per_step=131072, devices=4, remat=True))["disaggregated"]
-    # 34.5B bf16 weights (69 GB) do not fit one 80 GB device with its activations.
-    assert r["teacher_devices_for_memory"] >= 2
-    assert r["teacher_devices_needed"] == max(r["teacher_devices_for_memory"],
-                                              r["teacher_devices_for_throughput"])
-    n = r["teacher_devices_for_memory"]
-    side = plan(inputs(teacher=plan_model("qwen3.5-35b-a3b"), student=plan_model("qwen3.5-9b"),
-                       tokens_per_step=131072, devices=4, remat=True, teacher_devices=n))
-    assert side["disaggregated"]["teacher_bytes_per_device"] <= side["hbm_limit_bytes"]
 
 
 # Temporaries predicted within 4% on these shapes (XLA CPU, jax 0.10.2: students 1.006,

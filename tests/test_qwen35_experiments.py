@@ -51,11 +51,17 @@ def test_disaggkd_dry_run_and_planner_without_weights(capsys):
     assert sweep_main([str(DISAGG), "--dry-run", "--json"]) == 0
     (run,) = json.loads(capsys.readouterr().out)
     assert run["method"] == "kd" and run["steps"] == 10_000
+    # the file's docstring commands: its cell on 8 H200s (aot's planner), the link from presets
+    assert plan_main(["--config", str(DISAGG), "--target", "h200:8", "--json"]) == 0
+    cell = json.loads(capsys.readouterr().out)
+    assert cell["colocated"]["fits"] and cell["disaggregated"]["verdict"] == "fits"
+    assert cell["disaggregated"]["logits_need_gbps"] / cell["disaggregated"]["need_gbps"] == \
+        pytest.approx(248320 / 2048)
     assert plan_main(["--teacher", "qwen3.5-35b-a3b", "--student", "qwen3.5-9b",
                       "--tokens-per-step", "1048576", "--seq-len", "4096", "--devices", "64",
-                      "--hbm", "141", "--link", "400", "--remat", "--json"]) == 0
+                      "--link", "400", "--remat", "--json"]) == 0
     r = json.loads(capsys.readouterr().out)
-    assert r["disaggregated"]["verdict"] == "fits"
+    assert not r["disaggregated"]["network_bound"]
     assert r["network_bytes_per_step"]["logits_over_hidden"] == pytest.approx(248320 / 2048)
 
 

@@ -39,9 +39,11 @@ from hldstudy.plan.decision_map import (
     CellSizes,
     MapPair,
     decision_map,
+    map_cell,
     slice_spec,
 )
 from hldstudy.plan.presets import plan_model
+from hldstudy.shapes import ModelShape
 
 PROG = "hldstudy plan --decision-map"
 RECORDS = "docs/decision_map.json"
@@ -55,8 +57,7 @@ def _pair_run(config: str):
 
 def cell_sizes(pair: MapPair, spec: str) -> CellSizes:
     """A cell's memory model: aot's planner (`hldstudy.aot.planned`) on the pair's
-    experiment file as `compile_commands` would compile it on `spec`, at a micro-batch
-    count (train) or a replica's devices and sequences per forward."""
+    experiment file as `compile_commands` would compile it on `spec`."""
     cfg, method, teacher = _pair_run(pair.config)
     if cfg.data.batch_size * cfg.data.seq_len != pair.tokens_per_step or \
             cfg.data.seq_len != pair.seq_len:
@@ -64,6 +65,12 @@ def cell_sizes(pair: MapPair, spec: str) -> CellSizes:
                           f"x {cfg.data.seq_len} tokens per step, the map's pair on "
                           f"{pair.tokens_per_step:,} of {pair.seq_len}",
                           "make the pair's tokens_per_step and seq_len the file's")
+    return run_sizes(cfg, method, teacher, spec)
+
+
+def run_sizes(cfg, method: str, teacher, spec: str) -> CellSizes:
+    """A run's memory model on target `spec`: aot's planner (`hldstudy.aot.planned`) at a
+    micro-batch count (train) or a replica's devices and sequences per forward."""
     target = parse_target(spec)
 
     def train(layout: str, microbatches: int) -> float:
@@ -78,6 +85,29 @@ def cell_sizes(pair: MapPair, spec: str) -> CellSizes:
                                parse_target(slice_spec(target.chip, devices)))["total_bytes"]
 
     return CellSizes(train, replica, target.backend)
+
+
+def run_cell(config: str, overrides: list[str], method: str | None,
+             teacher_preset: str | None, spec: str) -> dict:
+    """One run's cell of the map (`hldstudy plan --config`): its experiment file on target
+    `spec`, both layouts sized by aot's planner, timed and networked as the map's cells."""
+    cfg, method, teacher = load_run(config, overrides, method, teacher_preset)
+    if teacher is None:
+        raise ConfigError("distill.method", f"{method} trains without a teacher: there is no "
+                          "layout to choose", "plan a method with a teacher (kd, hldf, hldc)")
+    target = parse_target(spec)
+    t = ModelShape.from_model_config(teacher, "teacher")
+    s = ModelShape.from_model_config(cfg.model, "student")
+    if t.vocab_size != s.vocab_size:
+        raise ConfigError("teacher", f"the teacher's vocabulary ({t.vocab_size:,}) is not the "
+                          f"student's ({s.vocab_size:,})", "pair models that share a tokenizer")
+    cell = map_cell(t, s, target.chip, target.n_devices,
+                    run_sizes(cfg, method, teacher, spec),
+                    tokens_per_step=cfg.data.batch_size * cfg.data.seq_len,
+                    seq_len=cfg.data.seq_len)
+    cell.update({"pair": f"{cfg.name} ({method})", "config": config, "target": spec,
+                 "chip": target.chip.name})
+    return cell
 
 
 def _compile_missing(cells: list[dict], records: dict[str, dict], programs: dict,
@@ -169,4 +199,4 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-__all__ = ["cell_sizes", "main"]
+__all__ = ["cell_sizes", "main", "run_cell", "run_sizes"]

@@ -195,8 +195,13 @@ def _network(cell: dict) -> str:
 
 def format_map(cells: list[dict]) -> str:
     lines = ["# The decision map: colocated or disaggregated, from the planner and the compiler",
-             "", HEADER, "",
-             "| pair | target | colocated | disaggregated student | replicas | "
+             "", HEADER, "", *format_rows(cells), "", _reading(cells)]
+    return "\n".join(lines) + "\n"
+
+
+def format_rows(cells: list[dict]) -> list[str]:
+    """The map's table: one row per cell (also `hldstudy plan --config`'s one cell)."""
+    lines = ["| pair | target | colocated | disaggregated student | replicas | "
              "replica | network need / link | step s, tokens/s/device | verdict |",
              "|---|---|---|---|---|---|---|---|---|"]
     for c in cells:
@@ -218,14 +223,12 @@ def format_map(cells: list[dict]) -> str:
             dis["verdict"] if dis["verdict"] != "fits" else "OOM")
         verdict = (f"colocated {'fits' if _fits(c, 'colocated') else 'OOM'}, "
                    f"disaggregated {dis_verdict}{_faster(c)}{_coverage(c)}")
-        speed = _speed(c)
         lines.append(
             f"| {c['pair']} | {c['target']} | {col_cell} | {dis_cell} | "
             f"{dis['replicas']} x {dis['replica_devices']} ({dis['devices_total']} devices) | "
-            f"{rep_cell} | {_network(c)} | {speed} | "
+            f"{rep_cell} | {_network(c)} | {_speed(c)} | "
             f"{verdict} |")
-    lines += ["", _reading(cells)]
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def _rates(cell: dict) -> tuple[dict[str, float], str]:
@@ -333,4 +336,4 @@ def _reading(cells: list[dict]) -> str:
     return "\n".join(out)
 
 
-__all__ = ["format_map", "roofline"]
+__all__ = ["format_map", "format_rows", "roofline"]

@@ -6,6 +6,7 @@ current for; a stale one is set apart with why."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import sys
@@ -14,6 +15,7 @@ from pathlib import Path
 from hldstudy.aot.fingerprint import source_sha256, stale_reason, toolchain
 from hldstudy.aot.process import run_aot
 from hldstudy.aot.targets import parse_target
+from hldstudy.config import config_to_dict, load_experiment
 from hldstudy.errors import InputError
 from hldstudy.plan.decision_map import divisors, slice_spec
 from hldstudy.plan.step_memory import fits_device
@@ -53,15 +55,19 @@ def command_args(key: str) -> list[str]:
 
 
 def config_digest(args: list[str]) -> str:
-    """sha256 of the experiment file a command compiles: a record is the compile of the
-    file as it was (its attention path, mesh, dtypes), so an edited file asks again."""
-    path = Path(args[args.index("--config") + 1])
-    try:
-        return hashlib.sha256(path.read_bytes()).hexdigest()
-    except OSError as e:
-        raise InputError(f"cannot read {path} ({e.strerror}): the decision map compiles "
-                         "the experiment files of its pairs; run it from the repository "
-                         "root") from None
+    """sha256 of the config a command's experiment file resolves to (its attention path,
+    mesh, dtypes: what it decides, not its comments), so an edited setting asks again."""
+    return _resolved_digest(args[args.index("--config") + 1])
+
+
+@functools.cache  # a sitting reads each file many times (every cell's every record)
+def _resolved_digest(config: str) -> str:
+    path = Path(config)
+    if not path.is_file():
+        raise InputError(f"cannot read {path}: the decision map compiles the experiment "
+                         "files of its pairs; run it from the repository root")
+    text = json.dumps(config_to_dict(load_experiment(path)), sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def run_compile(args: list[str]) -> dict:

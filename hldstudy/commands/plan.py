@@ -1,5 +1,7 @@
-"""`hldstudy plan`: will a run fit, will the network stall (colocated vs
-disaggregated teacher), and `--sweep SWEEP`: what a whole grid costs per layout
+"""`hldstudy plan --config EXP --target T`: will a run fit and which layout is faster
+(colocated vs disaggregated teacher: the run's cell of the decision map, sized by aot's
+planner); from presets (`--teacher P --student P ...`): step times and whether the stream
+stalls the link; `--sweep SWEEP`: what a whole grid costs per layout
 (colocated, disaggregated, cohort, and grid: one replica set for every cohort, printed
 beside its bound with the replica's window memory).
 
@@ -18,6 +20,8 @@ from hldstudy.aot.check import check_grid
 from hldstudy.aot.targets import parse_target
 from hldstudy.cli_common import SWEEPS, find_builtin, warn_long_sequence
 from hldstudy.commands.decision_map import main as decision_map_main
+from hldstudy.commands.decision_map import run_cell
+from hldstudy.commands.decision_map_page import format_rows
 from hldstudy.errors import ConfigError, RuntimeFault, user_errors
 from hldstudy.model.loading import teacher_model_config
 from hldstudy.plan.layouts import PlanInputs, check_inputs, plan
@@ -36,37 +40,31 @@ def format_markdown(r: dict) -> str:
     col, dis = r["colocated"], r["disaggregated"]
     lines = [
         f"**{i['teacher']} -> {i['student']}**: {i['tokens_per_step']} tokens/step, "
-        f"{i['devices']} devices x {i['hbm_gb']:g} GB (usable {i['usable']:.0%}), "
+        f"{i['devices']} devices at {i['mfu']:.0%} MFU of {i['tflops']:g} TFLOPS, "
         f"link {i['link_gbps']:g} Gbps/device, T={i['seq_len']}, loss={i['loss']}, "
-        f"remat={i['remat']}, attention={i['attention']}, ring={i['ring']}, "
-        f"streamed layers={r['n_streamed_layers']}, params {i['param_bytes']} B, "
-        f"compute {i['compute_dtype']}, teacher {i['teacher_dtype']}, "
-        f"grad-accum {i['grad_accum']}, teacher devices {i['teacher_devices'] or i['devices']}",
+        f"remat={i['remat']}, streamed layers={r['n_streamed_layers']}, "
+        f"stream {i['stream_dtype']}, grad-accum {i['grad_accum']}, "
+        f"teacher devices {i['teacher_devices'] or i['devices']}",
         "",
-        "| GB per device | colocated | disaggregated (trainer) | disaggregated (teacher) |",
+        "| | colocated | disaggregated (trainer) | disaggregated (teacher) |",
         "|---|---:|---:|---:|",
+        f"| step time (s), estimate | {col['step_time_s']:.3f} | "
+        f"{dis['student_step_time_s']:.3f} | {dis['teacher_step_time_s']:.3f} |",
+        f"| verdict | - | {'network-bound' if dis['network_bound'] else 'keeps up with the link'}"
+        f" | {'teacher-bound' if dis['teacher_bound'] else 'keeps up'} "
+        f"(needs {dis['teacher_devices_for_throughput']} devices) |",
     ]
-    keys = []
-    for d in (col["breakdown"], dis["breakdown"], dis["teacher_breakdown"]):
-        keys += [k for k in d if k not in keys]
-    for k in keys:
-        cells = [col["breakdown"].get(k), dis["breakdown"].get(k), dis["teacher_breakdown"].get(k)]
-        lines.append(f"| {k} | " + " | ".join("-" if c is None else _gb(c) for c in cells) + " |")
-    lines.append(f"| **total** | **{_gb(col['bytes_per_device'])}** | "
-                 f"**{_gb(dis['bytes_per_device'])}** | **{_gb(dis['teacher_bytes_per_device'])}** |")
-    lines.append(f"| verdict | {col['verdict']} | {dis['verdict']} | "
-                 f"{'teacher-bound' if dis['teacher_bound'] else 'keeps up'} "
-                 f"(needs {dis['teacher_devices_needed']} devices) |")
-    lines.append(f"| step time (s) | {col['step_time_s']:.3f} | {dis['student_step_time_s']:.3f} | "
-                 f"{dis['teacher_step_time_s']:.3f} |")
     if i.get("fanout_window"):
         lines.append(f"| fan-out window ({i['fanout_window']} steps, host, per replica) | - | - | "
-                     f"{_gb(dis['fanout_window_bytes'])} |")
+                     f"{_gb(dis['fanout_window_bytes'])} GB |")
     net = r["network_bytes_per_step"]
     lines += ["",
               f"Network per step: hidden {_gb(net['hidden'])} GB vs logits {_gb(net['logits'])} GB "
               f"({net['logits_over_hidden']:.1f}x); required link {r['required_link_gbps']:.1f} "
-              f"Gbps/device (logits would need {r['required_link_gbps_if_logits']:.0f})."]
+              f"Gbps/device (logits would need {r['required_link_gbps_if_logits']:.0f}).",
+              "",
+              "Memory per device: `hldstudy plan --config EXP --target T` (aot's planner, the "
+              "one model of a program's peak, with its validated band)."]
     return "\n".join(lines)
 
 
@@ -212,28 +210,58 @@ def _compile_verdict(compiled: list[dict]) -> int:
     return 0
 
 
+def run_main(argv: list[str]) -> int:
+    """`--config EXP --target T`: the run's cell of the decision map, colocated vs
+    disaggregated on the target, sized by aot's planner (the figure `python -m hldstudy.aot`
+    prints beside the compiled program: one memory model)."""
+    ap = argparse.ArgumentParser(prog="hldstudy plan --config",
+                                 description="Will this run fit on the target, colocated or "
+                                             "with its teacher on replicas, and which is faster.")
+    ap.add_argument("--config", required=True, help="experiment file or built-in name")
+    ap.add_argument("--target", required=True, help="h100:8, h200:2x8, v5p:2x2x2, ...")
+    ap.add_argument("--method", default=None, help="method (default: the config's)")
+    ap.add_argument("--teacher-preset", default=None,
+                    help="the teacher's model preset (default: read teacher.checkpoint)")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="K=V")
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--debug", action="store_true")
+    a = ap.parse_args(argv)
+    with user_errors(a.debug, prog="hldstudy.plan"):
+        cell = run_cell(a.config, a.overrides, a.method, a.teacher_preset, a.target)
+        if a.json:
+            print(json.dumps(cell, sort_keys=True))
+        else:
+            print("\n".join([*format_rows([cell]), "", RUN_NOTE]))
+    return 0
+
+
+RUN_NOTE = ("GiB per device by aot's planner, `<= X` its validated band's pessimistic end "
+            "(what fits reads, 90% of the device); times are the planner's FLOPs at 0.4 MFU, "
+            "estimates. `python -m hldstudy.aot --config EXP --target T --layout L` compiles "
+            "the program with the target's compiler; `hldstudy plan --decision-map` has the "
+            "map's pairs and what each column means.")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if any(a == "--sweep" or a.startswith("--sweep=") for a in argv):
         return study_main(argv)
     if "--decision-map" in argv:
         return decision_map_main(argv)
+    if any(a == "--config" or a.startswith("--config=") for a in argv):
+        return run_main(argv)
     ap = argparse.ArgumentParser(prog="hldstudy plan",
-                                 description="Memory / network planner: colocated vs "
-                                             "disaggregated teacher.")
+                                 description="Time / network planner from model presets: "
+                                             "colocated vs disaggregated teacher (memory: "
+                                             "hldstudy plan --config EXP --target T).")
     ap.add_argument("--teacher", required=True, help="model preset (hldstudy.model.presets)")
     ap.add_argument("--student", required=True)
     ap.add_argument("--tokens-per-step", type=int, required=True)
     ap.add_argument("--devices", type=int, required=True, help="trainer devices")
-    ap.add_argument("--hbm", type=float, required=True, help="GB of memory per device")
     ap.add_argument("--link", type=float, required=True, help="Gbps inbound per trainer device")
     ap.add_argument("--seq-len", type=int, default=4096)
     ap.add_argument("--loss", choices=("fused", "materialized"), default="fused")
     ap.add_argument("--remat", action="store_true")
-    ap.add_argument("--ring", type=int, default=4)
-    ap.add_argument("--param-bytes", type=int, default=4)
-    ap.add_argument("--compute-dtype", default="bf16")
-    ap.add_argument("--teacher-dtype", default="bf16")
     ap.add_argument("--stream-dtype", default="bf16")
     ap.add_argument("--hidden-layers", type=int, default=0,
                     help="teacher intermediate layers streamed besides the final hidden")
@@ -241,10 +269,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--grad-accum", type=int, default=1)
     ap.add_argument("--tflops", type=float, default=989.0, help="peak TFLOPS per device")
     ap.add_argument("--mfu", type=float, default=0.4)
-    ap.add_argument("--attention", choices=("dense", "flash"), default="flash")
-    ap.add_argument("--row-block", type=int, default=256)
-    ap.add_argument("--vocab-block", type=int, default=512)
-    ap.add_argument("--usable", type=float, default=0.9, help="usable fraction of HBM")
     ap.add_argument("--no-fused-recompute", action="store_true")
     ap.add_argument("--fanout-window", type=int, default=0,
                     help="steps a cohort replica holds (serve --window); 0 = no fan-out")
@@ -255,16 +279,13 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     with user_errors(a.debug, prog="hldstudy.plan"):
         p = PlanInputs(teacher=plan_model(a.teacher), student=plan_model(a.student),
-                       tokens_per_step=a.tokens_per_step, devices=a.devices, hbm_gb=a.hbm,
+                       tokens_per_step=a.tokens_per_step, devices=a.devices,
                        link_gbps=a.link, seq_len=a.seq_len, loss=a.loss, remat=a.remat,
-                       ring=a.ring, param_bytes=a.param_bytes, compute_dtype=a.compute_dtype,
-                       teacher_dtype=a.teacher_dtype, stream_dtype=a.stream_dtype,
-                       hidden_layers=a.hidden_layers, teacher_devices=a.teacher_devices,
-                       grad_accum=a.grad_accum, tflops=a.tflops, mfu=a.mfu,
-                       attention=a.attention, row_block=a.row_block, vocab_block=a.vocab_block,
-                       usable=a.usable, fused_recompute=not a.no_fused_recompute,
+                       stream_dtype=a.stream_dtype, hidden_layers=a.hidden_layers,
+                       teacher_devices=a.teacher_devices, grad_accum=a.grad_accum,
+                       tflops=a.tflops, mfu=a.mfu, fused_recompute=not a.no_fused_recompute,
                        fanout_window=a.fanout_window, fanout_union_layers=a.fanout_union_layers)
-        dtype_bytes(p.compute_dtype), dtype_bytes(p.teacher_dtype), dtype_bytes(p.stream_dtype)
+        dtype_bytes(p.stream_dtype)
         check_inputs(p)
         warn_long_sequence("hldstudy.plan", "--seq-len", p.seq_len)
         r = plan(p)

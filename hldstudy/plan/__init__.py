@@ -1,4 +1,5 @@
-"""Closed-form memory / network planner: colocated vs disaggregated teacher.
+"""Closed-form planner: a program's memory per device (step_memory), time and network
+(layouts), colocated vs disaggregated teacher.
 
 Design notes: `docs/planner.md`, under this file's name.
 """
@@ -22,26 +23,20 @@ from hldstudy.plan.terms import (
     PlanModel,
     dtype_bytes,
     fanout_window_bytes,
-    fsdp_gather_bytes,
-    inference_activation_bytes,
     layer_activation_bytes_per_token,
     logits_bytes_fused,
     logits_bytes_materialized,
     network_bytes_per_step,
-    optimizer_bytes,
-    ring_bytes,
     score_bytes_per_token_layer,
     train_activation_bytes,
-    weights_bytes,
 )
 
 __all__ = [
     "COMPILERS", "DTYPE_BYTES", "GB", "VMAP_ACT_EXTRA", "PeakHabits", "PlanInputs", "PlanModel",
     "cohort_memory", "compiled_peak", "dtype_bytes", "fanout_window_bytes", "fits_device",
-    "fsdp_gather_bytes",
-    "inference_activation_bytes", "largest_cohort", "layer_activation_bytes_per_token",
+    "largest_cohort", "layer_activation_bytes_per_token",
     "logits_bytes_fused", "logits_bytes_materialized", "network_bytes_per_step",
-    "optimizer_bytes", "peak_habits", "plan", "plan_model", "predict_step_memory",
-    "predict_teacher_forward_memory", "ring_bytes",
-    "score_bytes_per_token_layer", "train_activation_bytes", "weights_bytes", "xla_memory",
+    "peak_habits", "plan", "plan_model", "predict_step_memory",
+    "predict_teacher_forward_memory",
+    "score_bytes_per_token_layer", "train_activation_bytes", "xla_memory",
 ]

@@ -15,7 +15,6 @@ from hldstudy.chips import Chip
 from hldstudy.errors import ConfigError
 from hldstudy.plan.compilers import validation_band
 from hldstudy.plan.layouts import PlanInputs, plan
-from hldstudy.plan.terms import GB
 from hldstudy.shapes import ModelShape
 
 
@@ -120,9 +119,8 @@ def map_cell(teacher: ModelShape, student: ModelShape, chip: Chip, n_devices: in
 
     (k_col, col_bytes), (k_dis, dis_bytes) = fewest("colocated"), fewest("disaggregated")
     base = PlanInputs(teacher=teacher, student=student, tokens_per_step=tokens_per_step,
-                      devices=n_devices, hbm_gb=chip.device_memory_bytes / GB,
-                      link_gbps=chip.scale_out_gbps, seq_len=seq_len, remat=True,
-                      tflops=chip.bf16_tflops, mfu=mfu, attention="flash", usable=usable)
+                      devices=n_devices, link_gbps=chip.scale_out_gbps, seq_len=seq_len,
+                      remat=True, tflops=chip.bf16_tflops, mfu=mfu)
     col = plan(dataclasses.replace(base, grad_accum=k_col))["colocated"]
     run = plan(dataclasses.replace(base, grad_accum=k_dis))
     dis = run["disaggregated"]

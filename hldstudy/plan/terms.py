@@ -33,20 +33,6 @@ def dtype_bytes(name: str | int) -> int:
     return DTYPE_BYTES[name]
 
 
-def weights_bytes(m: PlanModel, nbytes: int, devices: int = 1) -> float:
-    return m.total_params() * nbytes / devices
-
-
-def optimizer_bytes(m: PlanModel, nbytes: int, devices: int = 1, states: int = 2) -> float:
-    return states * m.total_params() * nbytes / devices
-
-
-def fsdp_gather_bytes(m: PlanModel, nbytes: int, devices: int, buffers: int = 2) -> float:
-    """`buffers` copies of the largest block's full weights (every expert)."""
-    largest = max(m.block_params(i) for i in range(m.n_layers))
-    return 0.0 if devices <= 1 else float(buffers * largest * nbytes)
-
-
 def score_bytes_per_token_layer(m: PlanModel, seq_len: int, compute_bytes: int,
                                 attention: str = "dense") -> float:
     if attention == "dense":
@@ -149,15 +135,6 @@ def train_activation_bytes(m: PlanModel, tokens: float, seq_len: int, compute_by
     return tokens * (sum(per_layer) + head)
 
 
-def inference_activation_bytes(m: PlanModel, tokens: float, seq_len: int, compute_bytes: int,
-                               *, attention: str = "dense", kept_layers: int = 1) -> float:
-    """A forward without backward: the largest block's working set + the kept hidden
-    states."""
-    working = max(layer_activation_bytes_per_token(m, seq_len, compute_bytes, attention, i)
-                  for i in range(m.n_layers))
-    return tokens * (working + (1 + kept_layers) * m.d_model * compute_bytes)
-
-
 def logits_bytes_materialized(tokens: float, vocab: int, with_teacher: bool = True) -> float:
     """Float32 student logits + their gradient (+ teacher logits)."""
     return (LOGIT_COPIES_TRAIN + (1 if with_teacher else 0)) * tokens * vocab * 4.0
@@ -168,11 +145,6 @@ def logits_bytes_fused(tokens: float, vocab: int, d_student: int, row_block: int
     """Chunk workspace + float32 head-gradient accumulator + per-row statistics."""
     rb, vb = min(row_block, max(1, int(tokens))), min(vocab_block, vocab)
     return 4.0 * rb * vb * 4 + d_student * vocab * 4.0 + 16.0 * tokens
-
-
-def ring_bytes(ring: int, tokens: float, n_streamed: int, d_teacher: int,
-               stream_bytes: int = 2) -> float:
-    return ring * tokens * n_streamed * d_teacher * stream_bytes
 
 
 def fanout_window_bytes(window: int, tokens_per_step: float, n_union: int, d_teacher: int,
