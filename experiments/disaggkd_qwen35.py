@@ -13,7 +13,7 @@ here; the teacher's shape comes from its preset, teacher.preset):
 
     python -m hldstudy.sweep experiments/disaggkd_qwen35.py --dry-run
     hldstudy flops --config experiments/disaggkd_qwen35.py --layout disaggregated
-    hldstudy plan --teacher qwen3.5-35b-a3b --student qwen3.5-9b --tokens-per-step 1048576 --seq-len 4096 --devices 64 --hbm 141 --link 400 --remat
+    hldstudy plan --config experiments/disaggkd_qwen35.py --target h200:8
     hldstudy plan --sweep experiments/disaggkd_qwen35.py --devices 64 --hbm 141
 """
 

@@ -87,10 +87,17 @@ HEADER = (
     "lowers it with this host's jax / libtpu / CUDA plugin (`hldstudy.aot.fingerprint`) "
     "reads *stale compile*, with why: its figure is shown, its verdict is the planner's "
     "until `--compile` compiles it again. Speed: the step's time and tokens/s per device, "
-    "every device counted (the replicas' too), from the planner's FLOPs at 0.4 MFU on the "
-    "chip's bf16 peak: **estimates, not measured** (no device has timed them), the same "
-    "efficiency for both layouts, so they tell only what the FLOPs and the replicas' "
-    "rounding tell; the faster layout among those that fit, with its margin. A cell "
+    "every device counted (the replicas' too): the planner's estimate (its FLOPs at 0.4 "
+    "MFU on the chip's bf16 peak, one efficiency for both layouts, so it tells only what "
+    "the FLOPs and the replicas' rounding tell) and, where the programs are compiled, "
+    "their **roofline** (`hldstudy.flops.hlo_count`: each executed kernel at the larger "
+    "of its FLOPs at the chip's bf16 peak and its bytes in and out at its HBM bandwidth, "
+    "loops times their trips: an ideal bound at 100% of both, collectives and launch "
+    "gaps not timed; a loop whose trips the compiler did not record counts once and is "
+    "said so); the replica's roofline sets how many replicas keep the student fed. Both "
+    "are **estimates, not measured** (no device has timed them). The verdict names the "
+    "faster layout among those that fit, with its margin, by the roofline where both "
+    "layouts are compiled, else by the estimate (unproven). A cell "
     "\"planner only: not compiled yet\" has no compile of its programs: `--compile` "
     "compiles them, one process each (minutes and up to ~15 GiB of RAM per program on 2 "
     "cores), the records written after each, so the map fills in over several sittings.")
@@ -320,6 +327,16 @@ def _reading(cells: list[dict]) -> str:
                 "estimate cannot see (the teacher's forward at a higher efficiency on its "
                 "own devices, the student's step without the teacher's memory pressure); "
                 "that is for compiled programs' rooflines and a lent device to show."]
+    roofs = [(c["target"], c["pair"].split(" -> ")[1], rates) for c in cells
+             for rates, whose in [_rates(c)] if whose == "roofline" and len(rates) == 2]
+    if roofs:
+        gains = [f"{pair} on {target} {100 * (r['disaggregated'] / r['colocated'] - 1):+.0f}%"
+                 for target, pair, r in roofs]
+        out += ["", "- Speed (the compiled programs' roofline, where both layouts fit and "
+                f"compiled: {len(roofs)} cells): disaggregated tokens/s per device against "
+                f"colocated, every device counted: {'; '.join(gains)}. An ideal bound for "
+                "both layouts (no efficiency ceiling, collectives not timed): a lent device "
+                "is what would say how far each falls short of it."]
     ratios = {p: [] for p in _PLANNED}
     for c in cells:
         for program, recs in c.get("compiled", {}).items():
