@@ -88,6 +88,53 @@ def test_a_loop_without_a_recorded_trip_count_counts_its_condition(start):
     assert count.loops == 1 and count.unknown_trip_loops == 0
 
 
+# A counted loop as XLA GPU leaves one without a recorded trip count: its condition's
+# compare fused into a computation of its own, the bound a constant inside it.
+FUSED_BOUND_LOOP = """HloModule loop
+
+%body (p: (s32[], f32[8,16], f32[16,16])) -> (s32[], f32[8,16], f32[16,16]) {
+  %p = (s32[], f32[8,16]{1,0}, f32[16,16]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %x = f32[8,16]{1,0} get-tuple-element(%p), index=1
+  %w = f32[16,16]{1,0} get-tuple-element(%p), index=2
+  %one = s32[] constant(1)
+  %next = s32[] add(%i, %one)
+  %y = f32[8,16]{1,0} dot(%x, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  ROOT %t = (s32[], f32[8,16]{1,0}, f32[16,16]{1,0}) tuple(%next, %y, %w)
+}
+
+%fused_compare (param_0: s32[]) -> pred[] {
+  %param_0 = s32[] parameter(0)
+  %bound = s32[] constant(7)
+  ROOT %lt = pred[] compare(%param_0, %bound), direction=LT
+}
+
+%cond (q: (s32[], f32[8,16], f32[16,16])) -> pred[] {
+  %q = (s32[], f32[8,16]{1,0}, f32[16,16]{1,0}) parameter(0)
+  %c = s32[] get-tuple-element(%q), index=0
+  ROOT %f = pred[] fusion(%c), kind=kLoop, calls=%fused_compare
+}
+
+ENTRY %main (a: f32[8,16], b: f32[16,16]) -> f32[8,16] {
+  %a = f32[8,16]{1,0} parameter(0)
+  %b = f32[16,16]{1,0} parameter(1)
+  %zero = s32[] constant(0)
+  %init = (s32[], f32[8,16]{1,0}, f32[16,16]{1,0}) tuple(%zero, %a, %b)
+  %loop = (s32[], f32[8,16]{1,0}, f32[16,16]{1,0}) while(%init), condition=%cond, body=%body
+  ROOT %out = f32[8,16]{1,0} get-tuple-element(%loop), index=1
+}
+"""
+
+
+def test_a_loop_whose_bound_is_fused_into_its_compare_counts_its_trips():
+    """XLA GPU fuses a loop's compare with its constant bound (a Qwen3.5 pair's train step
+    on h100:8 had one such loop in five unknown; the 35B programs read 36 loops of unknown
+    trips): the bound is read inside the fused computation."""
+    count = hlo_flops(FUSED_BOUND_LOOP)
+    assert count.flops == 7 * 2 * 8 * 16 * 16
+    assert count.loops == 1 and count.unknown_trip_loops == 0
+
+
 @pytest.mark.parametrize("start", [0, 1])
 def test_a_loop_that_steps_its_counter_by_two_counts_its_real_trips(start):
     """libtpu widens loops (its windowed matmuls: `wide.windowed_dot_general_body`) to run

@@ -256,6 +256,10 @@ def _trip_count(defs: dict, caller: str, init: str, condition: str,
     not one, as XLA's counted loops start) and grows by the body's step (`_counter_step`;
     1 where the body does not say, as XLA's counted loops do)."""
     cond_defs = defs.get(condition, {})
+    fused = re.search(r"calls=%?([\w.\-]+)", (cond_defs.get("ROOT") or ("", "", ""))[2])
+    if cond_defs.get("ROOT", ("",))[0] == "fusion" and fused:  # XLA GPU fuses the bound
+        # into the compare's own computation: its constants are read there
+        cond_defs = {**defs.get(fused.group(1), {}), **cond_defs}
     root = _unwrapped(defs, cond_defs.get("ROOT"), "compare")
     if root is None or root[0] != "compare":
         return None
