@@ -112,19 +112,19 @@ def run_cell(config: str, overrides: list[str], method: str | None,
 
 def _compile_missing(cells: list[dict], records: dict[str, dict], programs: dict,
                      records_path: Path, failed: list[str]) -> None:
-    """Compiles the cells' programs without a current record (`attach`), one process each,
-    the cheapest first so a sitting settles as many cells as it can: the map's smaller
-    pairs before its larger (a 122B program compiles for a quarter of an hour on 2 cores),
-    one node's cells before two nodes' within a pair; each record written as it comes, so
-    an interrupted sitting keeps what it compiled. A program that does not fit asks for
-    the next count (`attach`); a failed compile is not kept (listed in `failed`, tried
-    again next time)."""
+    """Compiles the cells' programs without a current record (`attach`), one process each:
+    one node's cells first (the map's must: every 8-device cell compiled before the
+    16-device ones), the smaller pairs first within each (a 122B program compiles for a
+    quarter of an hour on 2 cores, a 123M one in a minute); each record written as it
+    comes, so an interrupted sitting keeps what it compiled. A program that does not fit
+    asks for the next count (`attach`); a failed compile is not kept (listed in `failed`,
+    tried again next time)."""
     order = {p: i for i, p in enumerate(dict.fromkeys(c["pair"] for c in cells))}
     done, compiled = 0, set()
     while True:
         todo = sorted((m for m in attach(cells, records, programs)
                        if command_key(m[2]) not in failed and command_key(m[2]) not in compiled),
-                      key=lambda m: (order[m[0]["pair"]], m[0]["devices"]))
+                      key=lambda m: (m[0]["devices"], order[m[0]["pair"]]))
         if not todo:
             return
         cell, program, args = todo[0]
