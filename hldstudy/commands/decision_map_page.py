@@ -303,17 +303,20 @@ def _reading(cells: list[dict]) -> str:
     for pair in PAIRS:
         mine = [c for c in cells if c["pair"] == pair.name]
 
-        def named(cs):
-            return ", ".join(c["target"] + ("" if c.get("compiled") else " (planner)")
+        def named(cs, programs=tuple(_PLANNED)):  # "(planner)": a program not compiled
+            return ", ".join(c["target"] + ("" if all(p in c.get("compiled", {})
+                                                      for p in programs) else " (planner)")
                              for c in cs) or "no target"
 
         decisive = [c for c in mine if not _fits(c, "colocated") and _fits(c, "disaggregated")]
         both_oom = [c for c in mine if not _fits(c, "colocated")
                     and not _fits(c, "disaggregated")]
-        faster = {lay: [c["target"] for c in mine if _best(c) == lay]
+        faster = {lay: [c["target"] + ("" if _rates(c)[1] == "roofline" else " (estimate)")
+                        for c in mine if _best(c) == lay]
                   for lay in ("colocated", "disaggregated")}
         out.append(f"- *{pair.branch}* ({pair.name}): colocated fits on "
-                   f"{named([c for c in mine if _fits(c, 'colocated')])}; out of memory "
+                   f"{named([c for c in mine if _fits(c, 'colocated')], ('colocated',))}; "
+                   "out of memory "
                    f"colocated and fitting disaggregated on {named(decisive)}; out of memory "
                    f"both ways on {named(both_oom)}. Faster: colocated on "
                    f"{', '.join(faster['colocated']) or 'no target'}; disaggregated on "
