@@ -20,6 +20,7 @@ from hldstudy.aot.compile import Choices, CompiledStep, stage_names
 from hldstudy.aot.targets import Target
 from hldstudy.config import Config, ModelConfig
 from hldstudy.flops import step_flops
+from hldstudy.flops.hlo_count import COUNT_VERSION
 from hldstudy.plan.compilers import validation_band
 from hldstudy.plan.step_memory import (
     cohort_memory,
@@ -202,6 +203,7 @@ def step_rows(cfg: Config, teacher_model, target: Target, choices: Choices, step
             row["cross_host_bytes"] = s.hlo.cross_host_bytes
             if s.hlo.roofline_s:  # the ideal time on the target's chip (hlo_count)
                 row["roofline_s"] = s.hlo.roofline_s
+            row["hlo_count_version"] = COUNT_VERSION
         # XLA's cost analysis where the compiler gives one (TPU) and the program has no
         # loops (it counts a loop's body once); else the count from the optimized HLO
         # (hldstudy.flops.hlo_count: loops times their trips; the XLA GPU compiler's only).

@@ -23,9 +23,10 @@ from hldstudy.aot.check import load_run
 from hldstudy.aot.planned import planned_replica, planned_train
 from hldstudy.aot.targets import check_installed, parse_target
 from hldstudy.cli_common import check_output_file
-from hldstudy.commands.decision_map_page import format_map
+from hldstudy.commands.decision_map_page import counted, format_map
 from hldstudy.commands.decision_map_records import (
     attach,
+    command_args,
     command_key,
     load_records,
     programs_now,
@@ -143,6 +144,24 @@ def _compile_missing(cells: list[dict], records: dict[str, dict], programs: dict
         _save(records_path, records)
 
 
+def _recount(cells: list[dict], records: dict[str, dict], records_path: Path,
+             failed: list[str]) -> None:
+    """Compiles again the current records whose HLO figures another count made (the
+    roofline and collectives are counted from the compiled HLO, which is not kept)."""
+    order = {p: i for i, p in enumerate(dict.fromkeys(c["pair"] for c in cells))}
+    old = list(dict.fromkeys(r["command"] for c in sorted(cells, key=lambda c: (
+        c["devices"], order[c["pair"]])) for recs in c.get("compiled", {}).values()
+        for r in recs if not counted(r)))
+    for i, key in enumerate(old, 1):
+        print(f"[recounting {i} of {len(old)}] {key}", file=sys.stderr, flush=True)
+        rec = run_compile(command_args(key))
+        if "error" in rec:
+            failed.append(key)
+            continue
+        records[key] = rec
+        _save(records_path, records)
+
+
 def _save(records_path: Path, records: dict[str, dict]) -> None:
     records_path.parent.mkdir(parents=True, exist_ok=True)
     write_json_atomic(records_path, {"compiled": list(records.values())})
@@ -184,6 +203,7 @@ def main(argv: list[str]) -> int:
             _compile_missing(cells, records, programs, records_path, failed)
             programs = programs_now(cells, records, lambda: _save(records_path, records))
             _compile_missing(cells, records, programs, records_path, failed)
+            _recount(cells, records, records_path, failed)
         missing = attach(cells, records, programs)
         if missing:
             print(f"{PROG}: {len(missing)} marked program(s) not compiled yet (--compile "

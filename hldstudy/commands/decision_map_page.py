@@ -10,6 +10,7 @@ import re
 
 from hldstudy.aot.targets import parse_target
 from hldstudy.commands.decision_map_records import record_fits
+from hldstudy.flops.hlo_count import COUNT_VERSION
 from hldstudy.plan.decision_map import PAIRS
 from hldstudy.plan.step_memory import compiled_peak
 
@@ -125,7 +126,7 @@ def _collectives_gbps(cell: dict, program: str, step_time: float) -> float | Non
     """Gbps per device of a compiled train step's collectives that cross hosts (its HLO's
     `cross_host_bytes` per step over the step's time); None where not compiled."""
     rec = _fitting(cell, program)
-    if rec is None or "cross_host_bytes" not in rec:
+    if rec is None or "cross_host_bytes" not in rec or not counted(rec):
         return None
     return 8 * rec["cross_host_bytes"] / step_time / 1e9
 
@@ -134,6 +135,12 @@ def _fitting(cell: dict, program: str) -> dict | None:
     """The compiled record the cell's verdict reads for a program: the first that fits."""
     return next((r for r in cell.get("compiled", {}).get(program, [])
                  if record_fits(r, cell)), None)
+
+
+def counted(rec: dict) -> bool:
+    """Whether a record's HLO figures (roofline, collectives) are this checkout's count's
+    (`hlo_count.COUNT_VERSION`): the HLO is not kept, so another count's are not read."""
+    return rec.get("hlo_count_version") == COUNT_VERSION
 
 
 def roofline(cell: dict) -> dict | None:
@@ -146,12 +153,13 @@ def roofline(cell: dict) -> dict | None:
     tokens, n = cell["tokens_per_step"], cell["devices"]
     out, loops = {}, 0
     col = _fitting(cell, "colocated")
-    if col and col.get("roofline_s"):
+    if col and counted(col) and col.get("roofline_s"):
         out["colocated"] = {"step_s": col["roofline_s"],
                             "tokens_per_s_per_device": tokens / col["roofline_s"] / n}
         loops += col.get("hlo_unknown_trip_loops", 0)
     student, replica = _fitting(cell, "disaggregated"), _fitting(cell, "replica")
-    if student and replica and student.get("roofline_s") and replica.get("roofline_s"):
+    if student and replica and counted(student) and counted(replica) and \
+            student.get("roofline_s") and replica.get("roofline_s"):
         t_s, t_r = student["roofline_s"], replica["roofline_s"]
         r_dev = cell["disaggregated"]["replica_devices"]
         replicas = max(1, math.ceil(t_r / t_s - 1e-9))
@@ -173,6 +181,9 @@ def _speed(cell: dict) -> str:
     text = (f"estimate: col {col['step_time_s']:.2f} s, {col['tokens_per_s_per_device']:,.0f}; "
             f"dis {dis['step_time_s']:.2f} s, {dis['tokens_per_s_per_device']:,.0f}")
     roof = roofline(cell)
+    earlier = any(not counted(r) for recs in cell.get("compiled", {}).values() for r in recs)
+    if earlier:  # compiled, but counted by another hlo_count than this checkout's
+        text += "; roofline from an earlier HLO count (`--compile` counts it again)"
     if roof is None:
         return text
     parts = []
@@ -359,4 +370,4 @@ def _reading(cells: list[dict]) -> str:
     return "\n".join(out)
 
 
-__all__ = ["format_map", "format_rows", "roofline"]
+__all__ = ["counted", "format_map", "format_rows", "roofline"]

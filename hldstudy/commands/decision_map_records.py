@@ -88,7 +88,8 @@ def run_compile(args: list[str]) -> dict:
     rec.update({k: row[k] for k in ("fits", "device_memory_bytes", "refused", "microbatches",
                                     "xla_over_model", "planner_over_compiled",
                                     "collective_bytes", "cross_host_bytes", "roofline_s",
-                                    "xla_flops", "hlo_unknown_trip_loops") if k in row})
+                                    "xla_flops", "hlo_unknown_trip_loops",
+                                    "hlo_count_version") if k in row})
     rec["total_bytes"] = row.get("compiled", {}).get("total_bytes")
     if row.get("compiled", {}).get("peak_memory_bytes"):
         rec["peak_memory_bytes"] = row["compiled"]["peak_memory_bytes"]

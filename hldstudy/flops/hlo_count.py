@@ -10,15 +10,21 @@ Design notes: `docs/flops.md`, under this file's name.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
 from hldstudy.chips import KERNEL_FLOPS_SCOPE
 
-__all__ = ["HloCount", "hlo_flops"]
+__all__ = ["COUNT_VERSION", "HloCount", "hlo_flops"]
+
+# What a figure counted from a program's HLO was counted by (this file's source): a kept
+# figure from another count is not read as this one's (the HLO itself is not kept).
+COUNT_VERSION = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]
 
 _HEADER = re.compile(r"^(?:ENTRY\s+)?%?(?P<name>[\w.\-]+)\s+\(.*\)\s+->\s+.*\{\s*$")
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s+=\s+(?P<type>.+?)\s+"
@@ -118,17 +124,69 @@ _NO_TRAFFIC = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant",
                "add-dependency"}
 
 
-def _io_bytes(type_text: str, operands: str, shapes: dict) -> float:
-    """What an executed instruction reads and writes: its operands' bytes and its result's
-    (a fusion's intermediates stay on chip)."""
+def _operand_bytes(operands: str, shapes: dict) -> list[float]:
+    """Each operand's bytes: printed with its type, or by name."""
     known = shapes.get("#bytes", {})
-    read = 0.0
-    for part in (p.strip() for p in _top_level_parts(operands)):
-        if " " in part and _ARRAY.search(part.rsplit(" ", 1)[0]):
-            read += _type_bytes(part.rsplit(" ", 1)[0])
+    return [_type_bytes(part.rsplit(" ", 1)[0])
+            if " " in part and _ARRAY.search(part.rsplit(" ", 1)[0])
+            else known.get(part.rsplit(" ", 1)[-1].lstrip("%"), 0.0)
+            for part in (p.strip() for p in _top_level_parts(operands))]
+
+
+# Ops that read only the part of their first operand they return.
+_SLICING = ("dynamic-slice", "slice", "gather")
+
+
+def _io_bytes(type_text: str, operands: str, shapes: dict, op: str = "") -> float:
+    """What an executed instruction reads and writes: its operands' bytes and its result's;
+    a slice reads what it returns, an in-place update writes (and reads) its update."""
+    if op in _SLICING:
+        return 2 * _type_bytes(type_text)
+    sizes = _operand_bytes(operands, shapes)
+    if op == "dynamic-update-slice" and len(sizes) > 1:
+        return 2 * sizes[1]
+    return sum(sizes) + _type_bytes(type_text)
+
+
+def _kernel_io_bytes(comps: dict, defs: dict, fused: str, type_text: str, operands: str,
+                     shapes: dict) -> float:
+    """A fusion's bytes in and out of HBM (its intermediates stay on chip): each operand's
+    bytes, except one the kernel only slices (a scan's step of a stacked weight: the slices'
+    bytes) or only updates in place at its root (a dynamic-update-slice into a loop's
+    buffer: neither read nor written whole, the update written)."""
+    inner, body = defs.get(fused), comps.get(fused)
+    if not inner or not body:
+        return _io_bytes(type_text, operands, shapes)
+    sizes, own = _operand_bytes(operands, shapes), body[0][4].get("#bytes", {})
+    params = {n: int(v[1]) for n, v in inner.items() if n != "ROOT" and v[0] == "parameter"}
+    root = inner.get("ROOT")
+    root_name = next((n for n, v in inner.items() if n != "ROOT" and v == root), None)
+    outs = [root_name] if root and root[0] != "tuple" else _names(root[1]) if root else []
+    written, in_place = 0.0, set()
+    for out in outs:
+        op, ops, _ = inner.get(out, ("", "", ""))
+        args = _names(ops)
+        if op == "dynamic-update-slice" and args and args[0] in params:
+            in_place.add(args[0])
+            written += own.get(args[1], 0.0)
         else:
-            read += known.get(part.rsplit(" ", 1)[-1].lstrip("%"), 0.0)
-    return read + _type_bytes(type_text)
+            written += own.get(out, 0.0)
+    uses: dict[str, list[tuple[str, str, int]]] = {n: [] for n in params}
+    for name, (op, ops, _) in inner.items():
+        if name != "ROOT":
+            for i, arg in enumerate(_names(ops)):
+                if arg in uses:
+                    uses[arg].append((name, op, i))
+    read = 0.0
+    for name, index in params.items():
+        full = sizes[index] if index < len(sizes) else 0.0
+        mine = uses[name]
+        if mine and all(op in _SLICING and i == 0 for _, op, i in mine):
+            read += min(full, sum(own.get(n, 0.0) for n, _, _ in mine))
+        elif not (name in in_place and all(op == "dynamic-update-slice" and i == 0
+                                           for _, op, i in mine)):
+            read += full
+    return read + written
 
 
 def _top_level_parts(operands: str) -> list[str]:
@@ -456,14 +514,15 @@ def hlo_flops(hlo_text: str, host_size: int = 0, peak_flops: float = 0.0,
                 cross += coll[1] if coll[2] else 0.0
             elif roofline and op not in _NO_TRAFFIC and not op.endswith("-done") \
                     and op != "fusion":
-                seconds += _io_bytes(type_text, operands, shapes) / hbm_bytes_per_s
+                seconds += _io_bytes(type_text, operands, shapes, op) / hbm_bytes_per_s
             if op == "fusion":  # one kernel: its FLOPs and its bytes in and out
-                inner = [total(c, stack + (name,)) for c in _CALLED.findall(attrs)]
-                for t in inner:
+                called = _CALLED.findall(attrs)
+                for t in [total(c, stack + (name,)) for c in called]:
                     add(t, own_time=False)
                 if roofline:
-                    seconds += max((flops - before) / peak_flops,
-                                   _io_bytes(type_text, operands, shapes) / hbm_bytes_per_s)
+                    io = _kernel_io_bytes(comps, defs, called[0], type_text, operands,
+                                          shapes) if called else 0.0
+                    seconds += max((flops - before) / peak_flops, io / hbm_bytes_per_s)
                 continue
             if op == "dot":
                 flops += _dot_flops(type_text, operands, attrs, shapes)
