@@ -22,6 +22,7 @@ from hldstudy.commands import decision_map_records as store
 from hldstudy.commands.plan import main as plan_main
 from hldstudy.config import load_experiment
 from hldstudy.errors import ConfigError
+from hldstudy.flops.hlo_count import COUNT_VERSION
 from hldstudy.model.presets import preset
 from hldstudy.plan import plan_model
 from hldstudy.plan.decision_map import (
@@ -46,7 +47,7 @@ def _record(args, **figures):
     """A record as `run_compile` keeps one: this host's tools, a lowered program's hash."""
     return {"command": store.command_key(args), "config_sha256": store.config_digest(args),
             "program_sha256": "a" * 64, "toolchain": toolchain(store.backend_of(args)),
-            "source_sha256": source_sha256(), **figures}
+            "source_sha256": source_sha256(), "hlo_count_version": COUNT_VERSION, **figures}
 
 
 @pytest.mark.parametrize("pair, target", [(SMALL, "h100:8"), (LARGE, "v5p:2x2x2"),
@@ -396,7 +397,7 @@ def test_speed_counts_every_device_and_names_the_faster_layout():
     assert "- Speed (the planner's estimate)" in page.format_map(cells)
 
 
-def test_compiled_rooflines_time_the_layouts_and_decide_the_faster():
+def test_compiled_rooflines_time_the_layouts_and_decide_the_faster(monkeypatch):
     """Where a cell's programs are compiled, speed is their roofline: the colocated step's
     time; disaggregated, the student's step beside one replica's time per served step,
     with as many replicas as keep the student fed (ceil of the ratio), every device
@@ -421,3 +422,19 @@ def test_compiled_rooflines_time_the_layouts_and_decide_the_faster():
                if ln.startswith(f"| {SMALL.name} | h100:8 |"))
     assert "**roofline**: col 2.00 s" in row and "col collectives 0.0" in row
     assert "(compiled)" in row
+    # Counted by another hlo_count (the HLO is not kept): its memory still reads, its
+    # roofline and collectives do not, and --compile compiles it again.
+    older = {p: dict(r, hlo_count_version="0" * 16) for p, r in recs.items()}
+    store.attach(cells, {r["command"]: r for r in older.values()})
+    assert page.roofline(cell) is None and page._fits(cell, "colocated")
+    row = next(ln for ln in page.format_map(cells).splitlines()
+               if ln.startswith(f"| {SMALL.name} | h100:8 |"))
+    assert "roofline from an earlier HLO count" in row and "col collectives -" in row
+    asked = []
+    records = {r["command"]: r for r in older.values()}
+    monkeypatch.setattr(cmd, "run_compile", lambda args: asked.append(args) or recs[
+        next(p for p, a in cmds.items() if a == args)])
+    monkeypatch.setattr(cmd, "_save", lambda path, records: None)
+    cmd._recount(cells, records, Path("unused.json"), [])
+    assert sorted(map(store.command_key, asked)) == sorted(records)
+    assert all(page.counted(r) for r in records.values())
