@@ -39,6 +39,7 @@ from hldstudy.plan.decision_map import (
     TARGETS,
     CellSizes,
     MapPair,
+    check_vocabularies,
     decision_map,
     map_cell,
     slice_spec,
@@ -99,9 +100,7 @@ def run_cell(config: str, overrides: list[str], method: str | None,
     target = parse_target(spec)
     t = ModelShape.from_model_config(teacher, "teacher")
     s = ModelShape.from_model_config(cfg.model, "student")
-    if t.vocab_size != s.vocab_size:
-        raise ConfigError("teacher", f"the teacher's vocabulary ({t.vocab_size:,}) is not the "
-                          f"student's ({s.vocab_size:,})", "pair models that share a tokenizer")
+    check_vocabularies(t, s, "teacher")
     cell = map_cell(t, s, target.chip, target.n_devices,
                     run_sizes(cfg, method, teacher, spec),
                     tokens_per_step=cfg.data.batch_size * cfg.data.seq_len,
@@ -120,12 +119,12 @@ def _compile_missing(cells: list[dict], records: dict[str, dict], programs: dict
     comes, so an interrupted sitting keeps what it compiled. A program that does not fit
     asks for the next count (`attach`); a failed compile is not kept (listed in `failed`,
     tried again next time)."""
-    order = {p: i for i, p in enumerate(dict.fromkeys(c["pair"] for c in cells))}
+    first = _cheapest_first(cells)
     done, compiled = 0, set()
     while True:
         todo = sorted((m for m in attach(cells, records, programs)
                        if command_key(m[2]) not in failed and command_key(m[2]) not in compiled),
-                      key=lambda m: (m[0]["devices"], order[m[0]["pair"]]))
+                      key=lambda m: first(m[0]))
         if not todo:
             return
         cell, program, args = todo[0]
@@ -136,30 +135,38 @@ def _compile_missing(cells: list[dict], records: dict[str, dict], programs: dict
         print(f"    {rec.get('seconds')} s: " + (rec.get("error") or (
             f"{(rec.get('total_bytes') or 0) / GiB:.1f} GiB per device, "
             f"{'fits' if rec.get('fits') else 'does not fit'}")), file=sys.stderr, flush=True)
-        if "error" in rec:
-            failed.append(rec["command"])
-            continue
-        records[rec["command"]] = rec
-        compiled.add(rec["command"])
-        _save(records_path, records)
+        if _keep(rec, records, records_path, failed):
+            compiled.add(rec["command"])
 
 
 def _recount(cells: list[dict], records: dict[str, dict], records_path: Path,
              failed: list[str]) -> None:
     """Compiles again the current records whose HLO figures another count made (the
     roofline and collectives are counted from the compiled HLO, which is not kept)."""
-    order = {p: i for i, p in enumerate(dict.fromkeys(c["pair"] for c in cells))}
-    old = list(dict.fromkeys(r["command"] for c in sorted(cells, key=lambda c: (
-        c["devices"], order[c["pair"]])) for recs in c.get("compiled", {}).values()
-        for r in recs if not counted(r)))
+    old = list(dict.fromkeys(r["command"] for c in sorted(cells, key=_cheapest_first(cells))
+                             for recs in c.get("compiled", {}).values()
+                             for r in recs if not counted(r)))
     for i, key in enumerate(old, 1):
         print(f"[recounting {i} of {len(old)}] {key}", file=sys.stderr, flush=True)
-        rec = run_compile(command_args(key))
-        if "error" in rec:
-            failed.append(key)
-            continue
-        records[key] = rec
-        _save(records_path, records)
+        _keep(run_compile(command_args(key)), records, records_path, failed)
+
+
+def _cheapest_first(cells: list[dict]):
+    """The order a sitting compiles cells in: one node's before two nodes' (every 8-device
+    cell is the map's must), the map's smaller pairs first within each."""
+    pairs = {p: i for i, p in enumerate(dict.fromkeys(c["pair"] for c in cells))}
+    return lambda cell: (cell["devices"], pairs[cell["pair"]])
+
+
+def _keep(rec: dict, records: dict[str, dict], records_path: Path, failed: list[str]) -> bool:
+    """A compile's record kept and written at once; a failed one listed in `failed`, not
+    kept (the next sitting tries it again)."""
+    if "error" in rec:
+        failed.append(rec["command"])
+        return False
+    records[rec["command"]] = rec
+    _save(records_path, records)
+    return True
 
 
 def _save(records_path: Path, records: dict[str, dict]) -> None:

@@ -191,6 +191,16 @@ def _replica(sizes: CellSizes, sequences: int, fits, counts: tuple[int, ...]) ->
     return last
 
 
+def check_vocabularies(teacher: ModelShape, student: ModelShape, field: str,
+                       who: str = "") -> None:
+    """Distillation matches the teacher's vocabulary: a pair whose vocabularies differ is
+    refused, naming `field` (and `who`, the pair)."""
+    if teacher.vocab_size != student.vocab_size:
+        raise ConfigError(field, f"{who}the teacher's vocabulary ({teacher.vocab_size:,}) "
+                          f"is not the student's ({student.vocab_size:,})",
+                          "pair models that share a tokenizer")
+
+
 def decision_map(pairs=PAIRS, targets: tuple[tuple[str, Chip, int], ...] = (), *,
                  shape_of=None, sizes_of=None, usable: float = 0.9,
                  mfu: float = ESTIMATE_MFU) -> list[dict]:
@@ -200,10 +210,7 @@ def decision_map(pairs=PAIRS, targets: tuple[tuple[str, Chip, int], ...] = (), *
     cells = []
     for pair in pairs:
         t, s = shape_of(pair.teacher), shape_of(pair.student)
-        if t.vocab_size != s.vocab_size:  # distillation matches the teacher's vocabulary
-            raise ConfigError("pair", f"{pair.name}: the teacher's vocabulary "
-                              f"({t.vocab_size:,}) is not the student's ({s.vocab_size:,})",
-                              "pair models that share a tokenizer")
+        check_vocabularies(t, s, "pair", f"{pair.name}: ")
         for spec, chip, n in targets:
             cell = map_cell(t, s, chip, n, sizes_of(pair, spec),
                             tokens_per_step=pair.tokens_per_step, seq_len=pair.seq_len,
