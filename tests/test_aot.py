@@ -154,6 +154,43 @@ def test_a_lowered_programs_hash_follows_the_program():
     assert digest(wider) != first
 
 
+def test_the_source_hash_covers_the_code_that_lowers_and_nothing_else(tmp_path):
+    """A kept record needs lowering again only when code that can shape its program
+    changed: every module a lowering loads (a subprocess lowers a KD step and lists
+    them, the strategies named by string included) is in `lowering_sources`; the map's
+    page is not, so editing it keeps the hash, and editing a layer changes it."""
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from hldstudy.aot.fingerprint import lowering_sources, source_sha256
+
+    root = Path(__file__).resolve().parent.parent / "hldstudy"
+    probe = ("import sys, tests.test_aot as t; t.test_a_lowered_programs_hash_follows_the_program();"
+             "from hldstudy.distill import methods; from hldstudy.distill.base import "
+             "strategy_class; [strategy_class(methods.get(m)) for m in methods.names()];"
+             "print(' '.join(m.__file__ for n, m in sys.modules.items() "
+             "if n.startswith('hldstudy') and getattr(m, '__file__', None)))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         cwd=root.parent, check=True).stdout.split()
+    sources = set(lowering_sources(root))
+    loaded = {Path(f).resolve() for f in out} & set(root.rglob("*.py"))
+    assert len(loaded) > 50 and loaded <= sources
+    assert root / "commands" / "decision_map_page.py" not in sources
+
+    copy = tmp_path / "hldstudy"
+    shutil.copytree(root, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    first = source_sha256(copy)
+    assert first == source_sha256.__wrapped__(root)
+    page = copy / "commands" / "decision_map_page.py"
+    page.write_text(page.read_text() + "\n# an edit\n")
+    assert source_sha256.__wrapped__(copy) == first
+    layers = copy / "model" / "layers.py"
+    layers.write_text(layers.read_text() + "\n# an edit\n")
+    assert source_sha256.__wrapped__(copy) != first
+
+
 # --------------------------------------------------------------------------- #
 # The teacher replica's forward and the eval step, compiled as the run runs them
 # --------------------------------------------------------------------------- #

@@ -435,6 +435,12 @@ def test_compiled_rooflines_time_the_layouts_and_decide_the_faster(monkeypatch):
     monkeypatch.setattr(cmd, "run_compile", lambda args: asked.append(args) or recs[
         next(p for p, a in cmds.items() if a == args)])
     monkeypatch.setattr(cmd, "_save", lambda path, records: None)
-    cmd._recount(cells, records, Path("unused.json"), [])
+    cmd._compile_needed([cell], records, {}, Path("unused.json"), [])
     assert sorted(map(store.command_key, asked)) == sorted(records)
-    assert all(page.counted(r) for r in records.values())
+    assert all(store.counted(r) for r in records.values())
+    # Only figures the page reads are counted again: never an out-of-memory compile's,
+    # nor the replica's of a student that does not fit (no disaggregated roofline).
+    oom = dict(older["disaggregated"], total_bytes=2**50)
+    cell["compiled"] = {"colocated": [older["colocated"]], "disaggregated": [oom],
+                        "replica": [older["replica"]]}
+    assert store.read_records(cell) == [older["colocated"]]

@@ -23,14 +23,14 @@ from hldstudy.aot.check import load_run
 from hldstudy.aot.planned import planned_replica, planned_train
 from hldstudy.aot.targets import check_installed, parse_target
 from hldstudy.cli_common import check_output_file
-from hldstudy.commands.decision_map_page import counted, format_map
+from hldstudy.commands.decision_map_page import format_map
 from hldstudy.commands.decision_map_records import (
     attach,
-    command_args,
     command_key,
     load_records,
     programs_now,
     run_compile,
+    to_compile,
 )
 from hldstudy.errors import ConfigError, RuntimeFault, user_errors
 from hldstudy.fileio import write_json_atomic, write_text_atomic
@@ -110,9 +110,10 @@ def run_cell(config: str, overrides: list[str], method: str | None,
     return cell
 
 
-def _compile_missing(cells: list[dict], records: dict[str, dict], programs: dict,
+def _compile_needed(cells: list[dict], records: dict[str, dict], programs: dict,
                      records_path: Path, failed: list[str]) -> None:
-    """Compiles the cells' programs without a current record (`attach`), one process each:
+    """Compiles what the cells need (`to_compile`: the programs without a current record,
+    the records another HLO count counted), one process each:
     one node's cells first (the map's must: every 8-device cell compiled before the
     16-device ones), the smaller pairs first within each (a 122B program compiles for a
     quarter of an hour on 2 cores, a 123M one in a minute); each record written as it
@@ -122,7 +123,7 @@ def _compile_missing(cells: list[dict], records: dict[str, dict], programs: dict
     first = _cheapest_first(cells)
     done, compiled = 0, set()
     while True:
-        todo = sorted((m for m in attach(cells, records, programs)
+        todo = sorted((m for m in to_compile(cells, records, programs)
                        if command_key(m[2]) not in failed and command_key(m[2]) not in compiled),
                       key=lambda m: first(m[0]))
         if not todo:
@@ -137,18 +138,6 @@ def _compile_missing(cells: list[dict], records: dict[str, dict], programs: dict
             f"{'fits' if rec.get('fits') else 'does not fit'}")), file=sys.stderr, flush=True)
         if _keep(rec, records, records_path, failed):
             compiled.add(rec["command"])
-
-
-def _recount(cells: list[dict], records: dict[str, dict], records_path: Path,
-             failed: list[str]) -> None:
-    """Compiles again the current records whose HLO figures another count made (the
-    roofline and collectives are counted from the compiled HLO, which is not kept)."""
-    old = list(dict.fromkeys(r["command"] for c in sorted(cells, key=_cheapest_first(cells))
-                             for recs in c.get("compiled", {}).values()
-                             for r in recs if not counted(r)))
-    for i, key in enumerate(old, 1):
-        print(f"[recounting {i} of {len(old)}] {key}", file=sys.stderr, flush=True)
-        _keep(run_compile(command_args(key)), records, records_path, failed)
 
 
 def _cheapest_first(cells: list[dict]):
@@ -204,13 +193,13 @@ def main(argv: list[str]) -> int:
         if a.compile:  # the compiler's extra, checked before minutes of work
             for spec in sorted({c["target"] for c in cells}):
                 check_installed(parse_target(spec))
-            # The programs without a record first (no lowering needed to know), then the
-            # kept records checked against the program as this checkout lowers it (lowered
-            # again only where the code changed since: `programs_now`), the stale compiled.
-            _compile_missing(cells, records, programs, records_path, failed)
+            # What needs no lowering to know first (programs without a record, records
+            # another HLO count counted), then the kept records checked against the program
+            # as this checkout lowers it (lowered again only where the code that lowers
+            # changed since: `programs_now`), the stale compiled.
+            _compile_needed(cells, records, programs, records_path, failed)
             programs = programs_now(cells, records, lambda: _save(records_path, records))
-            _compile_missing(cells, records, programs, records_path, failed)
-            _recount(cells, records, records_path, failed)
+            _compile_needed(cells, records, programs, records_path, failed)
         missing = attach(cells, records, programs)
         if missing:
             print(f"{PROG}: {len(missing)} marked program(s) not compiled yet (--compile "

@@ -9,8 +9,7 @@ import math
 import re
 
 from hldstudy.aot.targets import parse_target
-from hldstudy.commands.decision_map_records import record_fits
-from hldstudy.flops.hlo_count import COUNT_VERSION
+from hldstudy.commands.decision_map_records import counted, fitting, read_records, record_fits
 from hldstudy.plan.decision_map import PAIRS
 from hldstudy.plan.step_memory import compiled_peak
 
@@ -125,22 +124,10 @@ def _coverage(cell: dict) -> str:
 def _collectives_gbps(cell: dict, program: str, step_time: float) -> float | None:
     """Gbps per device of a compiled train step's collectives that cross hosts (its HLO's
     `cross_host_bytes` per step over the step's time); None where not compiled."""
-    rec = _fitting(cell, program)
+    rec = fitting(cell, program)
     if rec is None or "cross_host_bytes" not in rec or not counted(rec):
         return None
     return 8 * rec["cross_host_bytes"] / step_time / 1e9
-
-
-def _fitting(cell: dict, program: str) -> dict | None:
-    """The compiled record the cell's verdict reads for a program: the first that fits."""
-    return next((r for r in cell.get("compiled", {}).get(program, [])
-                 if record_fits(r, cell)), None)
-
-
-def counted(rec: dict) -> bool:
-    """Whether a record's HLO figures (roofline, collectives) are this checkout's count's
-    (`hlo_count.COUNT_VERSION`): the HLO is not kept, so another count's are not read."""
-    return rec.get("hlo_count_version") == COUNT_VERSION
 
 
 def roofline(cell: dict) -> dict | None:
@@ -152,12 +139,12 @@ def roofline(cell: dict) -> dict | None:
     trip" loops (counted once: a lower bound) are counted."""
     tokens, n = cell["tokens_per_step"], cell["devices"]
     out, loops = {}, 0
-    col = _fitting(cell, "colocated")
+    col = fitting(cell, "colocated")
     if col and counted(col) and col.get("roofline_s"):
         out["colocated"] = {"step_s": col["roofline_s"],
                             "tokens_per_s_per_device": tokens / col["roofline_s"] / n}
         loops += col.get("hlo_unknown_trip_loops", 0)
-    student, replica = _fitting(cell, "disaggregated"), _fitting(cell, "replica")
+    student, replica = fitting(cell, "disaggregated"), fitting(cell, "replica")
     if student and replica and counted(student) and counted(replica) and \
             student.get("roofline_s") and replica.get("roofline_s"):
         t_s, t_r = student["roofline_s"], replica["roofline_s"]
@@ -181,7 +168,7 @@ def _speed(cell: dict) -> str:
     text = (f"estimate: col {col['step_time_s']:.2f} s, {col['tokens_per_s_per_device']:,.0f}; "
             f"dis {dis['step_time_s']:.2f} s, {dis['tokens_per_s_per_device']:,.0f}")
     roof = roofline(cell)
-    earlier = any(not counted(r) for recs in cell.get("compiled", {}).values() for r in recs)
+    earlier = any(not counted(r) for r in read_records(cell))
     if earlier:  # compiled, but counted by another hlo_count than this checkout's
         text += "; roofline from an earlier HLO count (`--compile` counts it again)"
     if roof is None:

@@ -17,6 +17,7 @@ from hldstudy.aot.process import run_aot
 from hldstudy.aot.targets import parse_target
 from hldstudy.config import config_to_dict, load_experiment
 from hldstudy.errors import InputError
+from hldstudy.flops.hlo_count import COUNT_VERSION
 from hldstudy.plan.decision_map import divisors, slice_spec
 from hldstudy.plan.step_memory import fits_device
 
@@ -114,11 +115,15 @@ def programs_now(cells: list[dict], records: dict[str, dict],
     checkout builds it now: the record's own where this source compiled it
     (`source_sha256`: the same code lowers the same program), else lowered again
     (`lowered_program`, with progress: minutes for a 35B GPU program); a record found
-    the same program is stamped with this source and `save`d, so it is not lowered again."""
+    the same program is stamped with this source and `save`d, so it is not lowered again.
+    Records `to_compile` compiles again (another count's figures) are not lowered."""
     kept = [r for c in cells for recs in c.get("compiled", {}).values() for r in recs]
+    recount = {r["command"] for c in cells for r in read_records(c) if not counted(r)}
     now = source_sha256()
     programs, lower = {}, []
     for rec in kept:
+        if rec["command"] in recount:  # compiled again anyway: its compile is its check
+            continue
         if rec.get("source_sha256") == now and rec.get("program_sha256"):
             programs[rec["command"]] = rec["program_sha256"]
         elif rec["command"] not in lower:
@@ -219,6 +224,41 @@ def attach(cells: list[dict], records: dict[str, dict],
     return missing
 
 
+def counted(rec: dict) -> bool:
+    """Whether a record's HLO figures (roofline, collectives) are this checkout's count's
+    (`hlo_count.COUNT_VERSION`): the HLO is not kept, so another count's are not read."""
+    return rec.get("hlo_count_version") == COUNT_VERSION
+
+
+def fitting(cell: dict, program: str) -> dict | None:
+    """The compiled record the cell's verdict reads for a program: the first that fits."""
+    return next((r for r in cell.get("compiled", {}).get(program, [])
+                 if record_fits(r, cell)), None)
+
+
+def read_records(cell: dict) -> list[dict]:
+    """The records whose HLO figures the page reads (after `attach`): the fitting
+    colocated and student steps, and the fitting replica where the student fits (the
+    disaggregated roofline needs both). An out-of-memory compile's figures are not read."""
+    col, student = fitting(cell, "colocated"), fitting(cell, "disaggregated")
+    replica = fitting(cell, "replica") if student else None
+    return [r for r in (col, student, replica) if r is not None]
+
+
+def to_compile(cells: list[dict], records: dict[str, dict],
+               programs: dict[str, str | None] | None = None
+               ) -> list[tuple[dict, str, list[str]]]:
+    """The (cell, program, args) a sitting compiles: those without a current record
+    (`attach`), then the records the page reads whose HLO figures another count made
+    (the HLO is not kept, so counting again is compiling again)."""
+    todo = attach(cells, records, programs)
+    for cell in cells:
+        for program, recs in cell["compiled"].items():
+            todo += [(cell, program, command_args(r["command"])) for r in recs
+                     if r in read_records(cell) and not counted(r)]
+    return todo
+
+
 __all__ = ["attach", "command_args", "command_key", "compile_commands", "config_digest",
-           "load_records", "lowered_program", "next_args", "programs_now", "record_fits",
-           "run_compile"]
+           "counted", "fitting", "load_records", "lowered_program", "next_args", "programs_now",
+           "read_records", "record_fits", "run_compile", "to_compile"]
