@@ -397,6 +397,40 @@ def test_speed_counts_every_device_and_names_the_faster_layout():
     assert "- Speed (the planner's estimate)" in page.format_map(cells)
 
 
+def test_a_steps_cross_host_bytes_take_the_nics_time_hidden_or_added():
+    """On two hosts a step's collectives cross the NIC: at the link's rate they are hidden
+    under the kernels (overlapped: the longer of the two) or added to them (serialized),
+    the disaggregated student's NIC carrying the stream's share too; where the faster
+    layout changes between the two ends, the verdict says the overlap decides."""
+    cells = _cells()
+    cell = next(c for c in cells if c["pair"] == SMALL.name and c["target"] == "h100:2x8")
+    cmds = store.compile_commands(cell)
+    link = cell["disaggregated"]["link_gbps"] * 1e9 / 8  # bytes/s per device
+    figures = {"colocated": (2.0, 1.5 * link), "disaggregated": (2.2, 0.0),
+               "replica": (1.0, 0.0)}
+    store.attach(cells, {store.command_key(a): _record(
+        a, fits=True, total_bytes=2**30, roofline_s=figures[p][0],
+        cross_host_bytes=figures[p][1]) for p, a in cmds.items()})
+    roof = page.roofline(cell)
+    col, dis = roof["colocated"], roof["disaggregated"]
+    assert col["nic_s"] == pytest.approx(1.5)
+    assert (col["overlapped"]["step_s"], col["serialized"]["step_s"]) == (2.0, 3.5)
+    stream_s = cell["disaggregated"]["hidden_bytes_per_step"] / cell["devices"] / link
+    assert dis["nic_s"] == pytest.approx(stream_s)
+    assert dis["serialized"]["student_s"] == pytest.approx(2.2 + stream_s)
+    tokens, n = cell["tokens_per_step"], cell["devices"]
+    devices = n + cell["disaggregated"]["replica_devices"]  # one replica keeps up
+    assert dis["overlapped"]["tokens_per_s_per_device"] == pytest.approx(
+        tokens / 2.2 / devices)
+    # colocated faster while its traffic hides, disaggregated when it does not
+    assert tokens / 2.0 / n > tokens / 2.2 / devices > tokens / 3.5 / n
+    assert "the overlap decides**: colocated by" in page._faster(cell)
+    assert "disaggregated by" in page._faster(cell) and page._best(cell) == "either"
+    row = next(ln for ln in page.format_map(cells).splitlines()
+               if ln.startswith(f"| {SMALL.name} | h100:2x8 |"))
+    assert "[NIC 1.50 s a step; serialized 3.50 s" in row
+
+
 def test_compiled_rooflines_time_the_layouts_and_decide_the_faster(monkeypatch):
     """Where a cell's programs are compiled, speed is their roofline: the colocated step's
     time; disaggregated, the student's step beside one replica's time per served step,
@@ -410,8 +444,8 @@ def test_compiled_rooflines_time_the_layouts_and_decide_the_faster(monkeypatch):
     store.attach(cells, {r["command"]: r for r in recs.values()})
     roof = page.roofline(cell)
     tokens, r_dev = cell["tokens_per_step"], cell["disaggregated"]["replica_devices"]
-    assert roof["colocated"]["tokens_per_s_per_device"] == tokens / 2.0 / 8
-    dis = roof["disaggregated"]
+    assert roof["colocated"]["overlapped"]["tokens_per_s_per_device"] == tokens / 2.0 / 8
+    dis = roof["disaggregated"]["overlapped"]  # the stream's NIC time hides under 1 s
     assert (dis["replicas"], dis["step_s"]) == (3, 1.0)  # 2.5 s a step: three keep up
     assert dis["tokens_per_s_per_device"] == tokens / 1.0 / (8 + 3 * r_dev)
     rate = {"colocated": tokens / 16, "disaggregated": dis["tokens_per_s_per_device"]}

@@ -93,14 +93,20 @@ HOW_TO_READ = [
     "and the replicas' rounding tell) and, where the programs are compiled, their "
     "**roofline** (`hldstudy.flops.hlo_count`: each executed kernel at the larger of its "
     "FLOPs at the chip's bf16 peak and its bytes at its HBM bandwidth, loops times their "
-    "trips: an ideal bound, collectives and launch gaps not timed). A loop whose trips "
+    "trips: an ideal bound; launch gaps and on-host collectives, over NVLink or ICI, not "
+    "timed). The step's bytes that cross hosts (its collectives' and, disaggregated, the "
+    "stream's) take the NIC's time at the link's rate: hidden under the kernels "
+    "(overlapped, the figure shown) or added to them (serialized, in brackets where it "
+    "differs); how far a runtime overlaps them lies between. A loop whose trips "
     "neither the compiler records nor its condition states counts once and is said so "
     "(on XLA GPU, chunked attention's causal key-block loops, whose trips the enclosing "
     "query block sets: the roofline leaves out part of attention's time). The replica's "
     "roofline sets how many replicas keep the student fed.",
     "**Verdict**: the faster layout among those that fit, with its margin, by the "
-    "roofline where both layouts are compiled, else by the estimate (unproven); the "
-    "compiler's fits where it compiled the cell, else the planner's.",
+    "roofline where both layouts are compiled (at both ends of the NIC's overlap where "
+    "they differ; **the overlap decides** where the faster layout changes between them), "
+    "else by the estimate (unproven); the compiler's fits where it compiled the cell, "
+    "else the planner's.",
     "**Records.** A record that is not the compile of the program as this checkout "
     "lowers it with this host's jax / libtpu / CUDA plugin (`hldstudy.aot.fingerprint`) "
     "reads *stale compile*, with why: its figure is shown, its verdict is the planner's "
@@ -135,30 +141,58 @@ def _collectives_gbps(cell: dict, program: str, step_time: float) -> float | Non
     return 8 * rec["cross_host_bytes"] / step_time / 1e9
 
 
+# The two ends of a step's time on the NIC: its cross-host traffic hidden under its kernels
+# (the step is the longer of the two) or not at all (their sum). The compiled HLO says how
+# many bytes cross, not how well the runtime overlaps them.
+BOUNDS = ("overlapped", "serialized")
+
+
+def _nic_s(cell: dict, rec: dict, extra_bytes: float = 0.0) -> float:
+    """Seconds a step's inbound cross-host bytes take on one device's NIC at the link's
+    rate: its collectives' (`cross_host_bytes`, what a device sends, which a ring receives
+    as much of) plus `extra_bytes` (the stream's share)."""
+    nbytes = rec.get("cross_host_bytes", 0.0) + extra_bytes
+    return 8 * nbytes / (cell["disaggregated"]["link_gbps"] * 1e9)
+
+
+def _with_nic(kernels_s: float, nic_s: float, bound: str) -> float:
+    return max(kernels_s, nic_s) if bound == "overlapped" else kernels_s + nic_s
+
+
 def roofline(cell: dict) -> dict | None:
     """Speed from the compiled programs where they have a roofline (`roofline_s`: each
-    kernel at its FLOP or HBM bound, `hldstudy.flops.hlo_count`): the colocated step's
-    time and tokens/s per device; disaggregated, the student's step, one replica's time
-    per served step, the replicas that keep the student fed, and tokens/s per device with
-    every device counted. None where neither layout's programs are compiled; "unknown
-    trip" loops (counted once: a lower bound) are counted."""
+    kernel at its FLOP or HBM bound, `hldstudy.flops.hlo_count`) and their cross-host
+    bytes on the NIC (`_nic_s`), at both ends of `BOUNDS`: the colocated step's time and
+    tokens/s per device; disaggregated, the student's step (its NIC carrying the stream
+    too), one replica's time per served step, the replicas that keep the student fed, and
+    tokens/s per device with every device counted. None where neither layout's programs
+    are compiled; "unknown trip" loops (counted once: a lower bound) are counted."""
     tokens, n = cell["tokens_per_step"], cell["devices"]
     out, loops = {}, 0
     col = fitting(cell, "colocated")
     if col and counted(col) and col.get("roofline_s"):
-        out["colocated"] = {"step_s": col["roofline_s"],
-                            "tokens_per_s_per_device": tokens / col["roofline_s"] / n}
+        nic = _nic_s(cell, col)
+        out["colocated"] = {"kernels_s": col["roofline_s"], "nic_s": nic}
+        for bound in BOUNDS:
+            step = _with_nic(col["roofline_s"], nic, bound)
+            out["colocated"][bound] = {"step_s": step, "tokens_per_s_per_device":
+                                       tokens / step / n}
         loops += col.get("hlo_unknown_trip_loops", 0)
     student, replica = fitting(cell, "disaggregated"), fitting(cell, "replica")
     if student and replica and counted(student) and counted(replica) and \
             student.get("roofline_s") and replica.get("roofline_s"):
         t_s, t_r = student["roofline_s"], replica["roofline_s"]
         r_dev = cell["disaggregated"]["replica_devices"]
-        replicas = max(1, math.ceil(t_r / t_s - 1e-9))
-        step = max(t_s, t_r / replicas)
-        out["disaggregated"] = {"step_s": step, "student_s": t_s, "replica_s": t_r,
-                                "replicas": replicas, "devices_total": n + replicas * r_dev,
-                                "tokens_per_s_per_device": tokens / step / (n + replicas * r_dev)}
+        nic = _nic_s(cell, student, cell["disaggregated"]["hidden_bytes_per_step"] / n)
+        out["disaggregated"] = {"kernels_s": t_s, "nic_s": nic, "replica_s": t_r}
+        for bound in BOUNDS:
+            t_student = _with_nic(t_s, nic, bound)
+            replicas = max(1, math.ceil(t_r / t_student - 1e-9))
+            step = max(t_student, t_r / replicas)
+            out["disaggregated"][bound] = {
+                "step_s": step, "student_s": t_student, "replicas": replicas,
+                "devices_total": n + replicas * r_dev,
+                "tokens_per_s_per_device": tokens / step / (n + replicas * r_dev)}
         loops += student.get("hlo_unknown_trip_loops", 0) + \
             replica.get("hlo_unknown_trip_loops", 0)
     if not out:
@@ -168,7 +202,8 @@ def roofline(cell: dict) -> dict | None:
 
 
 def _speed(cell: dict) -> str:
-    """The planner's estimate, and the compiled programs' roofline where there is one."""
+    """The planner's estimate, and the compiled programs' roofline where there is one
+    (the serialized end beside it where the NIC makes it differ)."""
     col, dis = cell["colocated"], cell["disaggregated"]
     text = (f"estimate: col {col['step_time_s']:.2f} s, {col['tokens_per_s_per_device']:,.0f}; "
             f"dis {dis['step_time_s']:.2f} s, {dis['tokens_per_s_per_device']:,.0f}")
@@ -178,15 +213,25 @@ def _speed(cell: dict) -> str:
         text += "; roofline from an earlier HLO count (`--compile` counts it again)"
     if roof is None:
         return text
+
+    def serialized(r: dict) -> str:
+        s = r["serialized"]
+        return ("" if s["step_s"] == r["overlapped"]["step_s"] else
+                f" [NIC {r['nic_s']:.2f} s a step; serialized {s['step_s']:.2f} s, "
+                f"{s['tokens_per_s_per_device']:,.0f}]")
+
     parts = []
     if "colocated" in roof:
         r = roof["colocated"]
-        parts.append(f"col {r['step_s']:.2f} s, {r['tokens_per_s_per_device']:,.0f}")
+        o = r["overlapped"]
+        parts.append(f"col {o['step_s']:.2f} s, {o['tokens_per_s_per_device']:,.0f}"
+                     + serialized(r))
     if "disaggregated" in roof:
         r = roof["disaggregated"]
-        parts.append(f"dis {r['step_s']:.2f} s (replica {r['replica_s']:.2f} s a step: "
-                     f"{r['replicas']} x {cell['disaggregated']['replica_devices']} keep up), "
-                     f"{r['tokens_per_s_per_device']:,.0f}")
+        o = r["overlapped"]
+        parts.append(f"dis {o['step_s']:.2f} s (replica {r['replica_s']:.2f} s a step: "
+                     f"{o['replicas']} x {cell['disaggregated']['replica_devices']} keep up), "
+                     f"{o['tokens_per_s_per_device']:,.0f}" + serialized(r))
     loops = (f"; {roof['unknown_trip_loops']} loops of unknown trips counted once"
              if roof["unknown_trip_loops"] else "")
     return text + "; **roofline**: " + "; ".join(parts) + loops
@@ -245,34 +290,51 @@ def format_rows(cells: list[dict]) -> list[str]:
     return lines
 
 
-def _rates(cell: dict) -> tuple[dict[str, float], str]:
+def _rates(cell: dict, bound: str = "overlapped") -> tuple[dict[str, float], str]:
     """Tokens/s per device of the layouts that fit, and whose: the compiled programs'
-    roofline where it has both layouts (or the only one that fits), else the planner's
-    estimate."""
+    roofline at `bound` (one of `BOUNDS`) where it has both layouts (or the only one that
+    fits), else the planner's estimate."""
     fit = [lay for lay in ("colocated", "disaggregated") if _fits(cell, lay)]
     roof = roofline(cell) or {}
     if fit and all(lay in roof for lay in fit):
-        return {lay: roof[lay]["tokens_per_s_per_device"] for lay in fit}, "roofline"
+        return {lay: roof[lay][bound]["tokens_per_s_per_device"] for lay in fit}, "roofline"
     return {lay: cell[lay]["tokens_per_s_per_device"] for lay in fit}, "estimate, unproven"
 
 
+def _margins(cell: dict) -> dict[str, tuple[str, float]]:
+    """At each end of `BOUNDS`: the faster layout among those that fit and its margin."""
+    out = {}
+    for bound in BOUNDS:
+        rate, _ = _rates(cell, bound)
+        if rate:
+            best, other = max(rate, key=rate.get), min(rate, key=rate.get)
+            out[bound] = (best, 100 * (rate[best] / rate[other] - 1))
+    return out
+
+
 def _best(cell: dict) -> str | None:
-    """The layout with more tokens/s per device among those that fit (None: neither)."""
-    rate, _ = _rates(cell)
-    return max(rate, key=rate.get) if rate else None
+    """The faster layout among those that fit; "either" where it turns on how far the NIC's
+    traffic overlaps the kernels; None where neither fits."""
+    bests = {best for best, _ in _margins(cell).values()}
+    return None if not bests else bests.pop() if len(bests) == 1 else "either"
 
 
 def _faster(cell: dict) -> str:
-    """'; faster: <layout> by N% (whose figures)' among the layouts that fit, '' when none
-    fits."""
+    """'; faster: <layout> by N% (whose figures)' among the layouts that fit, both ends of
+    `BOUNDS` where the NIC makes them differ; '' when none fits."""
     rate, whose = _rates(cell)
     if not rate:
         return ""
-    best = max(rate, key=rate.get)
     if len(rate) == 1:
-        return f"; faster: {best}, the only one that fits"
-    other = min(rate, key=rate.get)
-    return f"; faster: {best} by {100 * (rate[best] / rate[other] - 1):.0f}% ({whose})"
+        return f"; faster: {next(iter(rate))}, the only one that fits"
+    (best_o, m_o), (best_s, m_s) = (_margins(cell)[b] for b in BOUNDS)
+    if (best_o, round(m_o)) == (best_s, round(m_s)):
+        return f"; faster: {best_o} by {m_o:.0f}% ({whose})"
+    if best_o == best_s:
+        return (f"; faster: {best_o} by {m_o:.0f}% with its cross-host traffic overlapped, "
+                f"{m_s:.0f}% serialized ({whose})")
+    return (f"; faster: **the overlap decides**: {best_o} by {m_o:.0f}% with the cross-host "
+            f"traffic overlapped, {best_s} by {m_s:.0f}% serialized ({whose})")
 
 
 def _fits(cell: dict, layout: str) -> bool:
@@ -317,14 +379,16 @@ def _reading(cells: list[dict]) -> str:
                     and not _fits(c, "disaggregated")]
         faster = {lay: [c["target"] + ("" if _rates(c)[1] == "roofline" else " (estimate)")
                         for c in mine if _best(c) == lay]
-                  for lay in ("colocated", "disaggregated")}
+                  for lay in ("colocated", "disaggregated", "either")}
         out.append(f"- *{pair.branch}* ({pair.name}): colocated fits on "
                    f"{named([c for c in mine if _fits(c, 'colocated')], ('colocated',))}; "
                    "out of memory "
                    f"colocated and fitting disaggregated on {named(decisive)}; out of memory "
                    f"both ways on {named(both_oom)}. Faster: colocated on "
                    f"{', '.join(faster['colocated']) or 'no target'}; disaggregated on "
-                   f"{', '.join(faster['disaggregated']) or 'no target'}.")
+                   f"{', '.join(faster['disaggregated']) or 'no target'}"
+                   + (f"; either, as far as the step hides its cross-host traffic, on "
+                      f"{', '.join(faster['either'])}" if faster["either"] else "") + ".")
     both = [c for c in cells if _fits(c, "colocated") and _fits(c, "disaggregated")]
     if both:
         cost = [1 - c["disaggregated"]["tokens_per_s_per_device"]
@@ -337,16 +401,22 @@ def _reading(cells: list[dict]) -> str:
                 "estimate cannot see (the teacher's forward at a higher efficiency on its "
                 "own devices, the student's step without the teacher's memory pressure); "
                 "that is for compiled programs' rooflines and a lent device to show."]
-    roofs = [(c["target"], c["pair"].split(" -> ")[1], rates) for c in cells
+    roofs = [(c["target"], c["pair"].split(" -> ")[1], c) for c in cells
              for rates, whose in [_rates(c)] if whose == "roofline" and len(rates) == 2]
     if roofs:
-        gains = [f"{pair} on {target} {100 * (r['disaggregated'] / r['colocated'] - 1):+.0f}%"
-                 for target, pair, r in roofs]
+        def gain(cell: dict) -> str:
+            ends = [(r := _rates(cell, b)[0])["disaggregated"] / r["colocated"] - 1
+                    for b in BOUNDS]
+            return (f"{100 * ends[0]:+.0f}%" if round(100 * ends[0]) == round(100 * ends[1])
+                    else f"{100 * ends[0]:+.0f}% overlapped, {100 * ends[1]:+.0f}% serialized")
+        gains = [f"{pair} on {target} {gain(c)}" for target, pair, c in roofs]
         out += ["", "- Speed (the compiled programs' roofline, where both layouts fit and "
                 f"compiled: {len(roofs)} cells): disaggregated tokens/s per device against "
                 f"colocated, every device counted: {'; '.join(gains)}. An ideal bound for "
-                "both layouts (no efficiency ceiling, collectives not timed): a lent device "
-                "is what would say how far each falls short of it."]
+                "both layouts (no efficiency ceiling); on two hosts each step's cross-host "
+                "bytes (its collectives, the stream) take the NIC's time too, hidden under "
+                "the kernels (overlapped) or not at all (serialized): the runtime's overlap "
+                "lies between, and a lent device is what would say where."]
     ratios = {p: [] for p in _PLANNED}
     for c in cells:
         for program, recs in c.get("compiled", {}).items():
