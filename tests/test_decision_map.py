@@ -431,6 +431,23 @@ def test_a_steps_cross_host_bytes_take_the_nics_time_hidden_or_added():
     assert "[NIC 1.50 s a step; serialized 3.50 s" in row
 
 
+def test_the_page_counts_the_compiled_programs_outside_the_planners_band():
+    """The planner's band is checked on every program the map compiled, each once: one
+    compiled at the planner's figure is inside it, one at ten times it is listed outside
+    with its ratio and the band's."""
+    cells = _cells()
+    cell = next(c for c in cells if c["pair"] == SMALL.name and c["target"] == "h100:8")
+    cmds = store.compile_commands(cell)
+    col, dis = cell["colocated"], cell["disaggregated"]
+    figures = {"colocated": col["peak_bytes"], "disaggregated": 10 * dis["peak_bytes"],
+               "replica": dis["replica_peak_bytes"]}
+    store.attach(cells, {store.command_key(a): _record(a, fits=True, total_bytes=figures[p])
+                         for p, a in cmds.items()})
+    text = page.format_map(cells)
+    assert "held the compiler's figure for 2 of these 3 programs; outside it: " \
+           f"qwen3.5-9b disaggregated on h100:8 0.10 (band" in text
+
+
 def test_compiled_rooflines_time_the_layouts_and_decide_the_faster(monkeypatch):
     """Where a cell's programs are compiled, speed is their roofline: the colocated step's
     time; disaggregated, the student's step beside one replica's time per served step,
