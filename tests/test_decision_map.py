@@ -445,7 +445,7 @@ def test_the_page_counts_the_compiled_programs_outside_the_planners_band():
                          for p, a in cmds.items()})
     text = page.format_map(cells)
     assert "held the compiler's figure for 2 of these 3 programs; outside it: " \
-           f"qwen3.5-9b disaggregated on h100:8 0.10 (band" in text
+           "qwen3.5-9b disaggregated on h100:8 0.10 (band" in text
 
 
 def test_compiled_rooflines_time_the_layouts_and_decide_the_faster(monkeypatch):
