@@ -428,7 +428,13 @@ def test_a_steps_cross_host_bytes_take_the_nics_time_hidden_or_added():
     assert "disaggregated by" in page._faster(cell) and page._best(cell) == "either"
     row = next(ln for ln in page.format_map(cells).splitlines()
                if ln.startswith(f"| {SMALL.name} | h100:2x8 |"))
-    assert "[NIC 1.50 s a step; serialized 3.50 s" in row
+    assert "[NIC 1.50 s a step; serialized 3.50 s" in row and "NIC-bound" not in row
+    # more bytes across hosts than the kernels take: the verdict says the NIC binds it
+    store.attach(cells, {store.command_key(a): _record(
+        a, fits=True, total_bytes=2**30, roofline_s=figures[p][0],
+        cross_host_bytes=2 * figures[p][1]) for p, a in cmds.items()})
+    assert "colocated **NIC-bound** (3.00 s of cross-host bytes a step against 2.00 s" \
+        in page.format_rows([cell])[2]
 
 
 def test_the_page_counts_the_compiled_programs_outside_the_planners_band():

@@ -106,7 +106,8 @@ HOW_TO_READ = [
     "roofline where both layouts are compiled (at both ends of the NIC's overlap where "
     "they differ; **the overlap decides** where the faster layout changes between them), "
     "else by the estimate (unproven); the compiler's fits where it compiled the cell, "
-    "else the planner's.",
+    "else the planner's. A layout whose cross-host bytes take the NIC longer than its "
+    "kernels take the device is marked **NIC-bound**.",
     "**Records.** A record that is not the compile of the program as this checkout "
     "lowers it with this host's jax / libtpu / CUDA plugin (`hldstudy.aot.fingerprint`) "
     "reads *stale compile*, with why: its figure is shown, its verdict is the planner's "
@@ -281,7 +282,7 @@ def format_rows(cells: list[dict]) -> list[str]:
         dis_verdict = "fits" if _fits(c, "disaggregated") else (
             dis["verdict"] if dis["verdict"] != "fits" else "OOM")
         verdict = (f"colocated {'fits' if _fits(c, 'colocated') else 'OOM'}, "
-                   f"disaggregated {dis_verdict}{_faster(c)}{_coverage(c)}")
+                   f"disaggregated {dis_verdict}{_faster(c)}{_nic_bound(c)}{_coverage(c)}")
         lines.append(
             f"| {c['pair']} | {c['target']} | {col_cell} | {dis_cell} | "
             f"{dis['replicas']} x {dis['replica_devices']} ({dis['devices_total']} devices) | "
@@ -335,6 +336,17 @@ def _faster(cell: dict) -> str:
                 f"{m_s:.0f}% serialized ({whose})")
     return (f"; faster: **the overlap decides**: {best_o} by {m_o:.0f}% with the cross-host "
             f"traffic overlapped, {best_s} by {m_s:.0f}% serialized ({whose})")
+
+
+def _nic_bound(cell: dict) -> str:
+    """'; <layout> NIC-bound (...)' for each layout that fits whose cross-host bytes take
+    the NIC longer than its kernels take the device (by the roofline)."""
+    roof = roofline(cell) or {}
+    return "".join(f"; {lay} **NIC-bound** ({roof[lay]['nic_s']:.2f} s of cross-host bytes "
+                   f"a step against {roof[lay]['kernels_s']:.2f} s of kernels)"
+                   for lay in ("colocated", "disaggregated")
+                   if lay in roof and _fits(cell, lay)
+                   and roof[lay]["nic_s"] > roof[lay]["kernels_s"])
 
 
 def _fits(cell: dict, layout: str) -> bool:
