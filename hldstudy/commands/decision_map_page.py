@@ -9,7 +9,7 @@ import math
 import re
 
 from hldstudy.aot.targets import parse_target
-from hldstudy.commands.decision_map_records import counted, fitting, read_records, record_fits
+from hldstudy.commands.decision_map_records import counted, fitting, record_fits, uncounted
 from hldstudy.plan.decision_map import PAIRS
 from hldstudy.plan.step_memory import compiled_peak
 
@@ -209,7 +209,7 @@ def _speed(cell: dict) -> str:
     text = (f"estimate: col {col['step_time_s']:.2f} s, {col['tokens_per_s_per_device']:,.0f}; "
             f"dis {dis['step_time_s']:.2f} s, {dis['tokens_per_s_per_device']:,.0f}")
     roof = roofline(cell)
-    earlier = any(not counted(r) for r in read_records(cell))
+    earlier = bool(uncounted(cell))
     if earlier:  # compiled, but counted by another hlo_count than this checkout's
         text += "; roofline from an earlier HLO count (`--compile` counts it again)"
     if roof is None:
@@ -457,4 +457,4 @@ def _reading(cells: list[dict]) -> str:
     return "\n".join(out)
 
 
-__all__ = ["counted", "format_map", "format_rows", "roofline"]
+__all__ = ["format_map", "format_rows", "roofline"]

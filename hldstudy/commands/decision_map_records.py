@@ -118,7 +118,7 @@ def programs_now(cells: list[dict], records: dict[str, dict],
     the same program is stamped with this source and `save`d, so it is not lowered again.
     Records `to_compile` compiles again (another count's figures) are not lowered."""
     kept = [r for c in cells for recs in c.get("compiled", {}).values() for r in recs]
-    recount = {r["command"] for c in cells for r in read_records(c) if not counted(r)}
+    recount = {r["command"] for c in cells for r in uncounted(c)}
     now = source_sha256()
     programs, lower = {}, []
     for rec in kept:
@@ -253,12 +253,19 @@ def to_compile(cells: list[dict], records: dict[str, dict],
     (the HLO is not kept, so counting again is compiling again)."""
     todo = attach(cells, records, programs)
     for cell in cells:
+        recount = uncounted(cell)
         for program, recs in cell["compiled"].items():
             todo += [(cell, program, command_args(r["command"])) for r in recs
-                     if r in read_records(cell) and not counted(r)]
+                     if r in recount]
     return todo
+
+
+def uncounted(cell: dict) -> list[dict]:
+    """The records the page reads (`read_records`) whose HLO figures another count made:
+    what `to_compile` compiles again (after `attach`)."""
+    return [r for r in read_records(cell) if not counted(r)]
 
 
 __all__ = ["attach", "command_args", "command_key", "compile_commands", "config_digest",
            "counted", "fitting", "load_records", "lowered_program", "next_args", "programs_now",
-           "read_records", "record_fits", "run_compile", "to_compile"]
+           "read_records", "record_fits", "run_compile", "to_compile", "uncounted"]
